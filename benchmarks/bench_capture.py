@@ -1,0 +1,352 @@
+"""Capture throughput: pyhook vs TransformerLens, nnsight and plain hooks; disk vs dd; GPU offload.
+
+Run:  python benchmarks/bench_capture.py [--quick] [--out-dir DIR]
+
+Prints ratio tables (one run, everything measured in the same process):
+
+(a) capture of every block's output of a GPT-2-shaped model (random weights) over a batch loop,
+    as overhead over each tool's own raw forward: pyhook ``capture(to="host")``, plain
+    nethook-style ``register_forward_hook`` + ``clone()``, nnsight ``trace`` + ``save``,
+    TransformerLens ``run_with_cache`` on a ``HookedTransformer`` of the same shape. Peers that are
+    not installed are skipped (``pip install -c constraints.txt -r benchmarks/requirements-peers.txt``).
+(b) capture to disk (``to="disk"``): the writer's sustained MB/s against the disk's sequential write
+    speed measured with ``dd ... conv=fsync`` in the same directory, and the forward loop with the
+    disk capture against the forward alone (is the model stalled by the disk?).
+(c) on CUDA only: the offloader's device-to-host MB/s against a plain pinned-copy bandwidth, and a
+    forward + capture of all residual streams against the forward alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pyhook.capture import capture  # noqa: E402
+from pyhook.offload import Offloader  # noqa: E402
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Best of ``repeat`` timings of ``fn`` (seconds), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compare(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Best-of-``repeat`` seconds per function, measured round-robin (one warm-up each), so that
+    load from other processes affects every method alike."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "| " + " | ".join("{:<%d}" % w for w in widths) + " |"
+    out = [line.format(*header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    return "\n".join(out + [line.format(*r) for r in rows])
+
+
+# -- (a) in-memory capture vs peers ----------------------------------------------------------------
+def bench_peers(args: argparse.Namespace) -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    L, D, H, T, B, V = args.layers, args.d_model, args.heads, args.seq, args.batch, 1000
+    torch.manual_seed(0)
+    model = GPT2Model(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=V, n_positions=T,
+                                 bos_token_id=0, eos_token_id=0)).eval()
+    batches = [torch.randint(0, V, (B, T)) for _ in range(args.steps)]
+    mb = L * B * T * D * 4 * len(batches) / 1e6
+    print(f"\n(a) capture every block output: GPT-2 shape n_layer={L} d_model={D} heads={H}, "
+          f"{len(batches)} batches of {B}x{T} tokens, {mb:.0f} MB captured per loop, "
+          f"torch threads={torch.get_num_threads()}")
+    fns: dict[str, Callable[[], object]] = {}
+    base_of: dict[str, str] = {}
+
+    def loop_raw(m: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            for ids in batches:
+                m(ids)
+        return run
+
+    fns["raw"] = loop_raw(model)
+
+    def run_pyhook() -> None:
+        with capture(model, "h.*", flatten=False) as rec:
+            for ids in batches:
+                model(ids)
+        assert rec.rows["h.0"] == B * len(batches)
+
+    fns["pyhook capture(to='host')"] = run_pyhook
+    base_of["pyhook capture(to='host')"] = "raw"
+
+    def run_hooks() -> None:
+        store: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
+        handles = [
+            blk.register_forward_hook(lambda m, a, o, i=i: store[i].append((o[0] if isinstance(o, tuple) else o).detach().clone()))
+            for i, blk in enumerate(model.h)
+        ]
+        try:
+            for ids in batches:
+                model(ids)
+        finally:
+            for h in handles:
+                h.remove()
+
+    fns["nethook-style hooks + clone"] = run_hooks
+    base_of["nethook-style hooks + clone"] = "raw"
+
+    try:
+        import nnsight
+    except ImportError:
+        print("  nnsight not installed: skipped")
+    else:
+        nn_model = nnsight.NNsight(model)
+
+        def run_nnsight() -> None:
+            kept = []
+            for ids in batches:
+                with nn_model.trace(ids):
+                    kept.append([nn_model.h[i].output.save() for i in range(L)])
+            assert len(kept) == len(batches) and isinstance(kept[-1][-1], torch.Tensor)
+
+        name = f"nnsight {nnsight.__version__} trace+save"
+        fns[name] = run_nnsight
+        base_of[name] = "raw"
+
+    tl = _transformer_lens(L, D, H, T, V)
+    if tl is not None:
+        label, tl_model, tl_run = tl
+        fns["raw (TransformerLens model)"] = loop_raw(tl_model)
+
+        def run_tl() -> None:
+            for ids in batches:
+                tl_run(ids)
+
+        fns[label] = run_tl
+        base_of[label] = "raw (TransformerLens model)"
+
+    with torch.no_grad():
+        times = compare(fns, args.repeat)
+    results = [(name, times[base], times[name]) for name, base in base_of.items()]
+
+    rows = []
+    for name, base, t in results:
+        rows.append([name, f"{base * 1e3:.0f}", f"{t * 1e3:.0f}", f"{t / base:.3f}x", f"{(t / base - 1) * 100:+.1f}%"])
+    print(table(rows, ["method", "raw forward ms", "with capture ms", "ratio", "overhead"]))
+    peers = [t / b - 1 for n, b, t in results[1:]]
+    ours = results[0][2] / results[0][1] - 1
+    if peers:
+        best = min(peers)
+        verdict = "met" if ours <= best / 2 else "NOT met"
+        print(f"target: pyhook overhead <= half the best peer's ({ours * 100:+.1f}% vs {best * 100:+.1f}%/2): {verdict}")
+
+
+def _transformer_lens(L: int, D: int, H: int, T: int, V: int):
+    """(label, model, run(ids)) for TransformerLens, or None when it is not installed.
+
+    TransformerLens >= 4 dropped ``HookedTransformer``; its ``TransformerBridge`` wraps a
+    transformers model, booted here offline from a temporary GPT-2 checkpoint of the same shape.
+    Older versions get a ``HookedTransformer`` built from a ``HookedTransformerConfig``.
+    """
+    try:
+        import transformer_lens
+    except ImportError:
+        print("  transformer_lens not installed: skipped")
+        return None
+    from importlib.metadata import version as dist_version
+
+    version = getattr(transformer_lens, "__version__", "") or dist_version("transformer-lens")
+    names = lambda n: n.endswith("hook_resid_post")  # noqa: E731
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        cfg = HookedTransformerConfig(n_layers=L, d_model=D, n_ctx=T, d_head=D // H, n_heads=H, d_vocab=V,
+                                      act_fn="gelu_new", normalization_type="LN", seed=0)
+        ht = HookedTransformer(cfg).eval()
+        return f"TransformerLens {version} HookedTransformer.run_with_cache", ht, lambda ids: ht.run_with_cache(ids, names_filter=names)
+    except ImportError:
+        pass
+    from tokenizers import Tokenizer, models
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformer_lens.model_bridge import TransformerBridge
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    path = tempfile.mkdtemp(prefix="pyhook-bench-tl-")
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=V, n_positions=T,
+                                    bos_token_id=0, eos_token_id=0)).eval()
+    hf.save_pretrained(path)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[UNK]")
+    tok.save_pretrained(path)
+    bridge = TransformerBridge.boot_transformers(path, hf_model=hf, tokenizer=tok, device="cpu")
+    shutil.rmtree(path, ignore_errors=True)
+    return f"TransformerLens {version} bridge.run_with_cache", bridge, lambda ids: bridge.run_with_cache(ids, names_filter=names)
+
+
+# -- (b) disk ----------------------------------------------------------------------------------------
+def dd_speed(directory: str, mb: int) -> float:
+    path = os.path.join(directory, "pyhook-dd-test")
+    try:
+        proc = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"],
+                              capture_output=True, text=True, check=True)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    m = re.search(r"copied, ([\d.]+) s", proc.stderr)
+    if not m:
+        raise RuntimeError(f"cannot parse dd output: {proc.stderr!r}")
+    return mb * (1 << 20) / float(m.group(1)) / 1e6
+
+
+def bench_disk(args: argparse.Namespace) -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    base = args.out_dir or tempfile.mkdtemp(prefix="pyhook-bench-")
+    os.makedirs(base, exist_ok=True)
+    L, D, H, T, B = args.layers, args.d_model, args.heads, args.seq, args.batch
+    torch.manual_seed(0)
+    model = GPT2Model(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=1000, n_positions=T,
+                                 bos_token_id=0, eos_token_id=0)).eval()
+    batches = [torch.randint(0, 1000, (B, T)) for _ in range(args.disk_steps)]
+    # Capture every module output (attention, MLP, norms too), so that the bytes per second of
+    # compute are high enough for the disk to matter.
+    layers = ["h.*", "h.*.attn", "h.*.mlp", "h.*.ln_1", "h.*.ln_2"]
+    out = os.path.join(base, "capture")
+    dd = dd_speed(base, args.dd_mb)
+    with torch.no_grad():
+        fwd = timeit(lambda: [model(ids) for ids in batches], 1)
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        with capture(model, layers, out=out, flatten=True, shard_bytes=64 << 20, max_pending_shards=2) as rec:
+            for ids in batches:
+                model(ids)
+            loop_done = time.perf_counter()
+            writer = rec._writer
+        total = time.perf_counter() - t0
+    nbytes = writer.bytes_written
+    busy = writer.write_seconds
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"\n(b) capture to disk: {len(rec.layers)} module outputs of the same model, {len(batches)} batches, "
+          f"{nbytes / 1e6:.0f} MB written to {base}")
+    rows = [
+        ["dd bs=1M conv=fsync (disk sequential write)", f"{dd:.0f}", "1.00"],
+        ["pyhook writer, while writing (bytes / busy time)", f"{nbytes / busy / 1e6:.0f}", f"{nbytes / busy / 1e6 / dd:.2f}"],
+        ["pyhook end to end (bytes / (forward loop + final flush))", f"{nbytes / total / 1e6:.0f}", f"{nbytes / total / 1e6 / dd:.2f}"],
+    ]
+    print(table(rows, ["what", "MB/s", "vs dd"]))
+    print(table([
+        ["forward loop alone", f"{fwd * 1e3:.0f}", "1.00"],
+        ["forward loop with disk capture (until the last forward returned)", f"{(loop_done - t0) * 1e3:.0f}", f"{(loop_done - t0) / fwd:.2f}"],
+        ["... plus waiting for the last shards (close)", f"{total * 1e3:.0f}", f"{total / fwd:.2f}"],
+    ], ["loop", "ms", "vs forward"]))
+    ratio = nbytes / busy / 1e6 / dd
+    print(f"target: writer >= 70% of dd: {'met' if ratio >= 0.7 else 'NOT met'} ({ratio * 100:.0f}%)")
+
+
+# -- (c) GPU -----------------------------------------------------------------------------------------
+def bench_gpu(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        print("\n(c) GPU path: skipped (no CUDA device)")
+        return
+    from transformers import GPT2Config, GPT2Model
+
+    dev = torch.device("cuda")
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    bw = n / timeit(pinned_copy, 5) / 1e6
+    chunks = [torch.randn(16 << 20 >> 2, device=dev) for _ in range(16)]  # 16 x 16 MB
+    off = Offloader(max_inflight_bytes=128 << 20)
+
+    def offload() -> None:
+        pending = [off.submit([c]) for c in chunks]
+        for p in pending:
+            off.release(p.wait())  # buffers go back to the pool, as the disk writer does
+
+    off_bw = sum(c.nbytes for c in chunks) / timeit(offload, 5) / 1e6
+    torch.manual_seed(0)
+    model = GPT2Model(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=512)).to(dev).eval()
+    ids = [torch.randint(0, 50257, (8, 512), device=dev) for _ in range(8)]
+
+    def fwd() -> None:
+        for x in ids:
+            model(x)
+        torch.cuda.synchronize()
+
+    def fwd_cap() -> None:
+        with capture(model, "h.*", flatten=False) as rec:
+            for x in ids:
+                model(x)
+        rec.results()
+        torch.cuda.synchronize()
+
+    with torch.no_grad():
+        t_fwd = timeit(fwd, 3)
+        t_cap = timeit(fwd_cap, 3)
+    print(f"\n(c) GPU {torch.cuda.get_device_name()}")
+    print(table([
+        ["pinned copy D2H (256 MB, one copy)", f"{bw:.0f}", "1.00"],
+        ["pyhook Offloader (16 x 16 MB, side stream, pooled)", f"{off_bw:.0f}", f"{off_bw / bw:.2f}"],
+    ], ["what", "MB/s", "vs pinned copy"]))
+    print(table([
+        ["GPT-2 small forward, 8 x (8x512)", f"{t_fwd * 1e3:.0f}", "1.00"],
+        ["... + capture of all 12 residual streams to host", f"{t_cap * 1e3:.0f}", f"{t_cap / t_fwd:.2f}"],
+    ], ["loop", "ms", "vs forward"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    p.add_argument("--out-dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["peers", "disk", "gpu"])
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable timings)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    args.layers, args.d_model, args.heads, args.seq, args.batch = (4, 128, 4, 64, 4) if args.quick else (6, 256, 4, 128, 8)
+    args.steps, args.repeat = (3, 2) if args.quick else (6, 5)
+    args.disk_steps, args.dd_mb = (4, 64) if args.quick else (12, 512)
+    print(f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}")
+    if "peers" not in args.skip:
+        bench_peers(args)
+    if "disk" not in args.skip:
+        bench_disk(args)
+    if "gpu" not in args.skip:
+        bench_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

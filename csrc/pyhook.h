@@ -1,0 +1,50 @@
+// Declarations shared by the schema file and the per-device kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pyhook {
+
+// Offsets of capture slices inside one buffer are aligned to this many bytes
+// (a cache line, and enough for any dtype and for vectorised memcpy).
+constexpr int64_t kSliceAlignment = 64;
+
+// Where one input lands in the shared buffer and with which strides.
+struct SlicePlan {
+  std::vector<int64_t> strides;  // the strides Tensor::clone() would give
+  int64_t offset = 0;            // byte offset in the buffer
+  int64_t nbytes = 0;            // numel * itemsize (outputs are always dense)
+  bool raw_copy = false;         // source span can be memcpy'd as-is
+};
+
+struct ClonePlan {
+  std::vector<SlicePlan> slices;
+  int64_t total_bytes = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+// Validates the inputs (strided, one device) and lays them out in one buffer.
+ClonePlan plan_clone(at::TensorList tensors);
+
+std::vector<at::Tensor> clone_many_cpu(at::TensorList tensors);
+
+// CPU buffer pool (csrc/cpu/pool.cpp).
+// Stats order: cached_bytes, cached_buffers, limit_bytes, hits, misses,
+// live_bytes, live_buffers.
+std::vector<int64_t> pool_stats();
+void pool_set_limit(int64_t nbytes);
+void pool_empty();
+
+// A pooled buffer shared by several output storages. Each output storage holds
+// one reference through its DataPtr context; the buffer goes back to the pool
+// when the last reference is dropped.
+struct PooledBlock;
+PooledBlock* pooled_block_create(size_t nbytes);  // holds one reference
+char* pooled_block_data(PooledBlock* block);
+void pooled_block_retain(PooledBlock* block);
+void pooled_block_release(void* block);  // usable as a c10::DeleterFnPtr
+
+}  // namespace pyhook

@@ -1,0 +1,42 @@
+// Operator schemas of the pyhook namespace, declared once for all devices.
+// Kernels live in cpu/*.cpp and cuda/*.cu (TORCH_LIBRARY_IMPL per device);
+// fake (meta) and autograd formulas are registered from Python in pyhook/ops.py.
+
+#ifdef PYHOOK_PYTHON_MODULE
+// The .so is imported as the Python module pyhook._C only to run the static
+// initialisers below; it exposes nothing else, so it can use the stable ABI.
+#include <Python.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",     // name
+      nullptr,  // doc
+      -1,       // per-interpreter state size
+      nullptr,  // methods
+  };
+  return PyModule_Create(&module_def);
+}
+}
+#endif
+
+#include <torch/library.h>
+
+#include "pyhook.h"
+
+TORCH_LIBRARY(pyhook, m) {
+  // If fake-tensor tracing reaches an op before pyhook.ops was imported,
+  // PyTorch imports that module to find the fake implementations.
+  m.set_python_module("pyhook.ops");
+
+  // Fresh copies (values, dtype, clone's strides) of every input, allocated
+  // in one buffer. Outputs alias neither the inputs nor each other's storage.
+  m.def("clone_many(Tensor[] tensors) -> Tensor[]");
+
+  // The CPU buffer pool. These take no tensors, so the dispatcher has no
+  // device to pick: they are registered as catch-all kernels right here.
+  m.def("pool_stats() -> int[]", &pyhook::pool_stats);
+  m.def("pool_set_limit(int nbytes) -> ()", &pyhook::pool_set_limit);
+  m.def("pool_empty() -> ()", &pyhook::pool_empty);
+}

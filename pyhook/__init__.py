@@ -1,0 +1,109 @@
+"""pyhook: capture, edit and cut short the forward (and backward) pass of any ``nn.Module``.
+
+Index of the public API (``import pyhook as nethook`` runs nethook code unchanged):
+
+* tracing (nethook): :class:`Trace` hooks one layer, :class:`TraceDict` several,
+  :class:`StopForward` ends a forward early, :func:`recursive_copy` copies nested outputs;
+* module helpers: :func:`get_module`, :func:`get_parameter`, :func:`replace_module`,
+  :func:`module_names`, :func:`parameter_names`, :func:`set_requires_grad`,
+  :func:`subsequence`, :func:`hierarchical_subsequence`, :func:`invoke_with_optional_args`;
+* truncation: :class:`TruncatedModule` returns a submodule's output and skips the rest;
+* hybrid_learning: :class:`ModelExtender`, :class:`ActivationMapGrabber`, :class:`ModelStump`
+  attach extension models to intermediate outputs;
+* deephook: :class:`TraceMultiple` (and :mod:`pyhook.deephook` for its single-layer ``Trace``);
+* flex_model: :class:`HookFunction` and :class:`FlexModel` (editing functions with a save
+  context and trainable modules; activations sharded over ``torch.distributed`` are gathered,
+  see :mod:`pyhook.distributed`), :class:`DummyModule`;
+* backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
+  native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
+  :func:`empty_pool` control the native capture-buffer pool.
+"""
+
+from __future__ import annotations
+
+from ._backend import (
+    empty_pool,
+    get_backend,
+    native_available,
+    pool_stats,
+    set_backend,
+    set_pool_limit,
+    use_backend,
+)
+from ._copy import recursive_copy
+from ._hooks import StopForward
+from ._invoke import invoke_with_optional_args
+from ._version import __version__
+from .modules import (
+    LayerNotFoundError,
+    get_module,
+    get_parameter,
+    hierarchical_subsequence,
+    module_names,
+    parameter_names,
+    replace_module,
+    set_requires_grad,
+    subsequence,
+)
+from .deephook import TraceMultiple
+from .extend import (
+    ActivationMapGrabber,
+    ExtendedModelStump,
+    HooksHandle,
+    ModelExtender,
+    ModelStump,
+    dummy_output,
+    output_size,
+    output_sizes,
+)
+from .flex import DummyModule, FlexModel, HookFunction, default_editing_function
+from .trace import CallRecord, Trace, TraceDict
+from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
+
+__all__ = [
+    "__version__",
+    # nethook
+    "Trace",
+    "TraceDict",
+    "CallRecord",
+    "StopForward",
+    "recursive_copy",
+    "subsequence",
+    "hierarchical_subsequence",
+    "set_requires_grad",
+    "get_module",
+    "get_parameter",
+    "replace_module",
+    "invoke_with_optional_args",
+    "module_names",
+    "parameter_names",
+    "LayerNotFoundError",
+    # truncation
+    "TruncatedModule",
+    "TruncationExecutionFinished",
+    "HookNotCalledError",
+    # hybrid_learning
+    "HooksHandle",
+    "ActivationMapGrabber",
+    "ModelStump",
+    "ExtendedModelStump",
+    "ModelExtender",
+    "dummy_output",
+    "output_sizes",
+    "output_size",
+    # deephook (its single-layer Trace is pyhook.deephook.Trace)
+    "TraceMultiple",
+    # flex_model
+    "HookFunction",
+    "FlexModel",
+    "DummyModule",
+    "default_editing_function",
+    # backends
+    "get_backend",
+    "set_backend",
+    "use_backend",
+    "native_available",
+    "pool_stats",
+    "set_pool_limit",
+    "empty_pool",
+]

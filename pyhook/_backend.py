@@ -1,0 +1,343 @@
+"""Backend selection and the native-module loader.
+
+Index:
+
+* :func:`clone_tensors` - copy a flat list of tensors, exactly like ``[t.clone() for t in ...]``;
+* :func:`get_backend`, :func:`set_backend`, :func:`use_backend` - choose ``native``,
+  ``reference`` or ``auto`` (the initial choice comes from ``PYHOOK_BACKEND``);
+* :func:`native_available`, :func:`native_load_error` - did ``pyhook._C`` load, and if not, why;
+* :func:`pool_stats`, :func:`set_pool_limit`, :func:`empty_pool` - the native CPU buffer pool.
+
+The native module is loaded once, on first use, by importing ``pyhook._C`` (which registers
+``torch.ops.pyhook.*``) and then :mod:`pyhook.ops`. Loading it never initialises CUDA. A
+missing ``.so`` (pure-Python install) is silent; a ``.so`` that exists but fails to load
+warns once with the real error. Either way :mod:`pyhook._reference` takes over.
+
+Per call, a tensor goes to the native kernel only when it is a plain strided tensor (no
+subclass, no functorch wrapper, not meta/sparse/quantized/nested) on a device the build has a
+kernel for; every other tensor takes the reference path, and results come back in input order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from . import _reference
+
+__all__ = [
+    "clone_tensors",
+    "empty_pool",
+    "get_backend",
+    "native_available",
+    "native_load_error",
+    "pool_stats",
+    "set_backend",
+    "set_pool_limit",
+    "use_backend",
+]
+
+_BACKENDS = ("native", "reference", "auto")
+_ENV_VAR = "PYHOOK_BACKEND"
+
+_lock = threading.Lock()
+_loaded = False
+_native_ok = False
+_load_error: str | None = None
+_cuda_kernels = False
+_requested = "auto"
+
+# Per-device batches with fewer bytes than this go to the reference path. Below
+# it the native call's fixed cost (~15 us of Python partitioning and dispatch)
+# exceeds what it saves: malloc serves such small blocks from warm heap memory,
+# so there are no page faults for the pool to avoid. Measured with
+# benchmarks/bench_copy.py on a 2-core VM: 64 KB captures ~0.02 ms reference vs
+# ~0.03 ms native; at 1 MB they are within noise; from 16 MB native wins >10x.
+# Tests set it to 0 to exercise the kernel on small inputs.
+NATIVE_MIN_BYTES = 1 << 20
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _load() -> None:
+    """Import ``pyhook._C`` once; record why it is unavailable otherwise."""
+    global _loaded, _native_ok, _load_error, _cuda_kernels
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        try:
+            spec = importlib.util.find_spec("pyhook._C")
+        except (ImportError, ValueError) as e:  # pragma: no cover - broken package layout
+            spec = None
+            _load_error = f"cannot look up pyhook._C: {e}"
+        if spec is None:
+            _load_error = _load_error or (
+                "pyhook._C is not built (pure-Python install); using the reference backend"
+            )
+        else:
+            try:
+                importlib.import_module("pyhook._C")
+                importlib.import_module("pyhook.ops")
+            except Exception as e:
+                _load_error = f"{type(e).__name__}: {e}"
+                warnings.warn(
+                    f"pyhook: the native module {spec.origin} exists but failed to load "
+                    f"({_load_error}); falling back to the reference backend",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                _native_ok = True
+                # Asking the dispatcher does not touch the CUDA runtime.
+                _cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key(
+                    "pyhook::clone_many", "CUDA"
+                )
+        _loaded = True
+
+
+def native_available() -> bool:
+    """Whether the native module ``pyhook._C`` is built and loaded.
+
+    Example::
+
+        >>> import pyhook
+        >>> pyhook.native_available() in (True, False)
+        True
+    """
+    _load()
+    return _native_ok
+
+
+def native_load_error() -> str | None:
+    """Why the native module is unavailable (``None`` when it loaded)."""
+    _load()
+    return None if _native_ok else _load_error
+
+
+def _check_name(name: str) -> str:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"backend name must be one of {', '.join(map(repr, _BACKENDS))}, got {name!r}"
+        )
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Choose the backend: ``'native'``, ``'reference'`` or ``'auto'`` (native when built).
+
+    >>> set_backend("reference"); get_backend()
+    'reference'
+    """
+    global _requested
+    _check_name(name)
+    if name == "native" and not native_available():
+        raise RuntimeError(f"pyhook native backend unavailable: {_load_error}")
+    _requested = name
+
+
+def get_backend() -> str:
+    """The effective backend, ``'native'`` or ``'reference'``.
+
+    Example::
+
+        >>> import pyhook
+        >>> pyhook.get_backend() == ("native" if pyhook.native_available() else "reference")
+        True
+    """
+    if _requested == "reference":
+        return "reference"
+    return "native" if native_available() else "reference"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Use backend ``name`` inside a ``with`` block, then restore the previous choice.
+
+    >>> with use_backend("reference"):
+    ...     get_backend()
+    'reference'
+    """
+    global _requested
+    previous = _requested
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _requested = previous
+
+
+def _init_from_env() -> None:
+    global _requested
+    value = os.environ.get(_ENV_VAR, "").strip().lower()
+    if not value:
+        return
+    if value not in _BACKENDS:
+        warnings.warn(
+            f"{_ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}; using 'auto'",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    # 'native' from the environment is a request, not a hard requirement at import:
+    # get_backend() reports 'reference' (and native_load_error() says why) if it is absent.
+    _requested = value
+
+
+_init_from_env()
+
+
+def _native_group(t: torch.Tensor) -> torch.device | str | None:
+    """The batch a tensor joins for the native kernel, or None for the reference path.
+
+    Uses the cheap ``is_cpu``/``is_cuda`` flags: this runs once per captured tensor.
+    """
+    if (
+        type(t) not in _PLAIN_TYPES
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.is_nested
+        or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    ):
+        return None
+    if t.is_cpu:  # False for meta tensors
+        return "cpu"
+    if t.is_cuda and _cuda_kernels:
+        return t.device
+    return None
+
+
+def _clone_native(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One native call for tensors on one device (reference below NATIVE_MIN_BYTES)."""
+    if NATIVE_MIN_BYTES and sum(t.nbytes for t in batch) < NATIVE_MIN_BYTES:
+        return _reference.clone_tensors(batch)
+    op = torch.ops.pyhook.clone_many.default
+    if _skip_autograd(batch):
+        # Nothing to differentiate: go straight to the device kernel. The Python
+        # autograd wrapper of register_autograd costs ~10 us per call for nothing.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op(batch)
+    return op(batch)
+
+
+def _skip_autograd(batch: list[torch.Tensor]) -> bool:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in batch):
+        return False
+    return not torch.compiler.is_compiling()  # a tracer should see the plain op call
+
+
+def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy every tensor exactly like ``t.clone()``, using the native kernel where it applies.
+
+    >>> xs = [torch.arange(4.0), torch.ones(2, 3).t()]
+    >>> [torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(xs, clone_tensors(xs))]
+    [True, True]
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    if get_backend() != "native":
+        return _reference.clone_tensors(tensors)
+
+    # Partition by device so each native call sees one device; everything the
+    # kernels cannot take goes through the reference path.
+    groups: dict[torch.device | str, list[int]] = {}
+    fallback: list[int] = []
+    for i, t in enumerate(tensors):
+        key = _native_group(t)
+        if key is None:
+            fallback.append(i)
+        else:
+            groups.setdefault(key, []).append(i)
+    if not groups:
+        return _reference.clone_tensors(tensors)
+    if not fallback and len(groups) == 1:  # the common case: one device, all native
+        return _clone_native(tensors)
+
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in groups.values():
+        copies = _clone_native([tensors[i] for i in idx])
+        for i, c in zip(idx, copies):
+            out[i] = c
+    if fallback:
+        for i, c in zip(fallback, _reference.clone_tensors([tensors[i] for i in fallback])):
+            out[i] = c
+    return out  # type: ignore[return-value]
+
+
+_POOL_KEYS = (
+    "cached_bytes",
+    "cached_buffers",
+    "limit_bytes",
+    "hits",
+    "misses",
+    "live_bytes",
+    "live_buffers",
+)
+
+
+def pool_stats() -> dict[str, int]:
+    """Counters of the native CPU capture-buffer pool (all zero without the native module).
+
+    ``cached_*``: idle buffers kept for reuse; ``limit_bytes``: cap on ``cached_bytes``;
+    ``hits``/``misses``: allocations served from the pool / from the system;
+    ``live_*``: pooled buffers still referenced by some output tensor.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> before = pyhook.pool_stats()
+        >>> sorted(before)[:3]
+        ['cached_buffers', 'cached_bytes', 'hits']
+        >>> for _ in range(3):  # capture, use, drop: the same buffer comes back from the pool
+        ...     out = pyhook.recursive_copy([torch.ones(1 << 20)], clone=True)
+        ...     del out
+        >>> pyhook.pool_stats()["hits"] >= before["hits"] + (2 if pyhook.native_available() else 0)
+        True
+    """
+    if not native_available():
+        return dict.fromkeys(_POOL_KEYS, 0)
+    return dict(zip(_POOL_KEYS, torch.ops.pyhook.pool_stats()))
+
+
+def set_pool_limit(nbytes: int) -> None:
+    """Cap the bytes of idle buffers the pool keeps; ``0`` disables caching.
+
+    The default is 1 GiB, or ``PYHOOK_POOL_LIMIT`` (bytes) from the environment.
+
+    Example::
+
+        >>> import pyhook
+        >>> pyhook.set_pool_limit(256 << 20)  # keep at most 256 MiB of idle capture buffers
+        >>> pyhook.pool_stats()["limit_bytes"] in (256 << 20, 0)  # 0 without the native core
+        True
+        >>> pyhook.set_pool_limit(1 << 30)
+    """
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise TypeError(f"nbytes must be an int (bytes), got {type(nbytes).__name__}: {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if native_available():
+        torch.ops.pyhook.pool_set_limit(int(nbytes))
+
+
+def empty_pool() -> None:
+    """Free every idle buffer the pool holds (buffers still in use are unaffected).
+
+    Example::
+
+        >>> import pyhook
+        >>> pyhook.empty_pool()
+        >>> pyhook.pool_stats()["cached_bytes"]
+        0
+    """
+    if native_available():
+        torch.ops.pyhook.pool_empty()

