@@ -16,20 +16,11 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import sys
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def read_version() -> str:
-    with open(os.path.join(HERE, "pyhook", "_version.py"), encoding="utf-8") as f:
-        match = re.search(r'^__version__\s*=\s*"([^"]+)"', f.read(), re.M)
-    if match is None:
-        raise RuntimeError("pyhook/_version.py has no __version__")
-    return match.group(1)
 
 
 def env_flag(name: str) -> bool | None:
@@ -102,15 +93,9 @@ def native_extensions() -> tuple[list, dict]:
 
 ext_modules, cmdclass = native_extensions()
 
+# Metadata (dependencies, extras, the `pyhook` command, package data) lives in pyproject.toml.
 setup(
-    name="pyhook",
-    version=read_version(),
-    description="Capture, edit and cut short the forward pass of PyTorch modules",
     packages=find_packages(include=["pyhook", "pyhook.*"]),
-    package_data={"pyhook": ["py.typed"]},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.1"],
-    extras_require={"test": ["pytest", "hypothesis", "transformers", "safetensors"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},

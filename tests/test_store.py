@@ -99,7 +99,9 @@ def test_reader_is_memory_mapped_and_never_writes(tmp_path):
 
 def test_batches_sequential_and_shuffled(tmp_path):
     g = torch.Generator().manual_seed(1)
-    data = [{"x": torch.randn(7, 3, generator=g), "y": torch.arange(7.0).unsqueeze(1)} for _ in range(3)]
+    data = [
+        {"x": torch.randn(7, 3, generator=g), "y": torch.arange(7.0).unsqueeze(1)} for _ in range(3)
+    ]
     with ShardWriter(tmp_path, shard_bytes=1) as w:
         for d in data:
             w.add(d, examples=7)
@@ -154,7 +156,10 @@ def test_different_settings_refused_same_settings_resume(tmp_path):
 
     w2 = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1)
     assert w2.resumed and w2.examples_done == sum(n for _, n in batches[:3])
-    assert not glob.glob(str(tmp_path / "*.tmp")) and not (tmp_path / "shard-r000-000009.safetensors").exists()
+    assert (
+        not glob.glob(str(tmp_path / "*.tmp"))
+        and not (tmp_path / "shard-r000-000009.safetensors").exists()
+    )
     for b, n in batches[3:]:
         w2.add(b, examples=n)
     w2.close()
@@ -199,7 +204,9 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
         assert w2.examples_done == batches[0][1] + batches[1][1]
         for b, n in batches[2:]:
             w2.add(b, examples=n)
-    assert torch.equal(open_capture(tmp_path)["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches]))
+    assert torch.equal(
+        open_capture(tmp_path)["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches])
+    )
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path):
@@ -243,7 +250,12 @@ def test_reader_merges_rank_files_without_index_json(tmp_path):
             w.add({"a": torch.full((2, 1), float(rank))}, examples=2)
     os.remove(tmp_path / "index.json")
     r = open_capture(tmp_path)
-    assert r.index["ranks"] == [0, 1] and r["a"].to_tensor().squeeze(1).tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert r.index["ranks"] == [0, 1] and r["a"].to_tensor().squeeze(1).tolist() == [
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+    ]
 
 
 def test_open_missing_directory(tmp_path):
