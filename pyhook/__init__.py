@@ -14,6 +14,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 * flex_model: :class:`HookFunction` and :class:`FlexModel` (editing functions with a save
   context and trainable modules; activations sharded over ``torch.distributed`` are gathered,
   see :mod:`pyhook.distributed`), :class:`DummyModule`;
+* capture: :func:`capture` / :class:`Recorder` pull activations of many layers (names or
+  globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
+  them back (the ``pyhook`` command wraps both);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
   :func:`empty_pool` control the native capture-buffer pool.
@@ -45,6 +48,8 @@ from .modules import (
     set_requires_grad,
     subsequence,
 )
+from ._hooks import CompiledModelError
+from .capture import Recorder, capture, resolve_layers
 from .deephook import TraceMultiple
 from .extend import (
     ActivationMapGrabber,
@@ -57,6 +62,14 @@ from .extend import (
     output_sizes,
 )
 from .flex import DummyModule, FlexModel, HookFunction, default_editing_function
+from .store import (
+    CaptureExistsError,
+    CaptureReader,
+    CaptureWriteError,
+    LayerData,
+    ShardWriter,
+    open_capture,
+)
 from .trace import CallRecord, Trace, TraceDict
 from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
 
@@ -78,6 +91,7 @@ __all__ = [
     "module_names",
     "parameter_names",
     "LayerNotFoundError",
+    "CompiledModelError",
     # truncation
     "TruncatedModule",
     "TruncationExecutionFinished",
@@ -98,6 +112,16 @@ __all__ = [
     "FlexModel",
     "DummyModule",
     "default_editing_function",
+    # high-throughput capture
+    "capture",
+    "Recorder",
+    "resolve_layers",
+    "open_capture",
+    "CaptureReader",
+    "LayerData",
+    "ShardWriter",
+    "CaptureExistsError",
+    "CaptureWriteError",
     # backends
     "get_backend",
     "set_backend",

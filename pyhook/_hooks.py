@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["StopForward", "HookSet", "is_own_stop", "CompiledModelError", "check_not_compiled"]
+__all__ = ["CompiledModelError", "HookSet", "StopForward", "check_not_compiled", "is_own_stop"]
 
 
 class StopForward(Exception):
@@ -67,6 +67,17 @@ class CompiledModelError(RuntimeError):
     pyhook raises this error instead. Either trace the uncompiled model, or set
     ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` *before* compiling, so that
     dynamo recompiles whenever hooks change (then every pyhook tracer gives eager results).
+    
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> compiled = torch.compile(net, backend="eager")
+        >>> try:
+        ...     pyhook.Trace(compiled, "0")
+        ... except pyhook.CompiledModelError as e:
+        ...     print("refused")
+        refused
     """
 
 
@@ -107,7 +118,9 @@ def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "
         if how is None:
             continue
         dynamo_config = getattr(sys.modules.get("torch._dynamo"), "config", None)
-        if dynamo_config is not None and not getattr(dynamo_config, "skip_nnmodule_hook_guards", True):
+        if dynamo_config is not None and not getattr(
+            dynamo_config, "skip_nnmodule_hook_guards", True
+        ):
             return
         at = f"module {where!r}" if where else f"the {type(root).__name__} given"
         raise CompiledModelError(

@@ -250,7 +250,7 @@ class Recorder:
         self.dtype = parse_dtype(dtype, "dtype")
         self.select = select
         self.overwrite = overwrite
-        self._writer_opts = {
+        self._writer_opts: dict[str, Any] = {
             "shard_bytes": shard_bytes,
             "max_pending": max_pending_shards,
             "fsync": fsync,

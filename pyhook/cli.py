@@ -326,7 +326,8 @@ def cmd_layers(args: argparse.Namespace) -> int:
 
     def make(name: str) -> Any:
         def hook(_m: Any, _a: Any, out: Any) -> None:
-            leaves = out if isinstance(out, torch.Tensor) else (tensor_leaves(out) or [None])[0]
+            found = [out] if isinstance(out, torch.Tensor) else tensor_leaves(out)
+            leaves = found[0] if found else None
             shapes[name] = (
                 "x".join(map(str, leaves.shape))
                 if isinstance(leaves, torch.Tensor)

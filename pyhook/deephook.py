@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._copy import recursive_copy
-from ._hooks import HookSet
+from ._hooks import HookSet, check_not_compiled
 from .modules import resolve_module
 
 __all__ = ["Trace", "TraceMultiple"]
@@ -124,6 +124,7 @@ class Trace(contextlib.AbstractContextManager):
                 f"got {type(layer_name).__name__}: {layer_name!r}"
             )
         name, layer = resolve_module(model, layer_name)
+        check_not_compiled(model, name, who="deephook.Trace")
         self.model = model
         self.layer_name = layer_name if isinstance(layer_name, str) else name
         self.layer = layer

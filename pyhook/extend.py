@@ -250,8 +250,11 @@ class HooksHandle(nn.Module, abc.ABC):
     def __del__(self) -> None:
         """Unregister all hooks held by this handle on handle delete."""
         if self.__dict__.get("_owner_id") == id(self):
-            with contextlib.suppress(Exception):
+            # no module globals here: at interpreter exit they may already be None
+            try:
                 self.close()
+            except Exception:  # noqa: BLE001 - a finaliser must never raise
+                pass
 
     def _check_open(self) -> None:
         if self.__dict__.get("_closed", False):

@@ -36,7 +36,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +78,19 @@ class CaptureExistsError(FileExistsError):
 
     The message names the settings that differ; pass ``overwrite=True`` (``--overwrite``) to
     replace it, or choose another directory.
+
+    Example::
+
+        >>> import tempfile, torch, pyhook
+        >>> net, out = torch.nn.Sequential(torch.nn.Linear(4, 3)), tempfile.mkdtemp()
+        >>> with pyhook.capture(net, "0", out=out):
+        ...     _ = net(torch.randn(2, 4))
+        >>> try:
+        ...     with pyhook.capture(net, "0", out=out, dtype="float16"):
+        ...         pass
+        ... except pyhook.CaptureExistsError:
+        ...     print("refused")
+        refused
     """
 
 
@@ -86,6 +99,18 @@ class CaptureWriteError(OSError):
 
     Shards written before the failure are intact and listed in the index; the shard being
     written is removed, so the directory can be resumed once the cause is fixed.
+
+    Example::
+
+        >>> import os, tempfile, torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> not_a_dir = tempfile.NamedTemporaryFile(delete=False).name  # a file, not a folder
+        >>> try:
+        ...     with pyhook.capture(net, "0", out=os.path.join(not_a_dir, "sub")):
+        ...         _ = net(torch.randn(2, 4))
+        ... except pyhook.CaptureWriteError as e:
+        ...     print("cannot write" in str(e))
+        True
     """
 
 
@@ -124,12 +149,12 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def write_safetensors(
     path: str,
-    tensors: dict[str, Sequence[torch.Tensor]],
+    tensors: Mapping[str, Sequence[torch.Tensor]],
     metadata: dict[str, str] | None = None,
     *,
     fsync: bool = True,
@@ -230,6 +255,15 @@ def _settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
+def _directory_arg(name: str, value: Any) -> str:
+    """``os.fspath(value)``, with an error that names the argument."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{name} must be a directory path (str or os.PathLike), got {type(value).__name__}: {value!r}"
+        )
+    return os.fspath(value)
+
+
 class ShardWriter:
     """Streams rows of several layers into safetensors shards from a background thread.
 
@@ -276,7 +310,7 @@ class ShardWriter:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.out = os.fspath(out)
+        self.out = _directory_arg("out", out)
         self.settings = json.loads(json.dumps(settings or {}))  # normalise (tuples -> lists)
         self.meta = dict(meta or {})
         self.shard_bytes = shard_bytes
@@ -694,7 +728,7 @@ class CaptureReader:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
+        self.path = _directory_arg("path", path)
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
         self.index = merged_index(self.path)

@@ -14,6 +14,8 @@ Both are drop-in replacements for baukit's (``import pyhook as nethook``), with 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -54,15 +56,22 @@ class CallRecord:
     input_kw: dict[str, Any] = field(default_factory=dict)
 
 
+def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
 def _unwrap_compiled(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
 
     Layer names then resolve as in the eager model (``'0'``, not ``'_orig_mod.0'``); whether
     hooks may be added at all is decided by :func:`~pyhook._hooks.check_not_compiled`.
     """
-    if type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get("_orig_mod"), nn.Module):
+    inner = module._modules.get("_orig_mod")
+    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
         check_not_compiled(module, who="Trace")
-        return module._modules["_orig_mod"]  # type: ignore[return-value]
+        return inner
     return module
 
 
@@ -146,8 +155,10 @@ class Trace(contextlib.AbstractContextManager):
         self._edit_takes_kw = edit_output is not None and accepts_argument(edit_output, "inputs_kw")
         self.module = target
         self.calls: list[CallRecord] = []
-        self._on_call = _on_call
-        self._stop_owner = self if _stop_owner is None else _stop_owner
+        # Weak references to a TraceDict that owns this Trace: no reference cycle, so dropping
+        # a closed tracer frees its activations at once (without waiting for the gc).
+        self._on_call = None if _on_call is None else _weak_callable(_on_call)
+        self._owner_ref = None if _stop_owner is None else weakref.ref(_stop_owner)
         self._any_thread = any_thread
         self._hooks = HookSet(any_thread=any_thread)
         self._register()
@@ -184,10 +195,16 @@ class Trace(contextlib.AbstractContextManager):
         if record is not None:
             self.calls.append(record)
         if self._on_call is not None:
-            self._on_call(self.layer)
+            on_call = self._on_call()
+            if on_call is not None:
+                on_call(self.layer)
         if self.stop:
             raise StopForward(owner=self._stop_owner)
         return output
+
+    @property
+    def _stop_owner(self) -> object:
+        return self if self._owner_ref is None else self._owner_ref()
 
     # -- lifetime -------------------------------------------------------------------------
     def __enter__(self) -> Trace:

@@ -55,7 +55,9 @@ def hook_snapshot(model: nn.Module) -> dict[str, Any]:
 def diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Human-readable differences between two snapshots (empty when equal)."""
     keys = sorted(set(before) | set(after))
-    return [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys if before.get(k) != after.get(k)]
+    return [
+        f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in keys if before.get(k) != after.get(k)
+    ]
 
 
 def examples(default: int) -> int:

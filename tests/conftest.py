@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import sys
 from collections.abc import Iterator
 
@@ -13,6 +14,9 @@ import torch
 from pyhook import _backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Subprocesses run outside the checkout, so that `python -c` imports the installed pyhook
+# (with its native module) rather than the source tree beside the tests.
+NEUTRAL_CWD = tempfile.gettempdir()
 
 
 @pytest.fixture(
@@ -44,7 +48,7 @@ def native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)
 
 
-def run_python(code: str, env: dict[str, str] | None = None, cwd: str = ROOT):
+def run_python(code: str, env: dict[str, str] | None = None, cwd: str = NEUTRAL_CWD):
     """Run ``code`` in a fresh interpreter (for import-time behaviour)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(

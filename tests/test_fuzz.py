@@ -27,12 +27,32 @@ from pyhook import _backend, _reference, recursive_copy
 pytestmark = pytest.mark.usefixtures("native")
 
 DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
-GRAD_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+GRAD_DTYPES = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+}
 VIEWS = ["contiguous", "transposed", "stepped", "expanded", "offset", "channels_last"]
 
 NT = collections.namedtuple("NT", ["a", "b"])
@@ -51,12 +71,20 @@ def tensor_specs(draw: st.DrawFn) -> dict[str, Any]:
     dtype = draw(st.sampled_from(DTYPES))
     ndim = draw(st.sampled_from([2, 1, 3, 4, 0]))
     shape = draw(st.lists(st.sampled_from([2, 3, 1, 0, 4]), min_size=ndim, max_size=ndim))
-    view = draw(st.sampled_from(VIEWS))
+    view = draw(st.sampled_from(VIEWS[1:5] * 2 + VIEWS))  # mostly non-contiguous
     device = draw(st.sampled_from(["cpu", "cpu", "cpu", "meta"]))
     grad = dtype in GRAD_DTYPES and draw(st.booleans())
     nonleaf = grad and draw(st.booleans())
-    return {"kind": "tensor", "dtype": dtype, "shape": shape, "view": view, "device": device,
-            "grad": grad, "nonleaf": nonleaf, "seed": draw(st.integers(0, 2**16))}
+    return {
+        "kind": "tensor",
+        "dtype": dtype,
+        "shape": shape,
+        "view": view,
+        "device": device,
+        "grad": grad,
+        "nonleaf": nonleaf,
+        "seed": draw(st.integers(0, 2**16)),
+    }
 
 
 LEAVES = st.one_of(
@@ -68,8 +96,17 @@ LEAVES = st.one_of(
     st.integers(-3, 3).map(lambda i: {"kind": "int", "v": i}),
     st.just({"kind": "object"}),
 )
-CONTAINERS = ["tuple", "list", "dict", "ordereddict", "defaultdict", "deque", "namedtuple",
-              "dataclass", "modeloutput"]
+CONTAINERS = [
+    "tuple",
+    "list",
+    "dict",
+    "ordereddict",
+    "defaultdict",
+    "deque",
+    "namedtuple",
+    "dataclass",
+    "modeloutput",
+]
 
 
 def _structures(children: st.SearchStrategy) -> st.SearchStrategy:
@@ -151,8 +188,9 @@ def build(spec: dict[str, Any]) -> Any:
     if kind == "modeloutput":
         from transformers.modeling_outputs import BaseModelOutput
 
-        return BaseModelOutput(last_hidden_state=items[0] if items else None,
-                               hidden_states=tuple(items[1:]) or None)
+        return BaseModelOutput(
+            last_hidden_state=items[0] if items else None, hidden_states=tuple(items[1:]) or None
+        )
     raise AssertionError(kind)
 
 
@@ -166,9 +204,14 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
     assert a.requires_grad == b.requires_grad and a.is_leaf == b.is_leaf, where
     if a.device.type != "meta":
         # bitwise: NaN-safe and exact for every dtype (bool and float8 included)
-        assert torch.equal(a.detach().contiguous().view(torch.uint8) if a.element_size() == 1 and a.dtype != torch.bool
-                           else a.detach(), b.detach().contiguous().view(torch.uint8)
-                           if b.element_size() == 1 and b.dtype != torch.bool else b.detach()), where
+        assert torch.equal(
+            a.detach().contiguous().view(torch.uint8)
+            if a.element_size() == 1 and a.dtype != torch.bool
+            else a.detach(),
+            b.detach().contiguous().view(torch.uint8)
+            if b.element_size() == 1 and b.dtype != torch.bool
+            else b.detach(),
+        ), where
 
 
 def same(a: Any, b: Any, where: str = "x") -> None:
@@ -225,7 +268,9 @@ def test_recursive_copy_native_matches_reference(spec, clone, detach, retain_gra
     assert len(src) == len(out)
     for a, b in zip(src, out):
         if clone and a.device.type != "meta" and a.numel():
-            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), "clone aliases its input"
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), (
+                "clone aliases its input"
+            )
         if detach and not retain_grad:
             assert not b.requires_grad
     # gradients flow identically through both backends' copies
@@ -288,11 +333,29 @@ def test_strategy_covers_the_interesting_cases():
     seen = set()
     for dtype in DTYPES:
         for view in VIEWS:
-            t = build_tensor({"dtype": dtype, "shape": [2, 3, 2, 2], "view": view, "device": "cpu",
-                              "grad": dtype in GRAD_DTYPES, "nonleaf": False, "seed": 0})
+            t = build_tensor(
+                {
+                    "dtype": dtype,
+                    "shape": [2, 3, 2, 2],
+                    "view": view,
+                    "device": "cpu",
+                    "grad": dtype in GRAD_DTYPES,
+                    "nonleaf": False,
+                    "seed": 0,
+                }
+            )
             seen.add((view, t.is_contiguous()))
             assert t.dtype == dtype
     assert ("transposed", False) in seen and ("stepped", False) in seen
     assert ("expanded", False) in seen and ("offset", False) in seen
-    assert build_tensor({"dtype": torch.bool, "shape": [0, 3], "view": "contiguous", "device": "meta",
-                         "grad": False, "nonleaf": False, "seed": 0}).is_meta
+    assert build_tensor(
+        {
+            "dtype": torch.bool,
+            "shape": [0, 3],
+            "view": "contiguous",
+            "device": "meta",
+            "grad": False,
+            "nonleaf": False,
+            "seed": 0,
+        }
+    ).is_meta

@@ -37,7 +37,9 @@ def _generate(model: nn.Module, ids: torch.Tensor, **kw: Any) -> Any:
     )
 
 
-def _hand_generate(model: nn.Module, ids: torch.Tensor, edit=None) -> tuple[Any, list[torch.Tensor]]:
+def _hand_generate(
+    model: nn.Module, ids: torch.Tensor, edit=None
+) -> tuple[Any, list[torch.Tensor]]:
     """Reference: a plain forward hook that records (and optionally edits) every call."""
     seen: list[torch.Tensor] = []
 
@@ -127,8 +129,12 @@ def test_steering_a_generation_matches_a_hand_written_hook():
     for call, ref in zip(t.calls, ref_steps):
         assert torch.equal(call.output, ref)  # retained = post-edit output at every step
     # TraceDict steering one layer, recording another, per-layer options
-    with TraceDict(model, ["transformer.h.0", LAYER], edit_output={LAYER: steer},
-                   keep_calls={"transformer.h.0": True}) as td:
+    with TraceDict(
+        model,
+        ["transformer.h.0", LAYER],
+        edit_output={LAYER: steer},
+        keep_calls={"transformer.h.0": True},
+    ) as td:
         out2 = _generate(model, ids)
     assert torch.equal(out2.sequences, ref_out.sequences)
     assert len(td["transformer.h.0"].calls) == NEW and td[LAYER].calls == []
@@ -165,8 +171,13 @@ def test_flexmodel_saves_one_copy_per_generation_step():
     fm = FlexModel(model, out)
     try:
         fm.register_forward_hook(HookFunction(LAYER))
-        fm.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                           do_sample=False, pad_token_id=0)
+        fm.module.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
     finally:
         fm.restore()
     assert len(out[LAYER]) == NEW
@@ -179,8 +190,13 @@ def test_capture_records_each_generation_step_as_one_batch():
     ids = _ids()
     _, ref_steps = _hand_generate(model, ids)
     with capture(model, [LAYER], to="host", positions="last") as rec:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
     got = rec[LAYER]
     want = torch.cat([s[:, -1] for s in ref_steps])
     assert got.shape == want.shape

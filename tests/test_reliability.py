@@ -123,15 +123,28 @@ def _failing_edit(*_a: Any, **_k: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # every tracer of the package, run once on (model, layers, x) with random options
 def run_trace(model, layers, x, opts, edit):
-    with Trace(model, layers[0], stop=opts["stop"], clone=opts["clone"], retain_input=opts["flag"],
-               keep_calls=opts["flag"], edit_output=edit) as t:
+    with Trace(
+        model,
+        layers[0],
+        stop=opts["stop"],
+        clone=opts["clone"],
+        retain_input=opts["flag"],
+        keep_calls=opts["flag"],
+        edit_output=edit,
+    ) as t:
         model(x)
     return t
 
 
 def run_tracedict(model, layers, x, opts, edit):
-    with TraceDict(model, layers, stop=opts["stop"], clone=opts["clone"], retain_grad=opts["flag"],
-                   edit_output=edit) as td:
+    with TraceDict(
+        model,
+        layers,
+        stop=opts["stop"],
+        clone=opts["clone"],
+        retain_grad=opts["flag"],
+        edit_output=edit,
+    ) as td:
         model(x)
     return td
 
@@ -188,7 +201,10 @@ def run_grabber(model, layers, x, opts, edit):
 
 
 def run_extender(model, layers, x, opts, edit):
-    ext = {name: {f"e{i}": (nn.Identity() if not edit else _FailingModule())} for i, name in enumerate(layers)}
+    ext = {
+        name: {f"e{i}": (nn.Identity() if not edit else _FailingModule())}
+        for i, name in enumerate(layers)
+    }
     with ModelExtender(model, ext) as m:
         m(x)
 
@@ -232,8 +248,12 @@ TRACERS = {
 }
 
 # exceptions a tracer must let through (it may swallow only its own StopForward)
-_PROPAGATES = {"runtime": Boom, "keyboard": KeyboardInterrupt, "foreign_stop": StopForward,
-               "edit_error": Boom}
+_PROPAGATES = {
+    "runtime": Boom,
+    "keyboard": KeyboardInterrupt,
+    "foreign_stop": StopForward,
+    "edit_error": Boom,
+}
 
 
 @bounded(60)
@@ -246,9 +266,13 @@ _PROPAGATES = {"runtime": Boom, "keyboard": KeyboardInterrupt, "foreign_stop": S
     clone=st.booleans(),
     flag=st.booleans(),
 )
-def test_no_hook_left_behind_and_no_foreign_hook_touched(model, tracer, data, failure, stop, clone, flag):
+def test_no_hook_left_behind_and_no_foreign_hook_touched(
+    model, tracer, data, failure, stop, clone, flag
+):
     names = _names(model)
-    layers = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True), "layers")
+    layers = data.draw(
+        st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True), "layers"
+    )
     # the user's own hooks, some on traced layers, one of them maybe the failure point
     foreign: list[Any] = []
     for name in data.draw(st.lists(st.sampled_from(names), max_size=3), "foreign"):
@@ -292,8 +316,12 @@ def test_keyboard_interrupt_from_inside_a_pyhook_edit_leaves_nothing():
     ids = torch.randint(0, 100, (1, 5))
     for make in (
         lambda: Trace(model, "transformer.h.1", edit_output=interrupt),
-        lambda: TraceDict(model, ["transformer.h.0", "transformer.h.1.mlp"],
-                          edit_output={"transformer.h.1.mlp": interrupt}, stop=True),
+        lambda: TraceDict(
+            model,
+            ["transformer.h.0", "transformer.h.1.mlp"],
+            edit_output={"transformer.h.1.mlp": interrupt},
+            stop=True,
+        ),
     ):
         with pytest.raises(KeyboardInterrupt), make():
             model(ids)
@@ -325,8 +353,12 @@ def test_transformers_output_hooks_are_not_ours_and_stay():
     before = hook_snapshot(model)
     with TraceDict(model, ["transformer.h.0", "transformer.h.1"], clone=True) as td:
         out = model(ids, output_hidden_states=True)
-    assert torch.equal(td["transformer.h.0"].output[0] if isinstance(td["transformer.h.0"].output, tuple)
-                       else td["transformer.h.0"].output, out.hidden_states[1])
+    assert torch.equal(
+        td["transformer.h.0"].output[0]
+        if isinstance(td["transformer.h.0"].output, tuple)
+        else td["transformer.h.0"].output,
+        out.hidden_states[1],
+    )
     assert not diff(before, hook_snapshot(model))
 
 
@@ -360,10 +392,9 @@ def test_inner_stop_is_not_swallowed_by_outer_and_outer_stop_reaches_outer():
     assert after_call == ["outer body"]
     assert hasattr(inner, "output") and not hasattr(outer, "output")
     # outer stops at layer 0 while the inner stop layer is never reached: propagates through inner
-    with TraceDict(model, ["0"], stop=True) as outer_td:
-        with Trace(model, "2", stop=True) as inner2:
-            model(x)
-            after_call.append("unreached")
+    with TraceDict(model, ["0"], stop=True) as outer_td, Trace(model, "2", stop=True) as inner2:
+        model(x)
+        after_call.append("unreached")
     assert "unreached" not in after_call and not hasattr(inner2, "output")
     assert outer_td["0"].output is not None
     assert not diff({}, {}) and sum(len(m._forward_hooks) for m in model.modules()) == 0
@@ -384,9 +415,8 @@ def test_stopforward_of_another_owner_passes_through_every_tracer():
         with pytest.raises(StopForward) as info, make():
             model(x)
         assert info.value.owner is token
-    with pytest.raises(StopForward) as info:
-        with Trace(model, "1", edit_output=stop_other):
-            TruncatedModule(model, "1")(x)  # the truncation point's own stop must not eat it
+    with pytest.raises(StopForward) as info, Trace(model, "1", edit_output=stop_other):
+        TruncatedModule(model, "1")(x)  # the truncation point's own stop must not eat it
     assert info.value.owner is token
 
 
@@ -409,13 +439,23 @@ def _run_two_threads(fn: Callable[[int], Any]) -> list[Any]:
     return results
 
 
-@pytest.mark.parametrize("tracer", ["Trace", "TraceDict", "deephook", "TruncatedModule", "ModelStump", "capture"])
+@pytest.mark.parametrize(
+    "tracer", ["Trace", "TraceDict", "deephook", "TruncatedModule", "ModelStump", "capture"]
+)
 def test_two_threads_tracing_one_model_each_get_their_own_forward(tracer):
     model = gpt2()
-    inputs = [torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    inputs = [
+        torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(k)) for k in range(2)
+    ]
     with torch.no_grad():
-        ref = [model.transformer.h[0](model.transformer.drop(
-            model.transformer.wte(ids) + model.transformer.wpe(torch.arange(6)[None])))[0] for ids in inputs]
+        ref = [
+            model.transformer.h[0](
+                model.transformer.drop(
+                    model.transformer.wte(ids) + model.transformer.wpe(torch.arange(6)[None])
+                )
+            )[0]
+            for ids in inputs
+        ]
     barrier = threading.Barrier(2)
     layer = "transformer.h.0"
 
@@ -459,7 +499,9 @@ def test_two_threads_tracing_one_model_each_get_their_own_forward(tracer):
     results = _run_two_threads(work)
     for k in range(2):
         for got in results[k]:
-            assert torch.allclose(got.reshape(ref[k].shape), ref[k], atol=1e-6), f"thread {k} saw the other forward"
+            assert torch.allclose(got.reshape(ref[k].shape), ref[k], atol=1e-6), (
+                f"thread {k} saw the other forward"
+            )
     before = hook_snapshot(gpt2())
     assert not diff(before, hook_snapshot(model))
 
@@ -467,7 +509,10 @@ def test_two_threads_tracing_one_model_each_get_their_own_forward(tracer):
 def test_any_thread_tracer_sees_every_thread_and_default_tracer_ignores_others():
     model = nn.Sequential(nn.Linear(D, D))
     x = torch.randn(1, D)
-    with Trace(model, "0", keep_calls=True) as mine, Trace(model, "0", keep_calls=True, any_thread=True) as every:
+    with (
+        Trace(model, "0", keep_calls=True) as mine,
+        Trace(model, "0", keep_calls=True, any_thread=True) as every,
+    ):
         th = threading.Thread(target=lambda: model(x))
         th.start()
         th.join()
