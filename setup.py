@@ -30,6 +30,17 @@ def env_flag(name: str) -> bool | None:
     return value not in ("0", "false", "no", "off")
 
 
+def openmp_flags(torch) -> list[str]:
+    """``-fopenmp`` when torch uses OpenMP: ``at::parallel_for`` is inlined into our code with
+    ``#pragma omp``, so without the flag every "parallel" copy runs on one thread. Only the
+    compile step gets it; the GOMP symbols resolve against the libgomp torch already loaded,
+    so no second OpenMP runtime enters the process."""
+    info = torch.__config__.parallel_info()
+    if sys.platform != "darwin" and "OpenMP" in info and "OpenMP not found" not in info:
+        return ["-fopenmp"]
+    return []
+
+
 def native_extensions() -> tuple[list, dict]:
     """The extension list and cmdclass; both empty for a pure-Python install."""
     if env_flag("PYHOOK_BUILD_NATIVE") is False:
@@ -53,7 +64,7 @@ def native_extensions() -> tuple[list, dict]:
     # py_limited_api: _C only defines an empty module (its import runs the op
     # registrations), so torch's cpp_extension compiles it against the stable ABI
     # (it adds -DPy_LIMITED_API itself) and one .so fits every CPython it supports.
-    cxx = ["-O3", "-DPYHOOK_PYTHON_MODULE"]
+    cxx = ["-O3", "-DPYHOOK_PYTHON_MODULE", *openmp_flags(torch)]
     kwargs: dict = {"py_limited_api": True}
     if use_cuda:
         ext_cls = cpp_extension.CUDAExtension

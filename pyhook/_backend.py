@@ -33,6 +33,7 @@ import torch
 from . import _reference
 
 __all__ = [
+    "clone_one",
     "clone_tensors",
     "empty_pool",
     "get_backend",
@@ -234,6 +235,19 @@ def _skip_autograd(batch: list[torch.Tensor]) -> bool:
     return not torch.compiler.is_compiling()  # a tracer should see the plain op call
 
 
+def clone_one(t: torch.Tensor) -> torch.Tensor:
+    """``clone_tensors([t])[0]``, with the routing of small tensors kept off the hot path
+    (every traced layer that clones a tensor output comes here).
+
+    >>> x = torch.arange(3.0)
+    >>> y = clone_one(x); torch.equal(x, y) and y.data_ptr() != x.data_ptr()
+    True
+    """
+    if _requested == "reference" or (NATIVE_MIN_BYTES and type(t) is torch.Tensor and t.nbytes < NATIVE_MIN_BYTES):
+        return t.clone()
+    return clone_tensors([t])[0]
+
+
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copy every tensor exactly like ``t.clone()``, using the native kernel where it applies.
 
@@ -246,6 +260,15 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return []
     if get_backend() != "native":
         return _reference.clone_tensors(tensors)
+    if NATIVE_MIN_BYTES:
+        # Small captures: the reference path is the faster one; decide before any per-tensor
+        # routing so that they pay (almost) nothing for the native backend being on.
+        try:
+            small = sum(t.nbytes for t in tensors) < NATIVE_MIN_BYTES
+        except (RuntimeError, NotImplementedError):  # layouts without nbytes (nested, ...)
+            small = False
+        if small:
+            return _reference.clone_tensors(tensors)
 
     # Partition by device so each native call sees one device; everything the
     # kernels cannot take goes through the reference path.

@@ -61,6 +61,13 @@ def recursive_copy(
     if not clone and not detach and not retain_grad:
         return x
     detach_b, retain_b, clone_b = bool(detach), bool(retain_grad), bool(clone)
+    if isinstance(x, torch.Tensor):  # the common case (a layer returning a tensor), no tree walk
+        t = _prepare([x], detach_b, retain_b)[0] if retain_b else (x.detach() if detach_b else x)
+        if clone_b:
+            t = _backend.clone_one(t)
+        if retain_b and t.requires_grad:
+            t.retain_grad()
+        return t
 
     def copy_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         tensors = _prepare(tensors, detach_b, retain_b)

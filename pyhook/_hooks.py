@@ -12,10 +12,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,7 +82,8 @@ class CompiledModelError(RuntimeError):
 
 def _compile_marker(module: nn.Module) -> str | None:
     """How ``module`` was compiled, or None (no import of torch._dynamo: markers imply it)."""
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    # __dict__ lookups: a missing attribute through nn.Module.__getattr__ costs microseconds
+    if module.__dict__.get("_compiled_call_impl") is not None:
         return "module.compile()"
     if module.__dict__.get("_is_torch_compile", False) or (
         type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
@@ -103,20 +103,21 @@ def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "
     >>> import torch
     >>> check_not_compiled(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0")  # eager: fine
     """
-    path = [("", root)]
-    if name:
-        mod = root
+    if "torch._dynamo" not in sys.modules:
+        return  # nothing in this process was compiled (runs for every traced layer: keep it cheap)
+    where, how = "", _compile_marker(root)
+    if how is None and name:
+        mod: nn.Module | None = root
         parts = name.split(".")
         for i, part in enumerate(parts):
-            child = mod._modules.get(part)
-            if child is None:
+            mod = mod._modules.get(part)  # type: ignore[union-attr]
+            if mod is None:
                 break
-            mod = child
-            path.append((".".join(parts[: i + 1]), mod))
-    for where, mod in path:
-        how = _compile_marker(mod)
-        if how is None:
-            continue
+            how = _compile_marker(mod)
+            if how is not None:
+                where = ".".join(parts[: i + 1])
+                break
+    if how is not None:
         dynamo_config = getattr(sys.modules.get("torch._dynamo"), "config", None)
         if dynamo_config is not None and not getattr(
             dynamo_config, "skip_nnmodule_hook_guards", True
@@ -152,21 +153,26 @@ class HookSet:
 
     __slots__ = ("_handles", "_thread", "any_thread", "__weakref__")
 
+    # ``with hooks.registering(): ...`` is the hot path of every tracer's construction, so the
+    # set is its own (cheap) context manager rather than a contextlib generator.
+
     def __init__(self, *, any_thread: bool = False) -> None:
         self._handles: list[RemovableHandle] = []
         self._thread = threading.get_ident()
         self.any_thread = any_thread
 
     # -- registration -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def registering(self) -> Iterator[HookSet]:
+    def registering(self) -> HookSet:
         """Context in which hooks are added atomically: any exception removes them all."""
         self._thread = threading.get_ident()
-        try:
-            yield self
-        except BaseException:
+        return self
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is not None:
             self.remove()
-            raise
 
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if self.any_thread:
@@ -196,7 +202,7 @@ class HookSet:
         always_call: bool = False,
     ) -> RemovableHandle:
         """``module.register_forward_hook(fn)``, thread-guarded, owned by this set."""
-        if _compile_marker(module) is not None:
+        if "torch._dynamo" in sys.modules and _compile_marker(module) is not None:
             check_not_compiled(module)
         return self._keep(
             module.register_forward_hook(
@@ -208,7 +214,7 @@ class HookSet:
         self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set."""
-        if _compile_marker(module) is not None:
+        if "torch._dynamo" in sys.modules and _compile_marker(module) is not None:
             check_not_compiled(module)
         return self._keep(
             module.register_forward_pre_hook(self._guard(fn), with_kwargs=with_kwargs, prepend=prepend)

@@ -141,24 +141,49 @@ class Trace(contextlib.AbstractContextManager):
                 f"got {type(layer).__name__}: {layer!r}"
             )
         check_not_compiled(module, self.layer, who="Trace")
-        self.retain_output = _check_flag("retain_output", retain_output, self.layer)
-        self.retain_input = _check_flag("retain_input", retain_input, self.layer)
-        self.clone = _check_flag("clone", clone, self.layer)
-        self.detach = _check_flag("detach", detach, self.layer)
-        self.retain_grad = _check_flag("retain_grad", retain_grad, self.layer)
-        self.stop = _check_flag("stop", stop, self.layer)
-        self.keep_calls = _check_flag("keep_calls", keep_calls, self.layer)
         if edit_output is not None and not callable(edit_output):
             where = f" for layer {self.layer!r}" if self.layer is not None else ""
             raise TypeError(f"edit_output{where} must be callable or None, got {type(edit_output).__name__}")
+        flags = {
+            opt: _check_flag(opt, value, self.layer)
+            for opt, value in (
+                ("retain_output", retain_output), ("retain_input", retain_input), ("clone", clone),
+                ("detach", detach), ("retain_grad", retain_grad), ("stop", stop),
+                ("keep_calls", keep_calls),
+            )
+        }
+        self._setup(target, flags, edit_output, any_thread, _on_call, _stop_owner)
+
+    @classmethod
+    def _trusted(
+        cls, layer: str, target: nn.Module, flags: dict[str, bool], edit_output: Any,
+        any_thread: bool, on_call: Any, stop_owner: object,
+    ) -> Trace:
+        """A Trace from settings its caller (TraceDict) already resolved and validated."""
+        self = cls.__new__(cls)
+        self.layer = layer
+        self._setup(target, flags, edit_output, any_thread, on_call, stop_owner)
+        return self
+
+    def _setup(
+        self, target: nn.Module, flags: dict[str, bool], edit_output: Any, any_thread: bool,
+        on_call: Any, stop_owner: object,
+    ) -> None:
+        self.retain_output = flags["retain_output"]
+        self.retain_input = flags["retain_input"]
+        self.clone = flags["clone"]
+        self.detach = flags["detach"]
+        self.retain_grad = flags["retain_grad"]
+        self.stop = flags["stop"]
+        self.keep_calls = flags["keep_calls"]
         self.edit_output = edit_output
         self._edit_takes_kw = edit_output is not None and accepts_argument(edit_output, "inputs_kw")
         self.module = target
         self.calls: list[CallRecord] = []
         # Weak references to a TraceDict that owns this Trace: no reference cycle, so dropping
         # a closed tracer frees its activations at once (without waiting for the gc).
-        self._on_call = None if _on_call is None else _weak_callable(_on_call)
-        self._owner_ref = None if _stop_owner is None else weakref.ref(_stop_owner)
+        self._on_call = None if on_call is None else _weak_callable(on_call)
+        self._owner_ref = None if stop_owner is None else weakref.ref(stop_owner)
         self._any_thread = any_thread
         self._hooks = HookSet(any_thread=any_thread)
         self._register()
@@ -268,45 +293,57 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 "layers must be a list of dotted layer names, e.g. ['transformer.h.0'], "
                 f"got {type(layers).__name__}: {layers!r}"
             )
-        names: list[str] = []
+        unique: dict[str, nn.Module] = {}  # ordered and deduplicated, name -> module
         for layer in layers:
-            name = resolve_module(module, layer)[0] if isinstance(layer, (str, nn.Module)) else layer
-            if not isinstance(name, str):
+            if not isinstance(layer, (str, nn.Module)):
                 raise TypeError(f"layers must hold layer names (str), got {type(layer).__name__}: {layer!r}")
-            if name not in names:
-                names.append(name)
+            name, target = resolve_module(module, layer)
+            unique.setdefault(name, target)
+        names = list(unique)
+        for name in names:
+            check_not_compiled(module, name, who="TraceDict")
         self.stop = _check_flag("stop", stop)
-        options = {
+        flag_options = {
             "retain_output": retain_output,
             "retain_input": retain_input,
             "clone": clone,
             "detach": detach,
             "retain_grad": retain_grad,
-            "edit_output": edit_output,
             "keep_calls": keep_calls,
         }
-        for opt, value in options.items():
+        for opt, value in (*flag_options.items(), ("edit_output", edit_output)):
             if isinstance(value, dict):
-                unknown = [k for k in value if k not in names]
+                unknown = [k for k in value if k not in unique]
                 if unknown:
                     raise KeyError(
                         f"{opt} names layers that are not traced: {unknown}; traced layers: {names}"
                     )
+
+        def flag_for(opt: str, name: str) -> bool:
+            value = flag_options[opt]
+            return _check_flag(opt, value.get(name) if isinstance(value, dict) else value, name)
+
+        def edit_for(name: str) -> Any:
+            fn = edit_output.get(name) if isinstance(edit_output, dict) else edit_output
+            if fn is not None and not callable(fn):
+                raise TypeError(
+                    f"edit_output for layer {name!r} must be callable or None, got {type(fn).__name__}"
+                )
+            return fn
+
+        scalar = {o: _check_flag(o, v) for o, v in flag_options.items() if not isinstance(v, dict)}
+        settings = []
+        for name in names:  # everything is validated before the first hook is registered
+            flags = {o: scalar[o] if o in scalar else flag_for(o, name) for o in flag_options}
+            flags["stop"] = False
+            settings.append((name, flags, edit_for(name)))
         self._pending: set[str] = set()
         self._hooks = HookSet(any_thread=any_thread)
+        on_call = self._layer_ran if self.stop else None
         try:
-            for name in names:
-                per_layer = {
-                    opt: (value.get(name, None) if isinstance(value, dict) else value)
-                    for opt, value in options.items()
-                }
-                self[name] = Trace(
-                    module,
-                    name,
-                    **per_layer,
-                    any_thread=any_thread,
-                    _on_call=self._layer_ran if self.stop else None,
-                    _stop_owner=self,
+            for name, flags, edit in settings:
+                self[name] = Trace._trusted(
+                    name, unique[name], flags, edit, any_thread, on_call, self
                 )
             if self.stop:
                 with self._hooks.registering():
