@@ -73,22 +73,24 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(out + [line.format(*r) for r in rows])
 
 
+def gpt2_config(n_layer: int, d_model: int, heads: int, vocab: int, positions: int):
+    """The GPT-2 shape every part of this benchmark (and every peer) uses."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=n_layer, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=positions,
+        bos_token_id=0, eos_token_id=0,
+    )
+
+
 # -- (a) in-memory capture vs peers ----------------------------------------------------------------
 def bench_peers(args: argparse.Namespace) -> None:
-    from transformers import GPT2Config, GPT2Model
+    from transformers import GPT2Model
 
     L, D, H, T, B, V = args.layers, args.d_model, args.heads, args.seq, args.batch, 1000
     torch.manual_seed(0)
     model = GPT2Model(
-        GPT2Config(
-            n_layer=L,
-            n_embd=D,
-            n_head=H,
-            vocab_size=V,
-            n_positions=T,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        gpt2_config(L, D, H, V, T)
     ).eval()
     batches = [torch.randint(0, V, (B, T)) for _ in range(args.steps)]
     mb = L * B * T * D * 4 * len(batches) / 1e6
@@ -234,21 +236,13 @@ def _transformer_lens(L: int, D: int, H: int, T: int, V: int):
         pass
     from tokenizers import Tokenizer, models
     from transformer_lens.model_bridge import TransformerBridge
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = tempfile.mkdtemp(prefix="pyhook-bench-tl-")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=L,
-            n_embd=D,
-            n_head=H,
-            vocab_size=V,
-            n_positions=T,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        gpt2_config(L, D, H, V, T)
     ).eval()
     hf.save_pretrained(path)
     tok = PreTrainedTokenizerFast(
@@ -286,23 +280,13 @@ def dd_speed(directory: str, mb: int) -> float:
 
 
 def bench_disk(args: argparse.Namespace) -> None:
-    from transformers import GPT2Config, GPT2Model
+    from transformers import GPT2Model
 
     base = args.out_dir or tempfile.mkdtemp(prefix="pyhook-bench-")
     os.makedirs(base, exist_ok=True)
     L, D, H, T, B = args.layers, args.d_model, args.heads, args.seq, args.batch
     torch.manual_seed(0)
-    model = GPT2Model(
-        GPT2Config(
-            n_layer=L,
-            n_embd=D,
-            n_head=H,
-            vocab_size=1000,
-            n_positions=T,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    ).eval()
+    model = GPT2Model(gpt2_config(L, D, H, 1000, T)).eval()
     batches = [torch.randint(0, 1000, (B, T)) for _ in range(args.disk_steps)]
     # Capture every module output (attention, MLP, norms too), so that the bytes per second of
     # compute are high enough for the disk to matter.

@@ -34,21 +34,9 @@ from ._backend import (
     use_backend,
 )
 from ._copy import recursive_copy
-from ._hooks import StopForward
+from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
 from ._version import __version__
-from .modules import (
-    LayerNotFoundError,
-    get_module,
-    get_parameter,
-    hierarchical_subsequence,
-    module_names,
-    parameter_names,
-    replace_module,
-    set_requires_grad,
-    subsequence,
-)
-from ._hooks import CompiledModelError
 from .capture import Recorder, capture, resolve_layers
 from .deephook import TraceMultiple
 from .extend import (
@@ -62,6 +50,17 @@ from .extend import (
     output_sizes,
 )
 from .flex import DummyModule, FlexModel, HookFunction, default_editing_function
+from .modules import (
+    LayerNotFoundError,
+    get_module,
+    get_parameter,
+    hierarchical_subsequence,
+    module_names,
+    parameter_names,
+    replace_module,
+    set_requires_grad,
+    subsequence,
+)
 from .store import (
     CaptureExistsError,
     CaptureReader,

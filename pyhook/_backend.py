@@ -243,7 +243,9 @@ def clone_one(t: torch.Tensor) -> torch.Tensor:
     >>> y = clone_one(x); torch.equal(x, y) and y.data_ptr() != x.data_ptr()
     True
     """
-    if _requested == "reference" or (NATIVE_MIN_BYTES and type(t) is torch.Tensor and t.nbytes < NATIVE_MIN_BYTES):
+    if _requested == "reference" or (
+        NATIVE_MIN_BYTES and type(t) is torch.Tensor and t.nbytes < NATIVE_MIN_BYTES
+    ):
         return t.clone()
     return clone_tensors([t])[0]
 

@@ -66,7 +66,7 @@ class CompiledModelError(RuntimeError):
     pyhook raises this error instead. Either trace the uncompiled model, or set
     ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` *before* compiling, so that
     dynamo recompiles whenever hooks change (then every pyhook tracer gives eager results).
-    
+
     Example::
 
         >>> import torch, pyhook
@@ -151,7 +151,7 @@ class HookSet:
         0
     """
 
-    __slots__ = ("_handles", "_thread", "any_thread", "__weakref__")
+    __slots__ = ("__weakref__", "_handles", "_thread", "any_thread")
 
     # ``with hooks.registering(): ...`` is the hot path of every tracer's construction, so the
     # set is its own (cheap) context manager rather than a contextlib generator.
@@ -211,17 +211,26 @@ class HookSet:
         )
 
     def forward_pre(
-        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        prepend: bool = False,
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set."""
         if "torch._dynamo" in sys.modules and _compile_marker(module) is not None:
             check_not_compiled(module)
         return self._keep(
-            module.register_forward_pre_hook(self._guard(fn), with_kwargs=with_kwargs, prepend=prepend)
+            module.register_forward_pre_hook(
+                self._guard(fn), with_kwargs=with_kwargs, prepend=prepend
+            )
         )
 
     # Backward hooks run on autograd's threads, so they are never thread-guarded.
-    def full_backward(self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False) -> RemovableHandle:
+    def full_backward(
+        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+    ) -> RemovableHandle:
         """``module.register_full_backward_hook(fn)``, owned by this set."""
         return self._keep(module.register_full_backward_hook(fn, prepend=prepend))
 

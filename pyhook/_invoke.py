@@ -6,14 +6,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["invoke_with_optional_args", "accepts_argument"]
+__all__ = ["accepts_argument", "invoke_with_optional_args"]
 
 _P = inspect.Parameter
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
     try:
-        return inspect.signature(fn)  # binds `self` of methods and callable objects, unwraps partials
+        return inspect.signature(
+            fn
+        )  # binds `self` of methods and callable objects, unwraps partials
     except (TypeError, ValueError):  # builtins without a signature
         return None
 
@@ -21,9 +23,14 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
 def accepts_argument(fn: Callable[..., Any], name: str) -> bool:
     """True when ``fn`` declares a parameter called ``name`` (not merely ``**kwargs``)."""
     sig = _signature(fn)
-    return sig is not None and name in sig.parameters and sig.parameters[name].kind not in (
-        _P.VAR_POSITIONAL,
-        _P.VAR_KEYWORD,
+    return (
+        sig is not None
+        and name in sig.parameters
+        and sig.parameters[name].kind
+        not in (
+            _P.VAR_POSITIONAL,
+            _P.VAR_KEYWORD,
+        )
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["flatten", "unflatten", "tensor_leaves", "map_tensors", "TreeSpec"]
+__all__ = ["TreeSpec", "flatten", "map_tensors", "tensor_leaves", "unflatten"]
 
 TreeSpec = pytree.TreeSpec
 
@@ -91,9 +91,7 @@ def tensor_leaves(x: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def map_tensors(
-    x: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-) -> Any:
+def map_tensors(x: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
     """Rebuild ``x`` with its tensors replaced by ``fn(all_tensors)``.
 
     ``fn`` receives every tensor leaf at once (so a native op can copy them in one call) and

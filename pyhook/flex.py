@@ -100,6 +100,14 @@ class _SharedState:
         "save_on",
         "trainable_modules",
     )
+    batch_dim: int
+    gather_data_parallel: bool
+    offload_device: Any
+    output_ptr: dict[str, list[Any]]
+    parallel: Any
+    save_ctx: Any
+    save_on: str
+    trainable_modules: Any
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -728,7 +736,7 @@ class FlexModel(nn.Module):
         """Wrapped module names followed by trainable module names."""
         return self.wrapped_module_names + self.trainable_modules_names
 
-    def named_parameters(  # type: ignore[override]
+    def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped model's parameters under their own names (as flex_model), then those of
@@ -745,7 +753,7 @@ class FlexModel(nn.Module):
                     seen.add(id(p))
                 yield n, p
 
-    def named_buffers(  # type: ignore[override]
+    def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The wrapped model's buffers under their own names, then the trainable modules'."""

@@ -21,14 +21,14 @@ __all__ = [
     "LayerNotFoundError",
     "get_module",
     "get_parameter",
-    "replace_module",
+    "hierarchical_subsequence",
+    "module_name_of",
     "module_names",
     "parameter_names",
+    "replace_module",
+    "resolve_module",
     "set_requires_grad",
     "subsequence",
-    "hierarchical_subsequence",
-    "resolve_module",
-    "module_name_of",
 ]
 
 
@@ -63,7 +63,9 @@ def _describe(name: str) -> str:
     return "'' (the root)" if name == "" else repr(name)
 
 
-def _not_found(model: nn.Module, name: Any, kind: str, candidates: Iterable[str]) -> LayerNotFoundError:
+def _not_found(
+    model: nn.Module, name: Any, kind: str, candidates: Iterable[str]
+) -> LayerNotFoundError:
     names = list(candidates)
     close = difflib.get_close_matches(str(name), names, n=5, cutoff=0.5)
     if not close:
@@ -137,7 +139,7 @@ def get_parameter(model: nn.Module, name: str) -> nn.Parameter:
     param = owner._parameters.get(attr) if owner is not None else None
     if param is None:
         raise _not_found(model, name, "parameter", (n for n, _ in model.named_parameters()))
-    return param  # type: ignore[return-value]
+    return param
 
 
 def replace_module(model: nn.Module, name: str, new_module: nn.Module) -> None:
@@ -242,11 +244,13 @@ def subsequence(
     if single_layer is not None:
         first_layer = last_layer = single_layer
     first, last, after, upto = (
-        None if d is None else d.split(".") for d in (first_layer, last_layer, after_layer, upto_layer)
+        None if d is None else d.split(".")
+        for d in (first_layer, last_layer, after_layer, upto_layer)
     )
-    return hierarchical_subsequence(
+    result = hierarchical_subsequence(
         sequential, first=first, last=last, after=after, upto=upto, share_weights=share_weights
     )
+    return result  # type: ignore[return-value]  # a Sequential whenever a bound is given
 
 
 def hierarchical_subsequence(
@@ -333,7 +337,7 @@ def hierarchical_subsequence(
         if start_after:
             including = True
     for bound in unmatched.values():
-        raise ValueError("Layer %s not found" % ".".join(bound))
+        raise ValueError("Layer {} not found".format(".".join(bound)))
     if not kept and depth > 0:
         return None  # type: ignore[return-value]  # empty nested slices are dropped
     result = nn.Sequential(kept)

@@ -28,7 +28,7 @@ from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from ._invoke import accepts_argument, invoke_with_optional_args
 from .modules import resolve_module
 
-__all__ = ["Trace", "TraceDict", "CallRecord"]
+__all__ = ["CallRecord", "Trace", "TraceDict"]
 
 _MISSING = object()
 
@@ -143,12 +143,18 @@ class Trace(contextlib.AbstractContextManager):
         check_not_compiled(module, self.layer, who="Trace")
         if edit_output is not None and not callable(edit_output):
             where = f" for layer {self.layer!r}" if self.layer is not None else ""
-            raise TypeError(f"edit_output{where} must be callable or None, got {type(edit_output).__name__}")
+            raise TypeError(
+                f"edit_output{where} must be callable or None, got {type(edit_output).__name__}"
+            )
         flags = {
             opt: _check_flag(opt, value, self.layer)
             for opt, value in (
-                ("retain_output", retain_output), ("retain_input", retain_input), ("clone", clone),
-                ("detach", detach), ("retain_grad", retain_grad), ("stop", stop),
+                ("retain_output", retain_output),
+                ("retain_input", retain_input),
+                ("clone", clone),
+                ("detach", detach),
+                ("retain_grad", retain_grad),
+                ("stop", stop),
                 ("keep_calls", keep_calls),
             )
         }
@@ -156,8 +162,14 @@ class Trace(contextlib.AbstractContextManager):
 
     @classmethod
     def _trusted(
-        cls, layer: str, target: nn.Module, flags: dict[str, bool], edit_output: Any,
-        any_thread: bool, on_call: Any, stop_owner: object,
+        cls,
+        layer: str,
+        target: nn.Module,
+        flags: dict[str, bool],
+        edit_output: Any,
+        any_thread: bool,
+        on_call: Any,
+        stop_owner: object,
     ) -> Trace:
         """A Trace from settings its caller (TraceDict) already resolved and validated."""
         self = cls.__new__(cls)
@@ -166,8 +178,13 @@ class Trace(contextlib.AbstractContextManager):
         return self
 
     def _setup(
-        self, target: nn.Module, flags: dict[str, bool], edit_output: Any, any_thread: bool,
-        on_call: Any, stop_owner: object,
+        self,
+        target: nn.Module,
+        flags: dict[str, bool],
+        edit_output: Any,
+        any_thread: bool,
+        on_call: Any,
+        stop_owner: object,
     ) -> None:
         self.retain_output = flags["retain_output"]
         self.retain_input = flags["retain_input"]
@@ -195,7 +212,9 @@ class Trace(contextlib.AbstractContextManager):
             self._hooks.forward(self.module, self._hook, with_kwargs=True)
         self.registered_hook = self._hooks._handles[0]
 
-    def _hook(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    def _hook(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
         if self.edit_output is not None:
             extra = {"inputs_kw": kwargs} if self._edit_takes_kw else {}
             edited = invoke_with_optional_args(
@@ -205,7 +224,9 @@ class Trace(contextlib.AbstractContextManager):
                 output = edited
         record = CallRecord(len(self.calls)) if self.keep_calls else None
         if self.retain_input:
-            self.input = recursive_copy(args[0] if len(args) == 1 else args, self.clone, self.detach, False)
+            self.input = recursive_copy(
+                args[0] if len(args) == 1 else args, self.clone, self.detach, False
+            )
             self.input_kw = recursive_copy(kwargs, self.clone, self.detach, False)
             if record is not None:
                 record.input, record.input_kw = self.input, self.input_kw
@@ -296,7 +317,9 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
         unique: dict[str, nn.Module] = {}  # ordered and deduplicated, name -> module
         for layer in layers:
             if not isinstance(layer, (str, nn.Module)):
-                raise TypeError(f"layers must hold layer names (str), got {type(layer).__name__}: {layer!r}")
+                raise TypeError(
+                    f"layers must hold layer names (str), got {type(layer).__name__}: {layer!r}"
+                )
             name, target = resolve_module(module, layer)
             unique.setdefault(name, target)
         names = list(unique)
@@ -359,13 +382,15 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
         self._pending = set(self._names)
 
     def _layer_ran(self, name: str | None) -> None:
-        self._pending.discard(name)  # type: ignore[arg-type]
+        self._pending.discard(name)
         if not self._pending:
             self._pending = set(self._names)
             raise StopForward(owner=self)
 
     def __enter__(self) -> TraceDict:
-        if not self._hooks.active and self.stop or any(not t._hooks.active for t in self.values()):
+        if (not self._hooks.active and self.stop) or any(
+            not t._hooks.active for t in self.values()
+        ):
             try:
                 for trace in self.values():
                     trace.__enter__()

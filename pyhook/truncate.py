@@ -173,7 +173,7 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
     a registered child, so ``.to()``, ``.eval()``, ``parameters()`` and ``state_dict()`` (keys
     prefixed ``module.``) act on the wrapped model; the truncation point is *not* registered a
     second time.
-    """  # noqa: E501  (the seed's doctest, verbatim)
+    """
 
     module: ModuleT
 
