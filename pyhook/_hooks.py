@@ -5,7 +5,9 @@
   :meth:`HookSet.remove` removes them all, in reverse order, exactly once.
 * Forward hooks of a set only act on the thread that created the set, so two threads tracing
   one model each see their own forward (``any_thread=True`` lifts this, e.g. for
-  ``nn.DataParallel`` replicas that run in worker threads).
+  ``nn.DataParallel`` replicas that run in worker threads). The exception is a forward that
+  autograd recomputes during a backward (activation checkpointing), which may run on one of
+  autograd's threads: hooks act there too, so edits apply to the recomputation as well.
 * :class:`StopForward` carries the identity of the tracer that raised it (``owner``) and an
   optional ``payload``: a tracer swallows only its own stop; anyone else's propagates.
 """
@@ -179,9 +181,13 @@ class HookSet:
             return fn
         owner = self._thread
         get_ident = threading.get_ident
+        in_backward = torch._C._current_graph_task_id
 
         def guarded(*args: Any) -> Any:
-            if get_ident() != owner:
+            # Another thread's forward is not ours -- unless that thread is autograd's, running
+            # a backward: activation checkpointing recomputes the forward there (on CUDA the
+            # engine's device threads), and skipping an edit then would silently corrupt grads.
+            if get_ident() != owner and in_backward() == -1:
                 return None
             return fn(*args)
 

@@ -464,3 +464,35 @@ def test_trace_on_each_device_matches_hand_written_hook(device, backend):
     assert td["2"].output.device == x.device
     assert torch.equal(td["2"].output, ref) and torch.equal(y, ref_y)
     assert all_hooks(net) == 0
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_edit_applies_when_autograd_recomputes_on_another_thread(use_reentrant):
+    """Activation checkpointing recomputes the forward during backward, on CUDA in autograd's
+    own threads: the thread guard must not skip the edit there (silently wrong gradients)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=use_reentrant))
+
+    model, x = Checkpointed(), torch.randn(3, 4, requires_grad=use_reentrant)
+    h = model.block[0].register_forward_hook(lambda m, a, o: o * 2)  # reference: plain hook
+    model.head(model.block(x)).sum().backward()
+    h.remove()
+    expected = model.block[2].weight.grad.clone()
+    model.zero_grad()
+    with nethook.Trace(model, "block.0", edit_output=lambda output: output * 2):
+        loss = model(x).sum()
+        worker = threading.Thread(target=loss.backward)  # the recomputation runs on this thread
+        worker.start()
+        worker.join()
+    assert torch.allclose(model.block[2].weight.grad, expected)
+    assert all_hooks(model) == 0
