@@ -216,9 +216,10 @@ def _native_group(t: torch.Tensor) -> torch.device | str | None:
     return None
 
 
-def _clone_native(batch: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One native call for tensors on one device (reference below NATIVE_MIN_BYTES)."""
-    if NATIVE_MIN_BYTES and sum(t.nbytes for t in batch) < NATIVE_MIN_BYTES:
+def _clone_native(batch: list[torch.Tensor], *, size_checked: bool = False) -> list[torch.Tensor]:
+    """One native call for tensors on one device (reference below NATIVE_MIN_BYTES, unless the
+    caller already checked the batch's size)."""
+    if not size_checked and NATIVE_MIN_BYTES and sum(t.nbytes for t in batch) < NATIVE_MIN_BYTES:
         return _reference.clone_tensors(batch)
     op = torch.ops.pyhook.clone_many.default
     if _skip_autograd(batch):
@@ -262,11 +263,13 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return []
     if get_backend() != "native":
         return _reference.clone_tensors(tensors)
+    size_checked = False
     if NATIVE_MIN_BYTES:
         # Small captures: the reference path is the faster one; decide before any per-tensor
         # routing so that they pay (almost) nothing for the native backend being on.
         try:
             small = sum(t.nbytes for t in tensors) < NATIVE_MIN_BYTES
+            size_checked = True
         except (RuntimeError, NotImplementedError):  # layouts without nbytes (nested, ...)
             small = False
         if small:
@@ -285,7 +288,8 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if not groups:
         return _reference.clone_tensors(tensors)
     if not fallback and len(groups) == 1:  # the common case: one device, all native
-        return _clone_native(tensors)
+        # whole list = this batch: its size was checked above (when the sum could be taken)
+        return _clone_native(tensors, size_checked=size_checked)
 
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for idx in groups.values():

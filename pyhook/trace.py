@@ -124,8 +124,6 @@ class Trace(contextlib.AbstractContextManager):
         *,
         keep_calls: bool = False,
         any_thread: bool = False,
-        _on_call: Callable[[str | None], None] | None = None,
-        _stop_owner: object = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -158,7 +156,7 @@ class Trace(contextlib.AbstractContextManager):
                 ("keep_calls", keep_calls),
             )
         }
-        self._setup(target, flags, edit_output, any_thread, _on_call, _stop_owner)
+        self._setup(target, flags, edit_output, any_thread, None, None)
 
     @classmethod
     def _trusted(
