@@ -23,6 +23,7 @@ PyObject* PyInit__C(void) {
 
 #include <torch/library.h>
 
+#include "offload.h"
 #include "pyhook.h"
 
 TORCH_LIBRARY(pyhook, m) {
@@ -39,4 +40,18 @@ TORCH_LIBRARY(pyhook, m) {
   m.def("pool_stats() -> int[]", &pyhook::pool_stats);
   m.def("pool_set_limit(int nbytes) -> ()", &pyhook::pool_set_limit);
   m.def("pool_empty() -> ()", &pyhook::pool_empty);
+
+  // Copies to host memory, asynchronous on devices with an engine (CUDA: a
+  // side stream into pooled pinned buffers), with a bound on bytes in flight.
+  // A class rather than ops: it owns streams, buffers and in-flight copies.
+  m.def("offload_async_devices() -> str[]", &pyhook::offload_async_devices);
+  m.class_<pyhook::Offloader>("Offloader")
+      .def(torch::init<int64_t, bool, int64_t>())
+      .def("submit", &pyhook::Offloader::submit)
+      .def("ready", &pyhook::Offloader::ready)
+      .def("wait", &pyhook::Offloader::wait)
+      .def("synchronize", &pyhook::Offloader::synchronize)
+      .def("release", &pyhook::Offloader::release)
+      .def("empty_pool", &pyhook::Offloader::empty_pool)
+      .def("stats", &pyhook::Offloader::stats);
 }

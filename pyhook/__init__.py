@@ -37,7 +37,7 @@ from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
 from ._version import __version__
-from .capture import Recorder, capture, resolve_layers
+from .capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .deephook import TraceMultiple
 from .extend import (
     ActivationMapGrabber,
@@ -121,6 +121,7 @@ __all__ = [
     "ShardWriter",
     "CaptureExistsError",
     "CaptureWriteError",
+    "CaptureModifiedError",
     # backends
     "get_backend",
     "set_backend",

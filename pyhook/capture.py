@@ -46,13 +46,41 @@ from .modules import LayerNotFoundError, resolve_module
 from .offload import Offloader, PendingCopy
 from .store import ShardWriter, dtype_name, parse_dtype
 
-__all__ = ["MaskSpec", "Positions", "Recorder", "capture", "resolve_layers"]
+__all__ = [
+    "CaptureModifiedError",
+    "MaskSpec",
+    "Positions",
+    "Recorder",
+    "capture",
+    "resolve_layers",
+]
 
 Positions = Union[int, Literal["last"], slice, Sequence[int], None]  # noqa: UP007 (runtime alias on 3.10)
 MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]  # noqa: UP007
 Destination = Literal["device", "host", "disk"]
 
 _GLOB_CHARS = re.compile(r"[*?]")
+
+
+class CaptureModifiedError(RuntimeError):
+    """A tensor kept by reference (``copy=False``) was modified in place after it was captured.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.capture import capture, CaptureModifiedError
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True))
+        >>> with capture(net, "0", copy=False) as rec:
+        ...     try:
+        ...         _ = net(torch.randn(3, 2))  # ReLU(inplace=True) overwrites layer 0's output
+        ...     except CaptureModifiedError as e:
+        ...         print(e.layer)
+        0
+    """
+
+    def __init__(self, layer: str, message: str) -> None:
+        super().__init__(message)
+        self.layer = layer
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
@@ -140,6 +168,8 @@ def resolve_layers(
 def _first_tensor(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
+    if type(output) is tuple and output and isinstance(output[0], torch.Tensor):
+        return output[0]  # the usual (hidden_states, ...) block output: skip the tree walk
     leaves = tensor_leaves(output)
     if not leaves:
         raise TypeError(f"the layer output ({type(output).__name__}) holds no tensor")
@@ -191,6 +221,7 @@ class Recorder:
         mask: MaskSpec = None,
         flatten: bool = True,
         dtype: torch.dtype | str | None = None,
+        copy: bool = True,
         select: Callable[[Any], torch.Tensor] | None = None,
         overwrite: bool = False,
         shard_bytes: int = 256 << 20,
@@ -237,6 +268,13 @@ class Recorder:
                 "mask selects tokens, which needs flatten=True (rows = valid tokens) or positions "
                 "'last'/int (rows = examples)"
             )
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be a bool, got {copy!r}")
+        if not copy and to == "disk":
+            raise ValueError(
+                "copy=False keeps references to the model's own output tensors, which the "
+                "background disk writer cannot use safely; it is for to='host' or to='device'"
+            )
         if select is not None and not callable(select):
             raise TypeError(
                 f"select must be callable (output -> tensor), got {type(select).__name__}"
@@ -248,6 +286,7 @@ class Recorder:
         self.mask = mask
         self.flatten = flatten
         self.dtype = parse_dtype(dtype, "dtype")
+        self.copy = copy
         self.select = select
         self.overwrite = overwrite
         self._writer_opts: dict[str, Any] = {
@@ -274,6 +313,9 @@ class Recorder:
         self._writer: ShardWriter | None = None
         self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
         self._pending: dict[str, Any] = {}
+        # copy=False: (tensor, version) of each kept reference, checked at commit and on read
+        self._guards: dict[str, list[Any]] = {n: [] for n in self.layers}
+        self._pending_guard: dict[str, tuple[torch.Tensor, int]] = {}
         self._batch_mask: torch.Tensor | None = None
         self._batch_examples: int | None = None
         self._sig: inspect.Signature | None = None
@@ -354,6 +396,7 @@ class Recorder:
             if isinstance(p, PendingCopy) and self.to == "disk":
                 self._offloader.release(p.wait())
         self._pending = {}
+        self._pending_guard = {}
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._discard_pending()  # leftovers of a forward that raised
@@ -427,13 +470,19 @@ class Recorder:
                 self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
             with torch.no_grad():
                 t = self._reduce(name, raw)
-            # Copy only when t may alias memory the model owns (an un-reduced output or a view).
+            # Copy only when t may alias memory the model owns (an un-reduced output or a view),
+            # unless copy=False: then keep the reference and check its version counter later.
             aliases = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+            if aliases and not self.copy and not t.is_inference():
+                aliases = False
+                self._pending_guard[name] = (t, t._version)
+            else:
+                self._pending_guard.pop(name, None)
             old = self._pending.pop(name, None)
             if isinstance(old, PendingCopy) and self.to == "disk":
                 self._offloader.release(old.wait())
             if self.to == "device":
-                self._pending[name] = _backend.clone_tensors([t])[0] if aliases else t
+                self._pending[name] = _backend.clone_one(t) if aliases else t
             else:
                 self._pending[name] = self._offloader.submit(
                     [t], copy=aliases, pooled=self.to == "disk"
@@ -442,6 +491,9 @@ class Recorder:
         return hook
 
     def _commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        guards, self._pending_guard = self._pending_guard, {}
+        for name, guard in guards.items():
+            self._check(name, guard, "before the forward returned")
         pending, self._pending = self._pending, {}
         examples = self._batch_examples or 0
         self.batches += 1
@@ -451,7 +503,7 @@ class Recorder:
             self.bytes += n
         if self.to == "disk":
             assert self._writer is not None
-            batch = {name: p._host[0] for name, p in pending.items()}
+            batch = {name: p._host[0] for name, p in pending.items()}  # shapes only until waited
             for name, t in batch.items():
                 self.rows[name] += int(t.shape[0])
             waits = [p for p in pending.values()]
@@ -459,10 +511,21 @@ class Recorder:
         else:
             for name, p in pending.items():
                 self._results[name].append(p)
+                self._guards[name].append(guards.get(name))
                 if isinstance(p, PendingCopy):
-                    self.rows[name] += int(p._host[0].shape[0])
+                    self.rows[name] += int(p.shapes[0][0])
                 else:
                     self.rows[name] += int(p.shape[0])
+
+    @staticmethod
+    def _check(name: str, guard: tuple[torch.Tensor, int] | None, when: str) -> None:
+        if guard is not None and guard[0]._version != guard[1]:
+            raise CaptureModifiedError(
+                name,
+                f"layer {name!r}: its output was modified in place {when}, after it was captured "
+                "with copy=False (kept by reference), so the captured values are gone; capture "
+                "with copy=True (the default) for this model",
+            )
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
         self._offloader.release(list(batch.values()))
@@ -476,7 +539,12 @@ class Recorder:
             )
         if layer not in self._results:
             raise KeyError(f"layer {layer!r} was not captured; captured layers: {self.layers}")
-        return [p.wait()[0] if isinstance(p, PendingCopy) else p for p in self._results[layer]]
+        out = [p.wait()[0] if isinstance(p, PendingCopy) else p for p in self._results[layer]]
+        # Checked after the waits: an unchanged version once a copy has finished means no
+        # in-place update was issued before the copy read the values.
+        for guard in self._guards[layer]:
+            self._check(layer, guard, "after the forward")
+        return out
 
     def __getitem__(self, layer: str) -> torch.Tensor:
         parts = self.parts(layer)
@@ -513,6 +581,7 @@ def capture(
     mask: MaskSpec = None,
     flatten: bool = True,
     dtype: torch.dtype | str | None = None,
+    copy: bool = True,
     **options: Any,
 ) -> Recorder:
     """Record the outputs of ``layers`` of ``model`` over the forwards run in a ``with`` block.
@@ -550,5 +619,6 @@ def capture(
         mask=mask,
         flatten=flatten,
         dtype=dtype,
+        copy=copy,
         **options,
     )

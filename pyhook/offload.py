@@ -1,17 +1,27 @@
-"""Device-to-host copies that overlap the model's compute: pinned buffer pool, side stream, events.
+"""Copies to host memory that overlap the model's compute: pooled buffers, side stream, events.
 
-:class:`Offloader` copies lists of tensors to host memory:
+:class:`Offloader` copies lists of tensors to host memory and hands back a :class:`PendingCopy`
+(read the host tensors with :meth:`PendingCopy.wait`; nobody reads a buffer before its copy has
+finished):
 
-* **CUDA**: each copy is issued on a side stream (which first waits for the producing stream, so
-  it reads finished values) into a pinned host buffer taken from a :class:`PinnedPool` that is
-  reused across batches; the source tensor is ``record_stream``-ed on the side stream so its
-  memory is not reused by the caching allocator before the copy has read it; an event marks
-  completion, and :meth:`PendingCopy.wait` is the only way to get the host tensors (nobody reads a
-  buffer before its event). At most ``max_inflight_bytes`` may be in flight: past that,
-  :meth:`Offloader.submit` waits for the oldest copies (back-pressure, bounded pinned memory).
-* **CPU**: the tensors are already in host memory; a copy is made only when the caller says the
-  tensor aliases live model memory, with :func:`pyhook._backend.clone_tensors` (the native
-  pooled batched copy when it is built).
+* **CUDA**: copies are issued on a side stream that first waits for the producing stream (so they
+  read finished values), into page-locked host buffers from a pool that is reused across
+  batches, and complete with an event. Sources and destinations are kept alive until the event,
+  so the caching allocator cannot recycle a source that is still being read. With
+  ``copy=True`` (the tensor may alias memory the model updates in place later, e.g. an
+  un-reduced layer output) a device-side snapshot is taken first on the current stream: an
+  in-place update queued after :meth:`Offloader.submit` returns cannot race the asynchronous
+  read. At most ``max_inflight_bytes`` are in flight: past that, ``submit`` waits for the
+  oldest copies (back-pressure; bounded pinned and device memory).
+* **CPU**: tensors are already in host memory; a copy is made only with ``copy=True``, with the
+  pooled native copy (:func:`pyhook._backend.clone_tensors`; its pool recycles a buffer once
+  the last tensor in it is dropped). The engines below also take CPU tensors (a list mixing
+  devices), copying them into the offloader's own pool with ``pooled=True``.
+
+The engine is the native ``torch.classes.pyhook.Offloader`` (``csrc/offload.cpp``,
+``csrc/cuda/offload_cuda.cu``) when the native core is built and the backend is ``native``;
+otherwise :class:`ReferenceOffloader`, the pure-PyTorch specification it is tested against.
+Both give identical results (values, shapes, dtypes, strides, buffer reuse).
 
 Example::
 
@@ -36,76 +46,87 @@ import torch
 
 from . import _backend
 
-__all__ = ["Offloader", "PendingCopy", "PinnedPool"]
+__all__ = ["Offloader", "PendingCopy", "PinnedPool", "ReferenceOffloader"]
+
+_STATS_KEYS = (
+    "inflight_bytes",
+    "inflight_jobs",
+    "bytes_submitted",
+    "stalls",
+    "pool_idle_bytes",
+    "pool_lent",
+    "pool_hits",
+    "pool_misses",
+)
 
 
 def _bucket(nbytes: int) -> int:
     # Power-of-two buckets from 64 KiB: a handful of sizes recur batch after batch, so after the
-    # first few batches every request is a pool hit.
+    # first few batches every request is a pool hit (at most 2x the bytes).
     size = 1 << 16
     while size < nbytes:
         size <<= 1
     return size
 
 
-class PinnedPool:
-    """A pool of page-locked host buffers, reused across batches.
+def _dense_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return buf[: like.nbytes].view(like.dtype).view(like.shape)
 
-    ``get(nbytes)`` returns a ``uint8`` tensor of at least ``nbytes`` (from the pool when a free
-    buffer of that bucket exists); ``put(tensor)`` gives back the buffer behind ``tensor`` (any
-    view of it). ``limit_bytes`` caps the idle bytes kept. Thread-safe: the writer thread gives
-    buffers back while the main thread takes them.
+
+class PinnedPool:
+    """A pool of host buffers (page-locked ones kept apart), reused across batches.
+
+    ``get(nbytes, pinned)`` returns a ``uint8`` tensor of at least ``nbytes`` (from the pool when
+    an idle buffer of that bucket exists); ``put(tensor)`` gives back the buffer behind
+    ``tensor`` (any view of it). ``limit_bytes`` caps the idle bytes kept. Thread-safe: the
+    writer thread gives buffers back while the main thread takes them. The native engine has
+    the same pool in C++.
 
     Example::
 
         >>> from pyhook.offload import PinnedPool
-        >>> pool = PinnedPool(pin=False)
+        >>> pool = PinnedPool()
         >>> a = pool.get(1000); pool.put(a); b = pool.get(900)
         >>> a.data_ptr() == b.data_ptr(), pool.stats()["hits"]
         (True, 1)
     """
 
-    def __init__(self, *, pin: bool = True, limit_bytes: int = 4 << 30) -> None:
-        self.pin = pin
+    def __init__(self, *, limit_bytes: int = 4 << 30) -> None:
         self.limit_bytes = limit_bytes
-        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        self._lent: dict[int, torch.Tensor] = {}
+        self._free: dict[tuple[bool, int], list[torch.Tensor]] = collections.defaultdict(list)
+        self._lent: dict[int, tuple[torch.Tensor, bool]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, nbytes: int) -> torch.Tensor:
+    def get(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
         size = _bucket(nbytes)
+        buf = None
         with self._lock:
-            free = self._free.get(size)
+            free = self._free.get((pinned, size))
             if free:
                 buf = free.pop()
                 self._idle_bytes -= size
                 self.hits += 1
             else:
-                buf = None
                 self.misses += 1
-        if buf is None:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        if buf is None:  # allocated outside the lock: page-locking is slow
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         with self._lock:
-            self._lent[buf.data_ptr()] = buf
+            self._lent[buf.data_ptr()] = (buf, pinned)
         return buf
 
     def put(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage().data_ptr()
         with self._lock:
-            buf = self._lent.pop(key, None)
-            if buf is None:
+            lent = self._lent.pop(key, None)
+            if lent is None:
                 return  # not ours (or already given back)
+            buf, pinned = lent
             if self._idle_bytes + buf.numel() <= self.limit_bytes:
-                self._free[buf.numel()].append(buf)
+                self._free[(pinned, buf.numel())].append(buf)
                 self._idle_bytes += buf.numel()
-
-    def take(self, tensor: torch.Tensor) -> None:
-        """Hand the buffer behind ``tensor`` to the caller for good (it never returns)."""
-        with self._lock:
-            self._lent.pop(tensor.untyped_storage().data_ptr(), None)
 
     def empty(self) -> None:
         with self._lock:
@@ -123,28 +144,227 @@ class PinnedPool:
 
 
 class PendingCopy:
-    """Host copies of a list of tensors, possibly still in flight. Read them with :meth:`wait`."""
+    """Host copies of a list of tensors, possibly still in flight. Read them with :meth:`wait`.
 
-    __slots__ = ("_done", "_event", "_host", "nbytes")
+    Example::
 
-    def __init__(self, host: list[torch.Tensor], event: Any, nbytes: int) -> None:
+        >>> import torch
+        >>> from pyhook.offload import Offloader
+        >>> p = Offloader().submit([torch.ones(3)], copy=True)
+        >>> p.wait()[0].tolist(), p.ready(), p.nbytes
+        ([1.0, 1.0, 1.0], True, 12)
+    """
+
+    __slots__ = ("_done", "_engine", "_host", "_ticket", "nbytes")
+
+    def __init__(self, host: list[torch.Tensor], engine: Any, ticket: Any, nbytes: int) -> None:
         self._host = host
-        self._event = event
+        self._engine = engine  # has ready(ticket) / wait(ticket); None when already complete
+        self._ticket = ticket
         self.nbytes = nbytes
-        self._done = event is None
+        self._done = engine is None
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The host tensors' shapes (readable before the copies finish)."""
+        return [t.shape for t in self._host]
 
     def ready(self) -> bool:
         """True once the copies have finished (never blocks)."""
-        if not self._done and self._event.query():
+        if not self._done and self._engine.ready(self._ticket):
             self._done = True
         return self._done
 
     def wait(self) -> list[torch.Tensor]:
         """Block until the copies are complete and return the host tensors."""
         if not self._done:
-            self._event.synchronize()
+            self._engine.wait(self._ticket)
             self._done = True
         return self._host
+
+
+class _Job:
+    __slots__ = ("event", "keep", "nbytes", "ticket")
+
+    def __init__(self, ticket: int, event: Any, keep: list[torch.Tensor], nbytes: int) -> None:
+        self.ticket = ticket
+        self.event = event
+        self.keep = keep
+        self.nbytes = nbytes
+
+
+class ReferenceOffloader:
+    """Pure-PyTorch implementation of the offloader (the specification of the native one).
+
+    Same constructor and methods as the native ``torch.classes.pyhook.Offloader``:
+    ``submit(tensors, copy, pooled) -> (ticket, host)``, ``ready(ticket)``, ``wait(ticket)``,
+    ``synchronize()``, ``release(tensors)``, ``empty_pool()``, ``stats()``. Use it through
+    :class:`Offloader`.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.offload import ReferenceOffloader
+        >>> ref = ReferenceOffloader(1 << 20, True, 1 << 30)
+        >>> ticket, (host,) = ref.submit([torch.ones(2)], True, True)
+        >>> ref.ready(ticket), host.tolist()
+        (True, [1.0, 1.0])
+    """
+
+    def __init__(self, max_inflight_bytes: int, pin: bool, pool_limit_bytes: int) -> None:
+        self.pin = pin
+        self.max_inflight_bytes = max_inflight_bytes
+        self.pool = PinnedPool(limit_bytes=pool_limit_bytes)
+        self._streams: dict[torch.device, Any] = {}
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._lock = threading.Lock()
+        self._inflight_bytes = 0
+        self._next_ticket = 1
+        self._bytes_submitted = 0
+        self._stalls = 0
+
+    def _side_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _erase(self, job: _Job) -> None:
+        with self._lock:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return
+            self._inflight_bytes -= job.nbytes
+
+    def _find(self, ticket: int) -> _Job | None:
+        with self._lock:
+            for job in self._jobs:
+                if job.ticket == ticket:
+                    return job
+        return None
+
+    def submit(
+        self, tensors: Sequence[torch.Tensor], copy: bool, pooled: bool
+    ) -> tuple[int, list[torch.Tensor]]:
+        tensors = [t.detach() for t in tensors]
+        for i, t in enumerate(tensors):
+            if t.layout != torch.strided:
+                raise RuntimeError(
+                    f"Offloader.submit: tensor {i} has layout {t.layout}; only strided (dense) "
+                    "tensors can be copied to host memory"
+                )
+            if t.is_meta:
+                raise RuntimeError(
+                    f"Offloader.submit: tensor {i} is on the meta device and has no values to copy"
+                )
+        total = sum(t.nbytes for t in tensors)
+        is_async = [t.is_cuda and t.numel() > 0 for t in tensors]
+        async_bytes = sum(t.nbytes for t, a in zip(tensors, is_async) if a)
+        if async_bytes:
+            # Back-pressure: retire finished copies, then wait for the oldest until this fits.
+            with self._lock:
+                while self._jobs and self._jobs[0].event.query():
+                    self._inflight_bytes -= self._jobs.popleft().nbytes
+            while True:
+                with self._lock:
+                    if not self._jobs or self._inflight_bytes + async_bytes <= self.max_inflight_bytes:
+                        break
+                    oldest = self._jobs[0]
+                    self._stalls += 1
+                oldest.event.synchronize()
+                self._erase(oldest)
+
+        host: list[Any] = [None] * len(tensors)
+        clone_idx = []
+        groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, t in enumerate(tensors):
+            if t.is_cpu:
+                if not copy:
+                    host[i] = t
+                elif pooled and t.numel() > 0:
+                    dst = _dense_view(self.pool.get(t.nbytes, False), t)
+                    dst.copy_(t)
+                    host[i] = dst
+                else:
+                    clone_idx.append(i)
+                continue
+            if not is_async[i]:
+                host[i] = t.to("cpu")
+                continue
+            # Snapshot on the current stream when t may alias memory updated in place later.
+            src = (t.clone() if copy else t) if t.is_contiguous() else t.contiguous()
+            if pooled:
+                dst = _dense_view(self.pool.get(t.nbytes, self.pin), t)
+            else:
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+            srcs, dsts = groups.setdefault(t.device, ([], []))
+            srcs.append(src)
+            dsts.append(dst)
+            host[i] = dst
+        if clone_idx:
+            copies = _backend.clone_tensors([tensors[i] for i in clone_idx])
+            for i, c in zip(clone_idx, copies):
+                host[i] = c
+
+        with self._lock:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._bytes_submitted += total
+        for device, (srcs, dsts) in groups.items():
+            side = self._side_stream(device)
+            # The side stream must not read before the producing stream has written the values.
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for s, d in zip(srcs, dsts):
+                    d.copy_(s, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            job = _Job(ticket, event, srcs + dsts, sum(s.nbytes for s in srcs))
+            with self._lock:
+                self._jobs.append(job)
+                self._inflight_bytes += job.nbytes
+        return ticket, host
+
+    def ready(self, ticket: int) -> bool:
+        with self._lock:
+            jobs = [j for j in self._jobs if j.ticket == ticket]
+        if not all(j.event.query() for j in jobs):
+            return False
+        for j in jobs:
+            self._erase(j)
+        return True
+
+    def wait(self, ticket: int) -> None:
+        with self._lock:
+            jobs = [j for j in self._jobs if j.ticket == ticket]
+        for j in jobs:
+            j.event.synchronize()
+            self._erase(j)
+
+    def synchronize(self) -> None:
+        with self._lock:
+            jobs = list(self._jobs)
+        for j in jobs:
+            j.event.synchronize()
+            self._erase(j)
+
+    def release(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            self.pool.put(t)
+
+    def empty_pool(self) -> None:
+        self.pool.empty()
+
+    def stats(self) -> list[int]:
+        with self._lock:
+            head = [self._inflight_bytes, len(self._jobs), self._bytes_submitted, self._stalls]
+        p = self.pool.stats()
+        return head + [p["idle_bytes"], p["lent"], p["hits"], p["misses"]]
+
+
+def _native_engine_for_cuda() -> bool:
+    return "cuda" in torch.ops.pyhook.offload_async_devices()
 
 
 class Offloader:
@@ -159,92 +379,120 @@ class Offloader:
         >>> p.wait()[0].sum().item()
         4.0
 
-    ``submit(tensors, copy=...)``: on CUDA every tensor is copied (``copy`` is ignored); on the
-    CPU a tensor is copied only with ``copy=True`` (pass it when the tensor may alias memory the
-    model will overwrite, e.g. an un-reduced layer output), via the pooled native copy.
-    ``pooled=True`` takes the pinned buffers from :attr:`pool`; give them back with
-    :meth:`release` once consumed (the disk writer does), or keep them (host destination).
+    ``submit(tensors, copy=..., pooled=...)``: on CUDA every tensor is copied, and ``copy=True``
+    additionally snapshots it on the device first (pass it when the tensor may alias memory
+    the model overwrites later, e.g. an un-reduced layer output); on the CPU a tensor is copied
+    only with ``copy=True``. ``pooled=True`` takes host buffers from the pool; give them back
+    with :meth:`release` once consumed (the disk writer does), or keep them (host destination).
+    ``max_inflight_bytes`` bounds the bytes of asynchronous copies not yet finished;
+    ``pool_limit_bytes`` the idle pooled bytes kept for reuse. The engine is native when the
+    native core is built (and, for CUDA tensors, built with CUDA) and the backend is
+    ``native`` at construction; otherwise :class:`ReferenceOffloader`.
     """
 
-    def __init__(self, *, max_inflight_bytes: int = 1 << 30, pin: bool = True) -> None:
-        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
-            raise ValueError(
-                f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}"
-            )
-        self.max_inflight_bytes = max_inflight_bytes
-        self.pool = PinnedPool(pin=pin and torch.cuda.is_available())
-        self._streams: dict[torch.device, Any] = {}
-        self._inflight: collections.deque[PendingCopy] = collections.deque()
-        self._inflight_bytes = 0
-        self.bytes_copied = 0
-
-    def _stream(self, device: torch.device) -> Any:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        return stream
-
-    def _reserve(self, nbytes: int) -> None:
-        # Retire finished copies; if still over budget, wait for the oldest (back-pressure).
-        while self._inflight and (
-            self._inflight[0].ready() or self._inflight_bytes + nbytes > self.max_inflight_bytes
+    def __init__(
+        self,
+        *,
+        max_inflight_bytes: int = 1 << 30,
+        pin: bool = True,
+        pool_limit_bytes: int = 4 << 30,
+    ) -> None:
+        for name, value, low in (
+            ("max_inflight_bytes", max_inflight_bytes, 1),
+            ("pool_limit_bytes", pool_limit_bytes, 0),
         ):
-            oldest = self._inflight.popleft()
-            oldest.wait()
-            self._inflight_bytes -= oldest.nbytes
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"{name} must be an int >= {low} (bytes), got {value!r}"
+                )
+        self.max_inflight_bytes = max_inflight_bytes
+        self.pin = bool(pin)
+        self.pool_limit_bytes = pool_limit_bytes
+        self._native: Any = None
+        self._native_cuda = False
+        if _backend.get_backend() == "native":
+            self._native = torch.classes.pyhook.Offloader(max_inflight_bytes, self.pin, pool_limit_bytes)
+            self._native_cuda = _native_engine_for_cuda()
+        self._reference: ReferenceOffloader | None = None
+        self._cpu_bytes = 0
+
+    @property
+    def backend(self) -> str:
+        """``'native'`` or ``'reference'``: the engine CPU tensors go to."""
+        return "native" if self._native is not None else "reference"
+
+    def _ref(self) -> ReferenceOffloader:
+        if self._reference is None:
+            self._reference = ReferenceOffloader(
+                self.max_inflight_bytes, self.pin, self.pool_limit_bytes
+            )
+        return self._reference
+
+    def _engine_for(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if self._native is None:
+            return self._ref()
+        if not self._native_cuda and any(t.is_cuda for t in tensors):
+            return self._ref()  # native core built without CUDA: Python streams and events
+        return self._native
 
     def submit(
         self, tensors: Sequence[torch.Tensor], *, copy: bool = False, pooled: bool = True
     ) -> PendingCopy:
         """Start copying ``tensors`` to host memory; returns a :class:`PendingCopy`."""
         tensors = [t.detach() for t in tensors]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.bytes_copied += nbytes
-        cuda = [t for t in tensors if t.device.type == "cuda"]
-        if not cuda:
-            if any(t.device.type not in ("cpu",) for t in tensors):
-                return PendingCopy([t.to("cpu") for t in tensors], None, nbytes)
-            return PendingCopy(_backend.clone_tensors(tensors) if copy else tensors, None, nbytes)
-        self._reserve(nbytes)
-        device = cuda[0].device
-        side = self._stream(device)
-        # The side stream must not read before the producing stream has written the values.
-        side.wait_stream(torch.cuda.current_stream(device))
-        host: list[torch.Tensor] = []
-        with torch.cuda.stream(side):
-            for t in tensors:
-                size = t.numel() * t.element_size()
-                if size == 0:
-                    dst = torch.empty(t.shape, dtype=t.dtype)
-                else:
-                    if pooled:
-                        buf = self.pool.get(size)[:size]
-                    else:
-                        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pool.pin)
-                    dst = buf.view(t.dtype).view(t.shape)
-                if t.device.type == "cuda":
-                    dst.copy_(t, non_blocking=True)
-                    # Keep the caching allocator from handing t's memory to the main stream
-                    # before the side stream has finished reading it.
-                    t.record_stream(side)
-                else:
-                    dst.copy_(t)
-                host.append(dst)
-            event = torch.cuda.Event()
-            event.record(side)
-        pending = PendingCopy(host, event, nbytes)
-        self._inflight.append(pending)
-        self._inflight_bytes += nbytes
-        return pending
+        nbytes = 0
+        for i, t in enumerate(tensors):
+            if not t.is_cpu:
+                break
+            if t.layout != torch.strided:
+                raise RuntimeError(
+                    f"Offloader.submit: tensor {i} has layout {t.layout}; only strided (dense) "
+                    "tensors can be copied to host memory"
+                )
+            nbytes += t.nbytes
+        else:
+            # All in host memory already: nothing is asynchronous, and a Python call into the
+            # engine would cost more than the copy of a small activation. Copies go through
+            # the pooled native clone (large) or clone (small), whatever ``pooled`` says: the
+            # native pool recycles a buffer once its last tensor is dropped.
+            if copy:
+                tensors = [_backend.clone_one(t) for t in tensors]
+            self._cpu_bytes += nbytes
+            return PendingCopy(tensors, None, None, nbytes)
+        engine = self._engine_for(tensors)
+        ticket, host = engine.submit(tensors, bool(copy), bool(pooled))
+        return PendingCopy(list(host), engine, ticket, sum(t.nbytes for t in tensors))
 
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
         """Give the pooled buffers behind ``tensors`` back for reuse (after they were consumed)."""
-        for t in tensors:
-            self.pool.put(t)
+        tensors = list(tensors)
+        if self._native is not None:
+            self._native.release(tensors)
+        if self._reference is not None:
+            self._reference.release(tensors)
 
     def synchronize(self) -> None:
         """Wait for every copy in flight."""
-        while self._inflight:
-            p = self._inflight.popleft()
-            p.wait()
-        self._inflight_bytes = 0
+        for engine in (self._native, self._reference):
+            if engine is not None:
+                engine.synchronize()
+
+    def empty_pool(self) -> None:
+        """Free the idle pooled host buffers."""
+        for engine in (self._native, self._reference):
+            if engine is not None:
+                engine.empty_pool()
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over the engines in use.
+
+        ``inflight_bytes``/``inflight_jobs``: asynchronous copies not yet retired;
+        ``bytes_submitted``; ``stalls``: times ``submit`` waited for copies to fit the budget;
+        ``pool_idle_bytes``, ``pool_lent``, ``pool_hits``, ``pool_misses``: the host buffer pool.
+        """
+        total = [0] * len(_STATS_KEYS)
+        for engine in (self._native, self._reference):
+            if engine is not None:
+                total = [a + b for a, b in zip(total, engine.stats())]
+        total[2] += self._cpu_bytes
+        return dict(zip(_STATS_KEYS, total))

@@ -9,9 +9,8 @@ import torch
 from _models import DictBlock, NamedTupleBlock, all_hooks, gpt2
 from torch import nn
 
-from pyhook.capture import Recorder, capture, resolve_layers
+from pyhook.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from pyhook.modules import LayerNotFoundError
-from pyhook.offload import Offloader, PinnedPool
 from pyhook.store import CaptureExistsError, open_capture
 
 
@@ -266,32 +265,6 @@ def test_disk_destination_equals_host_and_resumes(tmp_path):
         rec["transformer.h.0"]
 
 
-def test_offloader_and_pool_cpu():
-    pool = PinnedPool(pin=False)
-    a = pool.get(100_000)
-    assert a.numel() >= 100_000
-    pool.put(a[:10].view(torch.float16))  # any view gives the buffer back
-    assert pool.get(70_000).data_ptr() == a.data_ptr()
-    off = Offloader()
-    x = torch.randn(3, 4)
-    (same,) = off.submit([x]).wait()
-    assert same.data_ptr() == x.data_ptr()  # fresh tensors are not copied again
-    (copy,) = off.submit([x], copy=True).wait()
-    assert torch.equal(copy, x) and copy.data_ptr() != x.data_ptr()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-def test_offloader_cuda_async_copies_are_exact():
-    off = Offloader(max_inflight_bytes=1 << 20)  # small: exercises back-pressure
-    xs = [torch.randn(256, 257, device="cuda") for _ in range(8)]
-    pend = [off.submit([x, x.t()]) for x in xs]
-    for x, p in zip(xs, pend):
-        h, ht = p.wait()
-        assert h.is_pinned() and torch.equal(h, x.cpu()) and torch.equal(ht, x.t().cpu())
-        off.release([h, ht])
-    assert off.pool.stats()["hits"] > 0
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 def test_capture_cuda_host_and_disk(tmp_path):
     model = gpt2().cuda()
@@ -364,3 +337,75 @@ def test_recorder_repr_and_reuse():
     with rec:  # re-entering continues to accumulate
         net(torch.ones(1, 2))
     assert rec["0"].shape == (2, 2) and all_hooks(net) == 0
+
+
+# -- copy=False: zero-copy references guarded by version counters --------------------------------
+def test_copy_false_keeps_references_and_matches_copies():
+    model = gpt2()
+    batches = gpt_batches()
+    with torch.no_grad():
+        with capture(model, "transformer.h.*", flatten=False) as copied:
+            for i, a in batches:
+                model(input_ids=i, attention_mask=a)
+        with capture(model, "transformer.h.*", flatten=False, copy=False) as kept:
+            for i, a in batches:
+                model(input_ids=i, attention_mask=a)
+    for n in copied.layers:
+        assert torch.equal(kept[n], copied[n])
+    # references, not copies: a row of the kept result is the model's own output tensor
+    seen = {}
+
+    def keep(_m, _a, o):
+        seen["o"] = o[0] if isinstance(o, tuple) else o
+
+    h = model.transformer.h[0].register_forward_hook(keep)
+    try:
+        with torch.no_grad(), capture(model, "transformer.h.0", flatten=False, copy=False) as rec:
+            model(input_ids=batches[0][0])
+    finally:
+        h.remove()
+    assert rec.parts("transformer.h.0")[0].data_ptr() == seen["o"].data_ptr()
+
+
+def test_copy_false_detects_inplace_updates_during_and_after_the_forward():
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(5, 4)
+    with capture(net, ["0", "2"], copy=False) as rec:
+        # ReLU(inplace=True) overwrites layer 0's output: the forward itself fails, loudly
+        with pytest.raises(CaptureModifiedError, match="layer '0'.*before the forward returned.*copy=True") as info:
+            net(x)
+        assert info.value.layer == "0"
+        assert rec.batches == 0  # nothing of that batch was committed
+    with capture(net, "2", copy=False) as rec:
+        net(x)
+    assert torch.equal(rec["2"], net(x))  # untouched layers are fine
+    # the default copies: exact whatever the model does afterwards
+    with capture(net, "0") as exact:
+        out = net[0](x)
+        net(x)
+    assert torch.equal(exact["0"], torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+    # modified after the forward, before the read
+    with capture(net, "2", copy=False) as rec2:
+        y = net(x)
+    y.mul_(2)
+    with pytest.raises(CaptureModifiedError, match="after the forward"):
+        rec2.results()
+    del out
+
+
+def test_copy_false_inference_tensors_are_copied():
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    x = torch.randn(3, 4)
+    with torch.inference_mode(), capture(net, "0", copy=False) as rec:
+        net(x)
+    # no version counter under inference_mode: copied before ReLU overwrote it
+    assert torch.equal(rec["0"], torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+
+
+def test_copy_false_refuses_disk(tmp_path):
+    net = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="copy=False.*disk"):
+        capture(net, "0", out=tmp_path, copy=False)
+    with pytest.raises(TypeError, match="copy must be a bool"):
+        capture(net, "0", copy="no")
+    assert not list(tmp_path.iterdir())

@@ -9,7 +9,7 @@
 // with the producer kernels and later consumers needs no extra sync.
 #include "../pyhook.h"
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -26,7 +26,7 @@ std::vector<at::Tensor> clone_many_cuda(at::TensorList tensors) {
     return outputs;
   }
   const c10::cuda::CUDAGuard guard(plan.device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
 
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& in = tensors[i];

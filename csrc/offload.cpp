@@ -1,0 +1,360 @@
+// Device-generic half of pyhook::Offloader (see offload.h): the host-buffer
+// pool, tickets, the bound on bytes in flight, and synchronous copies for
+// devices without an asynchronous engine.
+#include "offload.h"
+
+#include <torch/library.h>
+
+#include <array>
+#include <utility>
+
+#include "pyhook.h"
+
+namespace pyhook {
+
+namespace {
+
+std::array<DeviceCopyEngine*, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
+engines() {
+  static std::array<DeviceCopyEngine*,
+                    static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+      table{};
+  return table;
+}
+
+// A handful of sizes recur batch after batch, so power-of-two buckets make
+// every request after the first few batches a pool hit, at the price of at
+// most 2x the bytes. 64 KiB floor: smaller buffers are not worth pooling.
+int64_t bucket_size(int64_t nbytes) {
+  int64_t size = int64_t{1} << 16;
+  while (size < nbytes) {
+    size <<= 1;
+  }
+  return size;
+}
+
+// A dense host tensor of `like`'s shape and dtype over the start of `buffer`.
+at::Tensor view_as_dense(const at::Tensor& buffer, const at::Tensor& like) {
+  return buffer.narrow(0, 0, static_cast<int64_t>(like.nbytes()))
+      .view(like.scalar_type())
+      .view(like.sizes());
+}
+
+}  // namespace
+
+void register_copy_engine(c10::DeviceType type, DeviceCopyEngine* engine) {
+  engines()[static_cast<size_t>(type)] = engine;
+}
+
+DeviceCopyEngine* copy_engine(c10::DeviceType type) {
+  return engines()[static_cast<size_t>(type)];
+}
+
+std::vector<std::string> offload_async_devices() {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < engines().size(); ++i) {
+    if (engines()[i] != nullptr) {
+      names.push_back(c10::DeviceTypeName(static_cast<c10::DeviceType>(i), /*lower_case=*/true));
+    }
+  }
+  return names;
+}
+
+// -- HostBufferPool -----------------------------------------------------------
+
+at::Tensor HostBufferPool::get(int64_t nbytes, bool pinned) {
+  const int64_t size = bucket_size(nbytes);
+  at::Tensor buffer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find({pinned, size});
+    if (it != free_.end() && !it->second.empty()) {
+      buffer = std::move(it->second.back());
+      it->second.pop_back();
+      idle_bytes_ -= size;
+      ++hits_;
+    } else {
+      ++misses_;
+    }
+  }
+  if (!buffer.defined()) {
+    // Allocated outside the lock: page-locking is slow, and the writer thread
+    // gives buffers back concurrently.
+    buffer = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  lent_[buffer.storage().data()] = Lent{buffer, pinned};
+  return buffer;
+}
+
+void HostBufferPool::put(const at::Tensor& view) {
+  if (!view.defined() || !view.has_storage()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = lent_.find(view.storage().data());
+  if (it == lent_.end()) {
+    return;  // not ours, or already given back
+  }
+  Lent lent = std::move(it->second);
+  lent_.erase(it);
+  const int64_t size = lent.buffer.numel();
+  if (idle_bytes_ + size <= limit_bytes_) {
+    free_[{lent.pinned, size}].push_back(std::move(lent.buffer));
+    idle_bytes_ += size;
+  }
+}
+
+void HostBufferPool::empty() {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.clear();
+  idle_bytes_ = 0;
+}
+
+std::vector<int64_t> HostBufferPool::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {idle_bytes_, static_cast<int64_t>(lent_.size()), hits_, misses_};
+}
+
+// -- Offloader ----------------------------------------------------------------
+
+bool Offloader::Job::query() {
+  for (auto& d : done) {
+    if (!d->query()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void Offloader::Job::wait() {
+  for (auto& d : done) {
+    d->wait();
+  }
+}
+
+Offloader::Offloader(int64_t max_inflight_bytes, bool pin, int64_t pool_limit_bytes)
+    : pool_(pool_limit_bytes), pin_(pin), max_inflight_bytes_(max_inflight_bytes) {
+  TORCH_CHECK(max_inflight_bytes > 0,
+              "Offloader: max_inflight_bytes must be positive, got ", max_inflight_bytes);
+  TORCH_CHECK(pool_limit_bytes >= 0,
+              "Offloader: pool_limit_bytes must be >= 0, got ", pool_limit_bytes);
+}
+
+Offloader::~Offloader() {
+  // Copies in flight write into host buffers this object keeps alive: they
+  // must land before the buffers can be freed.
+  try {
+    synchronize();
+  } catch (...) {
+  }
+}
+
+void Offloader::erase_locked(const std::shared_ptr<Job>& job) {
+  for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+    if (*it == job) {
+      inflight_bytes_ -= job->nbytes;
+      jobs_.erase(it);
+      return;
+    }
+  }
+}
+
+void Offloader::retire_finished_locked() {
+  // Copies on one queue finish in order: stop at the first unfinished job.
+  while (!jobs_.empty() && jobs_.front()->query()) {
+    inflight_bytes_ -= jobs_.front()->nbytes;
+    jobs_.pop_front();
+  }
+}
+
+std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::Tensor> tensors,
+                                                               bool copy, bool pooled) {
+  const size_t n = tensors.size();
+  std::vector<at::Tensor> host(n);
+  std::vector<DeviceCopyEngine*> engine_of(n, nullptr);
+  int64_t async_bytes = 0;
+  int64_t total_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), "Offloader.submit: tensor ", i, " is undefined");
+    TORCH_CHECK(t.layout() == at::kStrided, "Offloader.submit: tensor ", i, " has layout ",
+                t.layout(), "; only strided (dense) tensors can be copied to host memory");
+    TORCH_CHECK(!t.is_meta(), "Offloader.submit: tensor ", i,
+                " is on the meta device and has no values to copy");
+    t = t.detach();
+    total_bytes += static_cast<int64_t>(t.nbytes());
+    if (!t.is_cpu() && t.numel() > 0) {
+      engine_of[i] = copy_engine(t.device().type());
+      if (engine_of[i] != nullptr) {
+        async_bytes += static_cast<int64_t>(t.nbytes());
+      }
+    }
+  }
+
+  // Back-pressure before anything new is allocated: retire what has finished,
+  // then wait for the oldest copies until the new ones fit the budget (a
+  // single submission larger than the budget proceeds once nothing else is in
+  // flight).
+  if (async_bytes > 0) {
+    std::unique_lock<std::mutex> lock(mu_);
+    retire_finished_locked();
+    while (!jobs_.empty() && inflight_bytes_ + async_bytes > max_inflight_bytes_) {
+      std::shared_ptr<Job> oldest = jobs_.front();
+      ++stalls_;
+      lock.unlock();
+      oldest->wait();
+      lock.lock();
+      erase_locked(oldest);
+    }
+  }
+
+  std::vector<size_t> clone_idx;
+  std::vector<at::Tensor> clone_src;
+  // Asynchronous copies grouped per device: one completion per device.
+  std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
+      groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.is_cpu()) {
+      if (!copy) {
+        host[i] = t;  // a fresh tensor the model does not own: nothing to copy
+      } else if (pooled && t.numel() > 0) {
+        at::Tensor dst = view_as_dense(pool_.get(static_cast<int64_t>(t.nbytes()), false), t);
+        dst.copy_(t);
+        host[i] = std::move(dst);
+      } else {
+        clone_idx.push_back(i);
+        clone_src.push_back(t);
+      }
+      continue;
+    }
+    if (engine_of[i] == nullptr) {
+      host[i] = t.to(at::kCPU);  // no asynchronous engine for this device (or empty)
+      continue;
+    }
+    // The engine reads a dense span. With `copy` the tensor may alias memory
+    // the model updates in place later on the same stream, after this call
+    // returns but possibly before the side stream has read it: snapshot it on
+    // the current stream (device bandwidth is far above the link's).
+    at::Tensor src = t.is_contiguous() ? (copy ? t.clone() : t) : t.contiguous();
+    at::Tensor dst =
+        pooled ? view_as_dense(pool_.get(static_cast<int64_t>(t.nbytes()), pin_), t)
+               : at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(pin_));
+    auto it = groups.begin();
+    while (it != groups.end() && it->first != t.device()) {
+      ++it;
+    }
+    if (it == groups.end()) {
+      groups.emplace_back(t.device(), std::make_pair(std::vector<at::Tensor>{}, std::vector<at::Tensor>{}));
+      it = std::prev(groups.end());
+    }
+    it->second.first.push_back(std::move(src));
+    it->second.second.push_back(dst);
+    host[i] = std::move(dst);
+  }
+  if (!clone_src.empty()) {
+    std::vector<at::Tensor> copies = clone_many_cpu(clone_src);
+    for (size_t k = 0; k < clone_idx.size(); ++k) {
+      host[clone_idx[k]] = std::move(copies[k]);
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t ticket = next_ticket_++;
+  bytes_submitted_ += total_bytes;
+  if (!groups.empty()) {
+    auto job = std::make_shared<Job>();
+    job->ticket = ticket;
+    job->nbytes = async_bytes;
+    for (auto& [device, sd] : groups) {
+      auto& [src, dst] = sd;
+      job->done.push_back(copy_engine(device.type())->copy_to_host(device, src, dst));
+      // Sources stay alive until the copies have read them (so the caching
+      // allocator cannot hand their memory to new tensors), and destinations
+      // until written, even if the caller drops its references first.
+      for (auto& s : src) {
+        job->keep.push_back(std::move(s));
+      }
+      for (auto& d : dst) {
+        job->keep.push_back(std::move(d));
+      }
+    }
+    jobs_.push_back(std::move(job));
+    inflight_bytes_ += async_bytes;
+  }
+  return {ticket, std::move(host)};
+}
+
+bool Offloader::ready(int64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& job : jobs_) {
+    if (job->ticket == ticket) {
+      if (!job->query()) {
+        return false;
+      }
+      std::shared_ptr<Job> keep = job;
+      erase_locked(keep);
+      return true;
+    }
+  }
+  return true;  // finished and retired, or never asynchronous
+}
+
+void Offloader::wait(int64_t ticket) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& j : jobs_) {
+      if (j->ticket == ticket) {
+        job = j;
+        break;
+      }
+    }
+  }
+  if (!job) {
+    return;
+  }
+  job->wait();  // without the lock: other threads keep submitting and waiting
+  std::lock_guard<std::mutex> lock(mu_);
+  erase_locked(job);
+}
+
+void Offloader::synchronize() {
+  std::deque<std::shared_ptr<Job>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all = jobs_;
+  }
+  for (auto& job : all) {
+    job->wait();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& job : all) {
+    erase_locked(job);
+  }
+}
+
+void Offloader::release(std::vector<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors) {
+    pool_.put(t);
+  }
+}
+
+void Offloader::empty_pool() {
+  pool_.empty();
+}
+
+std::vector<int64_t> Offloader::stats() {
+  std::vector<int64_t> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out = {inflight_bytes_, static_cast<int64_t>(jobs_.size()), bytes_submitted_, stalls_};
+  }
+  for (int64_t v : pool_.stats()) {
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace pyhook

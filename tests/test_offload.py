@@ -1,0 +1,268 @@
+"""pyhook.offload: the native offloader against the reference one, and the CUDA semantics."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pyhook import _backend
+from pyhook.offload import Offloader, PinnedPool, ReferenceOffloader
+
+
+def _inputs(device: torch.device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    return [
+        t.to(device)
+        for t in (
+            base,
+            base.t(),  # non-contiguous
+            base[::2, 1:7],  # strided view
+            torch.arange(24, dtype=torch.int16).view(2, 3, 4).permute(2, 0, 1),
+            torch.tensor(3.5, dtype=torch.float64),  # 0-dim
+            torch.empty(0, 5),  # zero-size
+            torch.tensor([True, False, True]),
+            torch.randn(3, 2, generator=g).to(torch.bfloat16),
+        )
+    ]
+
+
+def _signature(ts: list[torch.Tensor]) -> list[tuple]:
+    return [(t.shape, t.dtype, t.stride(), t.device.type) for t in ts]
+
+
+@pytest.fixture(params=["native", "reference"])
+def engine(request):
+    """An offload engine on its own: the native class or the reference (same methods)."""
+    if request.param == "native":
+        if not _backend.native_available():
+            pytest.skip(f"native backend not built: {_backend.native_load_error()}")
+        return lambda limit=1 << 30, pool=1 << 30: torch.classes.pyhook.Offloader(limit, False, pool)
+    return lambda limit=1 << 30, pool=1 << 30: ReferenceOffloader(limit, False, pool)
+
+
+def _stats(eng) -> dict[str, int]:
+    keys = ["inflight_bytes", "inflight_jobs", "bytes_submitted", "stalls"]
+    keys += ["pool_idle_bytes", "pool_lent", "pool_hits", "pool_misses"]
+    return dict(zip(keys, eng.stats()))
+
+
+@pytest.mark.parametrize("copy", [False, True])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_engines_agree_on_cpu(engine, copy, pooled):
+    xs = _inputs(torch.device("cpu"))
+    eng = engine()
+    ticket, host = eng.submit(xs, copy, pooled)
+    assert eng.ready(ticket)
+    _, want = ReferenceOffloader(1 << 30, False, 1 << 30).submit(xs, copy, pooled)
+    assert _signature(host) == _signature(want)
+    for h, w, x in zip(host, want, xs):
+        assert torch.equal(h, w) and torch.equal(h, x)
+        if x.numel():
+            # copies never share memory with the source; non-copies are the source itself
+            assert (h.data_ptr() == x.data_ptr()) == (not copy)
+    if copy and not pooled:  # clone's strides
+        assert [h.stride() for h in host] == [x.clone().stride() for x in xs]
+    if copy and pooled:  # dense, row-major, in buffers the pool lends out
+        assert all(h.is_contiguous() for h in host)
+        assert _stats(eng)["pool_lent"] == sum(1 for x in xs if x.numel())
+    assert _stats(eng)["bytes_submitted"] == sum(x.nbytes for x in xs)
+
+
+def test_pooled_buffers_are_reused_after_release(engine):
+    eng = engine()
+    x = torch.randn(256, 256)  # 256 KiB: exactly one bucket
+    _, first = eng.submit([x], True, True)
+    ptr = first[0].data_ptr()
+    eng.release(first)
+    eng.release(first)  # twice is harmless
+    _, again = eng.submit([x[:200]], True, True)  # a smaller request, same bucket
+    assert again[0].data_ptr() == ptr and torch.equal(again[0], x[:200])
+    s = _stats(eng)
+    assert (s["pool_hits"], s["pool_misses"], s["pool_lent"]) == (1, 1, 1)
+    eng.release(again)
+    assert _stats(eng)["pool_idle_bytes"] == 256 << 10
+    eng.empty_pool()
+    assert _stats(eng)["pool_idle_bytes"] == 0
+
+
+def test_pool_limit_drops_idle_buffers(engine):
+    eng = engine(pool=0)
+    _, host = eng.submit([torch.ones(1000)], True, True)
+    eng.release(host)
+    s = _stats(eng)
+    assert s["pool_idle_bytes"] == 0 and s["pool_lent"] == 0
+    assert torch.equal(host[0], torch.ones(1000))  # the caller's tensor is still valid
+
+
+def test_release_from_another_thread(engine):
+    # The disk writer gives buffers back from its own thread while the model submits.
+    eng = engine()
+    xs = [torch.full((1000,), float(i)) for i in range(200)]
+    done = []
+
+    def consumer(jobs):
+        for ticket, host in jobs:
+            eng.wait(ticket)
+            done.append(host[0][0].item())
+            eng.release(host)
+
+    jobs = [eng.submit([x], True, True) for x in xs[:100]]
+    th = threading.Thread(target=consumer, args=(jobs,))
+    th.start()
+    more = [eng.submit([x], True, True) for x in xs[100:]]
+    th.join()
+    consumer(more)
+    assert done == [float(i) for i in range(200)]
+    s = _stats(eng)
+    assert s["pool_lent"] == 0 and s["pool_hits"] + s["pool_misses"] == 200
+
+
+def test_front_end_on_cpu_copies_like_clone(backend):
+    off = Offloader()
+    assert off.backend == backend
+    xs = _inputs(torch.device("cpu"))
+    for pooled in (False, True):
+        same = off.submit(xs, pooled=pooled).wait()
+        assert all(h is not x and h.data_ptr() == x.data_ptr() for h, x in zip(same, xs) if x.numel())
+        copies = off.submit(xs, copy=True, pooled=pooled).wait()
+        assert _signature(copies) == _signature([x.clone() for x in xs])
+        assert all(torch.equal(c, x) for c, x in zip(copies, xs))
+        assert all(c.data_ptr() != x.data_ptr() for c, x in zip(copies, xs) if x.numel())
+    assert off.stats()["bytes_submitted"] == 4 * sum(x.nbytes for x in xs)
+
+
+def test_bad_input_is_named(backend, engine):
+    off = Offloader()
+    with pytest.raises(RuntimeError, match="tensor 1 is on the meta device"):
+        off.submit([torch.ones(2), torch.ones(2, device="meta")])
+    with pytest.raises(RuntimeError, match="tensor 0 has layout"):
+        off.submit([torch.eye(3).to_sparse()])
+    eng = engine()
+    with pytest.raises(RuntimeError, match="tensor 1 is on the meta device"):
+        eng.submit([torch.ones(2), torch.ones(2, device="meta")], True, True)
+    with pytest.raises(RuntimeError, match="tensor 0 has layout"):
+        eng.submit([torch.eye(3).to_sparse()], True, True)
+    assert _stats(eng)["pool_lent"] == 0
+    with pytest.raises(ValueError, match="max_inflight_bytes must be an int >= 1"):
+        Offloader(max_inflight_bytes=0)
+    with pytest.raises(ValueError, match="pool_limit_bytes"):
+        Offloader(pool_limit_bytes=-1)
+    assert off.stats()["inflight_jobs"] == 0
+
+
+def test_pinned_pool_reference():
+    pool = PinnedPool()
+    a = pool.get(100_000)
+    assert a.numel() >= 100_000 and a.dtype == torch.uint8
+    pool.put(a[:10].view(torch.float16))  # any view gives the buffer back
+    assert pool.get(70_000).data_ptr() == a.data_ptr()
+    assert pool.stats() == {"idle_bytes": 0, "lent": 1, "hits": 1, "misses": 1}
+
+
+def test_native_engine_reports_async_devices(native):
+    devices = torch.ops.pyhook.offload_async_devices()
+    assert ("cuda" in devices) == torch._C._dispatch_has_kernel_for_dispatch_key(
+        "pyhook::clone_many", "CUDA"
+    )
+
+
+# -- CUDA -----------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("pooled", [False, True])
+def test_cuda_copies_are_exact_and_pinned(backend, pooled):
+    off = Offloader(max_inflight_bytes=1 << 20)  # small: exercises back-pressure
+    xs = _inputs(torch.device("cuda"))
+    want = [x.cpu() for x in xs]
+    pend = [off.submit(xs, pooled=pooled) for _ in range(6)]
+    for p in pend:
+        host = p.wait()
+        assert p.ready()
+        for h, w in zip(host, want):
+            assert torch.equal(h, w) and h.shape == w.shape and h.dtype == w.dtype
+            assert h.device.type == "cpu" and h.is_contiguous()
+            if h.numel():
+                assert h.is_pinned()
+        off.release(host)
+    s = off.stats()
+    assert s["inflight_jobs"] == 0 and s["inflight_bytes"] == 0
+    if pooled:
+        assert s["pool_hits"] > 0 and s["pool_lent"] == 0
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_backpressure_bounds_bytes_in_flight(backend):
+    chunk = torch.randn(1 << 20, device="cuda")  # 4 MiB
+    off = Offloader(max_inflight_bytes=3 * chunk.nbytes)
+    pend = []
+    for i in range(12):
+        pend.append(off.submit([chunk * i]))
+        assert off.stats()["inflight_bytes"] <= 3 * chunk.nbytes
+    for i, p in enumerate(pend):
+        assert torch.equal(p.wait()[0], (chunk * i).cpu())
+    off.synchronize()
+    assert off.stats()["inflight_jobs"] == 0
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_copy_snapshot_wins_against_a_later_inplace_update(backend):
+    # copy=True: the model may update the captured memory in place after the hook returns.
+    # The update is queued on the compute stream right after submit; the host copy must still
+    # hold the values at submit time (a plain side-stream read of x could see the update).
+    off = Offloader()
+    x = torch.randn(8 << 20, device="cuda")
+    want = x.cpu()
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy so the copy queues behind it
+    p = off.submit([x], copy=True)
+    x.add_(1.0)
+    assert torch.equal(p.wait()[0], want)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_source_memory_is_not_recycled_while_read(backend):
+    off = Offloader()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x = torch.randn(4 << 20, device="cuda")
+        want = x.cpu()
+        torch.cuda._sleep(50_000_000)
+        p = off.submit([x])  # no snapshot: the engine must keep x alive
+        del x
+        junk = torch.full((4 << 20,), 7.0, device="cuda")  # would take x's block if freed
+    assert torch.equal(p.wait()[0], want)
+    del junk
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_reference_and_native_agree(native):
+    xs = _inputs(torch.device("cuda"))
+    got = Offloader().submit(xs, copy=True).wait()
+    with _backend.use_backend("reference"):
+        want = Offloader().submit(xs, copy=True).wait()
+    assert _signature(got) == _signature(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_reference_offloader_api_matches_native(native):
+    # Same methods (the Offloader front end calls either interchangeably).
+    nat = torch.classes.pyhook.Offloader(1 << 20, False, 1 << 20)
+    ref = ReferenceOffloader(1 << 20, False, 1 << 20)
+    x = torch.randn(5, 3)
+    for eng in (nat, ref):
+        ticket, host = eng.submit([x, x.t()], True, True)
+        assert eng.ready(ticket)
+        eng.wait(ticket)
+        eng.synchronize()
+        eng.release(host)
+        eng.empty_pool()
+    assert list(nat.stats()) == list(ref.stats())
