@@ -268,7 +268,10 @@ class ReferenceOffloader:
                     self._inflight_bytes -= self._jobs.popleft().nbytes
             while True:
                 with self._lock:
-                    if not self._jobs or self._inflight_bytes + async_bytes <= self.max_inflight_bytes:
+                    if (
+                        not self._jobs
+                        or self._inflight_bytes + async_bytes <= self.max_inflight_bytes
+                    ):
                         break
                     oldest = self._jobs[0]
                     self._stalls += 1
@@ -360,7 +363,7 @@ class ReferenceOffloader:
         with self._lock:
             head = [self._inflight_bytes, len(self._jobs), self._bytes_submitted, self._stalls]
         p = self.pool.stats()
-        return head + [p["idle_bytes"], p["lent"], p["hits"], p["misses"]]
+        return [*head, p["idle_bytes"], p["lent"], p["hits"], p["misses"]]
 
 
 def _native_engine_for_cuda() -> bool:
@@ -402,16 +405,16 @@ class Offloader:
             ("pool_limit_bytes", pool_limit_bytes, 0),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(
-                    f"{name} must be an int >= {low} (bytes), got {value!r}"
-                )
+                raise ValueError(f"{name} must be an int >= {low} (bytes), got {value!r}")
         self.max_inflight_bytes = max_inflight_bytes
         self.pin = bool(pin)
         self.pool_limit_bytes = pool_limit_bytes
         self._native: Any = None
         self._native_cuda = False
         if _backend.get_backend() == "native":
-            self._native = torch.classes.pyhook.Offloader(max_inflight_bytes, self.pin, pool_limit_bytes)
+            self._native = torch.classes.pyhook.Offloader(
+                max_inflight_bytes, self.pin, pool_limit_bytes
+            )
             self._native_cuda = _native_engine_for_cuda()
         self._reference: ReferenceOffloader | None = None
         self._cpu_bytes = 0
