@@ -267,18 +267,28 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
     auto job = std::make_shared<Job>();
     job->ticket = ticket;
     job->nbytes = async_bytes;
-    for (auto& [device, sd] : groups) {
-      auto& [src, dst] = sd;
-      job->done.push_back(copy_engine(device.type())->copy_to_host(device, src, dst));
-      // Sources stay alive until the copies have read them (so the caching
-      // allocator cannot hand their memory to new tensors), and destinations
-      // until written, even if the caller drops its references first.
-      for (auto& s : src) {
-        job->keep.push_back(std::move(s));
+    try {
+      for (auto& [device, sd] : groups) {
+        auto& [src, dst] = sd;
+        job->done.push_back(copy_engine(device.type())->copy_to_host(device, src, dst));
+        // Sources stay alive until the copies have read them (so the caching
+        // allocator cannot hand their memory to new tensors), and destinations
+        // until written, even if the caller drops its references first.
+        for (auto& s : src) {
+          job->keep.push_back(std::move(s));
+        }
+        for (auto& d : dst) {
+          job->keep.push_back(std::move(d));
+        }
       }
-      for (auto& d : dst) {
-        job->keep.push_back(std::move(d));
+    } catch (...) {
+      // Copies already enqueued for other devices still read and write these
+      // tensors: keep the job (and its tensors) until they complete.
+      if (!job->done.empty()) {
+        jobs_.push_back(job);
+        inflight_bytes_ += async_bytes;
       }
+      throw;
     }
     jobs_.push_back(std::move(job));
     inflight_bytes_ += async_bytes;
