@@ -472,9 +472,9 @@ class Recorder:
                 t = self._reduce(name, raw)
             # Copy only when t may alias memory the model owns (an un-reduced output or a view),
             # unless copy=False: then keep the reference and check its version counter later.
-            aliases = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-            if aliases and not self.copy and not t.is_inference():
-                aliases = False
+            needs_copy = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+            if needs_copy and not self.copy and not t.is_inference():
+                needs_copy = False
                 self._pending_guard[name] = (t, t._version)
             else:
                 self._pending_guard.pop(name, None)
@@ -482,10 +482,10 @@ class Recorder:
             if isinstance(old, PendingCopy) and self.to == "disk":
                 self._offloader.release(old.wait())
             if self.to == "device":
-                self._pending[name] = _backend.clone_one(t) if aliases else t
+                self._pending[name] = _backend.clone_one(t) if needs_copy else t
             else:
                 self._pending[name] = self._offloader.submit(
-                    [t], copy=aliases, pooled=self.to == "disk"
+                    [t], copy=needs_copy, pooled=self.to == "disk"
                 )
 
         return hook

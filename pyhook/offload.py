@@ -69,6 +69,19 @@ def _bucket(nbytes: int) -> int:
     return size
 
 
+def _check_copyable(i: int, t: torch.Tensor) -> None:
+    # Same messages as the native engine's checks (csrc/offload.cpp).
+    if t.layout != torch.strided:
+        raise RuntimeError(
+            f"Offloader.submit: tensor {i} has layout {t.layout}; only strided (dense) "
+            "tensors can be copied to host memory"
+        )
+    if t.is_meta:
+        raise RuntimeError(
+            f"Offloader.submit: tensor {i} is on the meta device and has no values to copy"
+        )
+
+
 def _dense_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf[: like.nbytes].view(like.dtype).view(like.shape)
 
@@ -237,27 +250,12 @@ class ReferenceOffloader:
                 return
             self._inflight_bytes -= job.nbytes
 
-    def _find(self, ticket: int) -> _Job | None:
-        with self._lock:
-            for job in self._jobs:
-                if job.ticket == ticket:
-                    return job
-        return None
-
     def submit(
         self, tensors: Sequence[torch.Tensor], copy: bool, pooled: bool
     ) -> tuple[int, list[torch.Tensor]]:
         tensors = [t.detach() for t in tensors]
         for i, t in enumerate(tensors):
-            if t.layout != torch.strided:
-                raise RuntimeError(
-                    f"Offloader.submit: tensor {i} has layout {t.layout}; only strided (dense) "
-                    "tensors can be copied to host memory"
-                )
-            if t.is_meta:
-                raise RuntimeError(
-                    f"Offloader.submit: tensor {i} is on the meta device and has no values to copy"
-                )
+            _check_copyable(i, t)
         total = sum(t.nbytes for t in tensors)
         is_async = [t.is_cuda and t.numel() > 0 for t in tensors]
         async_bytes = sum(t.nbytes for t, a in zip(tensors, is_async) if a)
@@ -447,11 +445,7 @@ class Offloader:
         for i, t in enumerate(tensors):
             if not t.is_cpu:
                 break
-            if t.layout != torch.strided:
-                raise RuntimeError(
-                    f"Offloader.submit: tensor {i} has layout {t.layout}; only strided (dense) "
-                    "tensors can be copied to host memory"
-                )
+            _check_copyable(i, t)
             nbytes += t.nbytes
         else:
             # All in host memory already: nothing is asynchronous, and a Python call into the
@@ -459,7 +453,7 @@ class Offloader:
             # the pooled native clone (large) or clone (small), whatever ``pooled`` says: the
             # native pool recycles a buffer once its last tensor is dropped.
             if copy:
-                tensors = [_backend.clone_one(t) for t in tensors]
+                tensors = _backend.clone_tensors(tensors)
             self._cpu_bytes += nbytes
             return PendingCopy(tensors, None, None, nbytes)
         engine = self._engine_for(tensors)
