@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -58,12 +59,18 @@ def timeit(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
 
 def compare(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
     """Seconds per function and round, measured round-robin (one warm-up each) so that load from
-    other processes affects every method alike; ratios are then taken within each round."""
+    other processes affects every method alike; ratios are then taken within each round. The
+    order is shuffled every round (fixed seed): a method's run leaves the allocator and caches
+    in a state that the next one inherits, and a fixed order would bias one neighbour."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(0)
     for _ in range(repeat):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -73,6 +80,12 @@ def compare(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, list
 def paired_overhead(times: list[float], base: list[float]) -> float:
     """Median over rounds of (time with capture / raw time in the same round) - 1."""
     return statistics.median(t / b for t, b in zip(times, base)) - 1
+
+
+def paired_spread(times: list[float], base: list[float]) -> tuple[float, float]:
+    """25th and 75th percentiles of the per-round overheads: the noise around the median."""
+    q = statistics.quantiles([t / b - 1 for t, b in zip(times, base)], n=4)
+    return q[0], q[2]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -90,6 +103,106 @@ def gpt2_config(n_layer: int, d_model: int, heads: int, vocab: int, positions: i
         n_layer=n_layer, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=positions,
         bos_token_id=0, eos_token_id=0,
     )
+
+
+# -- (a0) cost per captured layer ---------------------------------------------------------------
+class _Block(torch.nn.Module):
+    """A block whose forward costs almost nothing: what is left is the capture's own cost."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x * 1.0, None  # a fresh tensor, returned as a (hidden, extra) tuple like GPT-2's
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.h = torch.nn.ModuleList(_Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            x = block(x)[0]
+        return x
+
+
+def bench_per_layer(args: argparse.Namespace) -> None:
+    """Microseconds each method adds per captured layer and forward, on a model whose forward
+    is nearly free: the end-to-end loops of (a) are this cost times layers x batches, hidden in
+    the noise of a real forward on a shared VM."""
+    n, forwards = (12, 2) if args.quick else (48, 4)
+    rounds = 5 if args.quick else 40
+    model = _Stack(n).eval()
+    print(
+        f"\n(a0) cost per captured layer: {n} cheap blocks, {forwards} forwards per capture "
+        f"session, medians of {rounds} rounds (us per layer per forward, over the raw forward)"
+    )
+    try:
+        import nnsight
+    except ImportError:
+        nnsight = None
+    rows = []
+    for shape in [(1, 32, 128), (8, 128, 128)]:
+        x = torch.randn(*shape)
+        fns: dict[str, Callable[[], object]] = {}
+
+        def raw() -> None:
+            for _ in range(forwards):
+                model(x)
+
+        def pyhook_copy() -> None:
+            with capture(model, "h.*", flatten=False) as rec:
+                for _ in range(forwards):
+                    model(x)
+            assert rec.batches == forwards
+
+        def pyhook_ref() -> None:
+            with capture(model, "h.*", flatten=False, copy=False) as rec:
+                for _ in range(forwards):
+                    model(x)
+            assert rec.batches == forwards
+
+        def hooks() -> None:
+            store: list[list[torch.Tensor]] = [[] for _ in range(n)]
+            handles = [
+                blk.register_forward_hook(
+                    lambda m, a, o, i=i: store[i].append(
+                        (o[0] if isinstance(o, tuple) else o).detach().clone()
+                    )
+                )
+                for i, blk in enumerate(model.h)
+            ]
+            try:
+                for _ in range(forwards):
+                    model(x)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        fns = {
+            "raw": raw,
+            "pyhook capture(to='host')": pyhook_copy,
+            "pyhook capture(to='host', copy=False)": pyhook_ref,
+            "nethook-style hooks + clone": hooks,
+        }
+        if nnsight is not None:
+            nn_model = nnsight.NNsight(model)
+
+            def run_nnsight() -> None:
+                kept = []
+                for _ in range(forwards):
+                    with nn_model.trace(x):
+                        kept.append([nn_model.h[i].output[0].save() for i in range(n)])
+                assert len(kept) == forwards
+
+            fns[f"nnsight {nnsight.__version__} trace+save"] = run_nnsight
+        with torch.no_grad():
+            times = compare(fns, rounds)
+        kb = x.nbytes / 1024
+        for name in fns:
+            if name == "raw":
+                continue
+            per = [(t - b) / (n * forwards) * 1e6 for t, b in zip(times[name], times["raw"])]
+            rows.append([f"{kb:.0f} KB", name, f"{statistics.median(per):.1f}"])
+    print(table(rows, ["output", "method", "us per layer"]))
 
 
 # -- (a) in-memory capture vs peers ----------------------------------------------------------------
@@ -195,6 +308,7 @@ def bench_peers(args: argparse.Namespace, regime: str, B: int, T: int, steps: in
     ]
     rows = []
     for name, base, over in results:
+        lo, hi = paired_spread(times[name], times[base])
         rows.append(
             [
                 name,
@@ -202,12 +316,20 @@ def bench_peers(args: argparse.Namespace, regime: str, B: int, T: int, steps: in
                 f"{statistics.median(times[name]) * 1e3:.1f}",
                 f"{1 + over:.3f}x",
                 f"{over * 100:+.1f}%",
+                f"{lo * 100:+.1f}% .. {hi * 100:+.1f}%",
             ]
         )
     print(
         table(
             rows,
-            ["method", "raw forward ms", "with capture ms", "paired ratio", "overhead"],
+            [
+                "method",
+                "raw forward ms",
+                "with capture ms",
+                "paired ratio",
+                "overhead",
+                "middle half of rounds",
+            ],
         )
     )
     # The target compares with the peers that capture whole outputs (TransformerLens, nnsight);
@@ -489,6 +611,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}"
     )
     if "peers" not in args.skip:
+        bench_per_layer(args)
         for regime, b, t, steps in regimes:
             bench_peers(args, regime, b, t, steps)
     if "disk" not in args.skip:

@@ -56,13 +56,22 @@ _cuda_kernels = False
 _requested = "auto"
 
 # Per-device batches with fewer bytes than this go to the reference path. Below
-# it the native call's fixed cost (~15 us of Python partitioning and dispatch)
-# exceeds what it saves: malloc serves such small blocks from warm heap memory,
-# so there are no page faults for the pool to avoid. Measured with
-# benchmarks/bench_copy.py on a 2-core VM: 64 KB captures ~0.02 ms reference vs
-# ~0.03 ms native; at 1 MB they are within noise; from 16 MB native wins >10x.
+# it the native call's fixed cost (~7 us of dispatch and pool lookup) exceeds
+# what it saves: malloc serves such blocks from warm heap memory. Above it, as
+# soon as a few captures are kept at once (a TraceDict's layers, a Recorder's
+# batches), malloc's freed memory goes back to the OS and every new capture
+# pays a page fault per 4 KiB page, which the pool avoids. Measured on a 2-core
+# VM, clone of one tensor, keeping the last N copies alive (us, torch / native):
+#            keep 1       keep 12       keep 72
+#   64 KB   3.7 / 10.6    4.0 / 10.8   38 / 12
+#  256 KB   8.0 / 15.5    123 / 20     168 / 25
+#    1 MB    28 / 34      574 / 71     661 / 110
 # Tests set it to 0 to exercise the kernel on small inputs.
-NATIVE_MIN_BYTES = 1 << 20
+NATIVE_MIN_BYTES = 256 << 10
+
+# The same threshold for copies that are kept by the dozen (each batch of a
+# Recorder): from here the pool wins (table above, keep 72).
+KEPT_MIN_BYTES = 64 << 10
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -236,19 +245,20 @@ def _skip_autograd(batch: list[torch.Tensor]) -> bool:
     return not torch.compiler.is_compiling()  # a tracer should see the plain op call
 
 
-def clone_one(t: torch.Tensor) -> torch.Tensor:
+def clone_one(t: torch.Tensor, min_bytes: int | None = None) -> torch.Tensor:
     """``clone_tensors([t])[0]``, with the routing of small tensors kept off the hot path
-    (every traced layer that clones a tensor output comes here).
+    (every traced layer that clones a tensor output comes here). ``min_bytes`` replaces
+    :data:`NATIVE_MIN_BYTES` as the size from which the native kernel is used.
 
     >>> x = torch.arange(3.0)
     >>> y = clone_one(x); torch.equal(x, y) and y.data_ptr() != x.data_ptr()
     True
     """
-    if _requested == "reference" or (
-        NATIVE_MIN_BYTES and type(t) is torch.Tensor and t.nbytes < NATIVE_MIN_BYTES
-    ):
+    limit = NATIVE_MIN_BYTES if min_bytes is None else min_bytes
+    checked = bool(limit) and type(t) is torch.Tensor
+    if _requested == "reference" or (checked and t.nbytes < limit):
         return t.clone()
-    return clone_tensors([t])[0]
+    return _clone_list([t], size_checked=checked or min_bytes is not None)[0]
 
 
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -258,13 +268,15 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     >>> [torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(xs, clone_tensors(xs))]
     [True, True]
     """
-    tensors = list(tensors)
+    return _clone_list(list(tensors))
+
+
+def _clone_list(tensors: list[torch.Tensor], size_checked: bool = False) -> list[torch.Tensor]:
     if not tensors:
         return []
     if get_backend() != "native":
         return _reference.clone_tensors(tensors)
-    size_checked = False
-    if NATIVE_MIN_BYTES:
+    if NATIVE_MIN_BYTES and not size_checked:
         # Small captures: the reference path is the faster one; decide before any per-tensor
         # routing so that they pay (almost) nothing for the native backend being on.
         try:

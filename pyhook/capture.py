@@ -138,10 +138,11 @@ def resolve_layers(
             "layers is empty: name at least one layer (names or globs such as 'transformer.h.*')"
         )
     all_names: list[str] | None = None
+    named: dict[str, nn.Module] | None = None
     found: dict[str, nn.Module] = {}
     for entry in entries:
         if isinstance(entry, str) and _GLOB_CHARS.search(entry):
-            if all_names is None:
+            if named is None or all_names is None:
                 named = dict(model.named_modules())
                 all_names = [n for n in named if n]
             rx = _glob_regex(entry)
@@ -161,7 +162,11 @@ def resolve_layers(
             raise TypeError(
                 f"layers must hold names, globs or submodules, got {type(entry).__name__}: {entry!r}"
             )
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    if len(found) < 2:
+        return list(found.items())
+    if named is None:
+        named = dict(model.named_modules())
+    order = {n: i for i, n in enumerate(named)}  # dicts keep named_modules' order
     return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
 
 
@@ -308,7 +313,17 @@ class Recorder:
             **(settings or {}),
         }
         self._rank, self._world = self._dist_info(rank, world_size)
-        self._offloader = Offloader(max_inflight_bytes=max_inflight_bytes)
+        if (
+            not isinstance(max_inflight_bytes, int)
+            or isinstance(max_inflight_bytes, bool)
+            or max_inflight_bytes < 1
+        ):
+            raise ValueError(
+                f"max_inflight_bytes must be an int >= 1 (bytes), got {max_inflight_bytes!r}"
+            )
+        self._max_inflight_bytes = max_inflight_bytes
+        # Made on first use: host captures of CPU tensors never need the engine.
+        self._offloader_: Offloader | None = None
         self._hooks = HookSet()
         self._writer: ShardWriter | None = None
         self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
@@ -324,6 +339,12 @@ class Recorder:
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
         self.bytes = 0
         self.batches = 0
+
+    @property
+    def _offloader(self) -> Offloader:
+        if self._offloader_ is None:
+            self._offloader_ = Offloader(max_inflight_bytes=self._max_inflight_bytes)
+        return self._offloader_
 
     @staticmethod
     def _dist_info(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -395,8 +416,9 @@ class Recorder:
         for p in self._pending.values():
             if isinstance(p, PendingCopy) and self.to == "disk":
                 self._offloader.release(p.wait())
-        self._pending = {}
-        self._pending_guard = {}
+        # Cleared in place: the layer hooks hold these dicts.
+        self._pending.clear()
+        self._pending_guard.clear()
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._discard_pending()  # leftovers of a forward that raised
@@ -460,62 +482,95 @@ class Recorder:
         return t
 
     def _make_hook(self, name: str) -> Callable[..., None]:
+        # Everything that does not change between calls is read once here: the hook runs once
+        # per layer per forward, and at a few microseconds of Python it is most of the cost of
+        # capturing a small activation.
+        select = self.select
+        reduces = not (
+            self.positions is None and self.mask is None and self.dtype is None and not self.flatten
+        )
+        by_reference = not self.copy
+        to = self.to
+        pending = self._pending  # never rebound: cleared in place
+        pending_guard = self._pending_guard
+        clone_one = _backend.clone_one
+        kept_min = _backend.KEPT_MIN_BYTES
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            raw = self.select(output) if self.select is not None else _first_tensor(output)
-            if not isinstance(raw, torch.Tensor):
-                raise TypeError(
-                    f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
-                )
+            if select is not None:
+                raw = select(output)
+                if not isinstance(raw, torch.Tensor):
+                    raise TypeError(
+                        f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
+                    )
+            elif type(output) is torch.Tensor:
+                raw = output
+            else:
+                raw = _first_tensor(output)
             if self._batch_examples is None:
                 self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
-            with torch.no_grad():
+            if reduces:
+                # _reduce starts from a detached tensor, so nothing in it is recorded by autograd.
                 t = self._reduce(name, raw)
-            # Copy only when t may alias memory the model owns (an un-reduced output or a view),
-            # unless copy=False: then keep the reference and check its version counter later.
-            needs_copy = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-            if needs_copy and not self.copy and not t.is_inference():
-                needs_copy = False
-                self._pending_guard[name] = (t, t._version)
+                # Copy only when t may alias memory the model owns (an un-reduced output or a
+                # view), unless copy=False: then keep the reference, check its version later.
+                needs_copy = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
             else:
-                self._pending_guard.pop(name, None)
-            old = self._pending.pop(name, None)
-            if isinstance(old, PendingCopy) and self.to == "disk":
-                self._offloader.release(old.wait())
-            if self.to == "device":
-                self._pending[name] = _backend.clone_one(t) if needs_copy else t
+                t = raw.detach()
+                needs_copy = True
+            if by_reference:
+                if needs_copy and not t.is_inference():
+                    needs_copy = False
+                    pending_guard[name] = (t, t._version)
+                else:
+                    pending_guard.pop(name, None)
+            if to == "disk":
+                old = pending.pop(name, None)
+                if old is not None:  # the layer ran twice in this forward: the last call is kept
+                    self._offloader.release(old.wait())
+                pending[name] = self._offloader.submit([t], copy=needs_copy, pooled=True)
+            elif to == "device" or t.is_cpu:
+                # Host memory already (or staying on the device): a synchronous copy, nothing
+                # to overlap and no engine to go through.
+                # Every batch's copy is kept, so malloc would hand out fresh (faulting)
+                # pages: the native pool recycles mapped buffers from a smaller size on.
+                pending[name] = clone_one(t, kept_min) if needs_copy else t
             else:
-                self._pending[name] = self._offloader.submit(
-                    [t], copy=needs_copy, pooled=self.to == "disk"
-                )
+                pending[name] = self._offloader.submit([t], copy=needs_copy, pooled=False)
 
         return hook
 
     def _commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        guards, self._pending_guard = self._pending_guard, {}
+        guards = dict(self._pending_guard)
+        self._pending_guard.clear()
         for name, guard in guards.items():
             self._check(name, guard, "before the forward returned")
-        pending, self._pending = self._pending, {}
+        pending = dict(self._pending)
+        self._pending.clear()
         examples = self._batch_examples or 0
         self.batches += 1
         self.examples += examples
-        for p in pending.values():
-            n = p.nbytes if isinstance(p, PendingCopy) else p.numel() * p.element_size()
-            self.bytes += n
+        rows = self.rows
         if self.to == "disk":
             assert self._writer is not None
             batch = {name: p._host[0] for name, p in pending.items()}  # shapes only until waited
             for name, t in batch.items():
-                self.rows[name] += int(t.shape[0])
-            waits = [p for p in pending.values()]
+                rows[name] += int(t.shape[0])
+                self.bytes += t.nbytes
+            waits = list(pending.values())
             self._writer.add(batch, examples, wait=lambda: [p.wait() for p in waits])
-        else:
-            for name, p in pending.items():
-                self._results[name].append(p)
-                self._guards[name].append(guards.get(name))
-                if isinstance(p, PendingCopy):
-                    self.rows[name] += int(p.shapes[0][0])
-                else:
-                    self.rows[name] += int(p.shape[0])
+            return
+        results, kept = self._results, self._guards
+        for name, guard in guards.items():
+            kept[name].append(guard)
+        for name, p in pending.items():
+            results[name].append(p)
+            if isinstance(p, PendingCopy):
+                rows[name] += int(p.shapes[0][0])
+                self.bytes += p.nbytes
+            else:
+                rows[name] += int(p.shape[0])
+                self.bytes += p.nbytes
 
     @staticmethod
     def _check(name: str, guard: tuple[torch.Tensor, int] | None, when: str) -> None:

@@ -84,6 +84,55 @@ def test_captured_rows_are_copies_not_views_of_live_memory():
     assert torch.equal(rec["a"], torch.ones(2, 3))
 
 
+@pytest.mark.parametrize("use_backend", ["native", "reference"])
+def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
+    """Rows of KEPT_MIN_BYTES and more are copied into recycled native pool buffers; smaller
+    ones by torch's clone. Either way they equal a hand-written hook's clones, own their memory
+    and survive the model overwriting its outputs in place."""
+    from pyhook import _backend
+
+    if use_backend == "native" and not _backend.native_available():
+        pytest.skip("native backend not built")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Linear(64, 256)  # 8 x 16 x 256 floats = 128 KiB per call
+            self.small = nn.Linear(256, 4)  # 2 KiB per call
+
+        def forward(self, x):
+            h = self.big(x)
+            out = self.small(h)
+            h.zero_()  # the model reuses the captured output's memory afterwards
+            return out
+
+    torch.manual_seed(0)
+    net = Net()
+    xs = [torch.randn(8, 16, 64) for _ in range(3)]
+    ref = reference_outputs(net, ["big", "small"], lambda: [net(x) for x in xs])
+    with _backend.use_backend(use_backend):
+        before = _backend.pool_stats()
+        with capture(net, ["big", "small"], flatten=False) as rec:
+            for x in xs:
+                net(x)
+        after = _backend.pool_stats()
+        assert torch.equal(rec["big"], torch.cat(ref["big"]))
+        assert torch.equal(rec["small"], torch.cat(ref["small"]))
+        parts = rec.parts("big")
+    served = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
+    if use_backend == "native":
+        # between the two thresholds: only the Recorder's lower one sends it to the pool
+        assert _backend.NATIVE_MIN_BYTES > 256 * 8 * 16 * 4 >= _backend.KEPT_MIN_BYTES > 4 * 8 * 16 * 4
+        assert served == 3  # one pooled buffer per batch of "big", none for "small"
+        assert after["live_buffers"] - before["live_buffers"] == 3
+    else:
+        assert served == 0
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 3
+    del rec, parts
+    if use_backend == "native":  # dropping the rows gives the buffers back
+        assert _backend.pool_stats()["live_buffers"] == before["live_buffers"]
+
+
 def test_namedtuple_dict_outputs_and_select():
     torch.manual_seed(0)
     net = nn.Sequential(NamedTupleBlock(4))
