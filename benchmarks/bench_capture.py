@@ -4,6 +4,8 @@ Run:  python benchmarks/bench_capture.py [--quick] [--out-dir DIR]
 
 Prints ratio tables (one run, everything measured in the same process):
 
+(a0) the microseconds each method adds per captured layer and forward, on a model whose forward
+    costs almost nothing (16 KB and 512 KB outputs): the per-layer costs that (a) adds up.
 (a) capture of every block's output of a GPT-2-small-shaped model (random weights) over a batch
     loop, as overhead over each tool's own raw forward (median of per-round ratios), in two
     regimes (one short example per forward; 8 x 128 tokens per forward): pyhook
@@ -14,7 +16,7 @@ Prints ratio tables (one run, everything measured in the same process):
     not installed are skipped (``pip install -c constraints.txt -r benchmarks/requirements-peers.txt``).
 (b) capture to disk (``to="disk"``): the writer's sustained MB/s against the disk's sequential write
     speed measured with ``dd ... conv=fsync`` in the same directory, and the forward loop with the
-    disk capture against the forward alone (is the model stalled by the disk?).
+    disk capture against the forward alone (is the model stalled by the disk?), in paired rounds.
 (c) on CUDA only: the offloader's device-to-host MB/s against a plain pinned-copy bandwidth, and a
     forward + capture of all residual streams against the forward alone.
 """
@@ -139,10 +141,8 @@ def bench_per_layer(args: argparse.Namespace) -> None:
         import nnsight
     except ImportError:
         nnsight = None
-    rows = []
-    for shape in [(1, 32, 128), (8, 128, 128)]:
-        x = torch.randn(*shape)
-        fns: dict[str, Callable[[], object]] = {}
+
+    def measure(x: torch.Tensor) -> dict[str, list[float]]:
 
         def raw() -> None:
             for _ in range(forwards):
@@ -177,7 +177,7 @@ def bench_per_layer(args: argparse.Namespace) -> None:
                 for h in handles:
                     h.remove()
 
-        fns = {
+        fns: dict[str, Callable[[], object]] = {
             "raw": raw,
             "pyhook capture(to='host')": pyhook_copy,
             "pyhook capture(to='host', copy=False)": pyhook_ref,
@@ -195,9 +195,14 @@ def bench_per_layer(args: argparse.Namespace) -> None:
 
             fns[f"nnsight {nnsight.__version__} trace+save"] = run_nnsight
         with torch.no_grad():
-            times = compare(fns, rounds)
+            return compare(fns, rounds)
+
+    rows = []
+    for shape in [(1, 32, 128), (8, 128, 128)]:
+        x = torch.randn(*shape)
+        times = measure(x)
         kb = x.nbytes / 1024
-        for name in fns:
+        for name in times:
             if name == "raw":
                 continue
             per = [(t - b) / (n * forwards) * 1e6 for t, b in zip(times[name], times["raw"])]
@@ -337,8 +342,11 @@ def bench_peers(args: argparse.Namespace, regime: str, B: int, T: int, steps: in
     peers = [over for name, _, over in results if not name.startswith(("pyhook", "nethook"))]
     if peers:
         best = min(peers)
-        for name, _, ours in results[:2]:
+        for name, base, ours in results[:2]:
             verdict = "met" if ours <= best / 2 else "NOT met"
+            lo, hi = paired_spread(times[name], times[base])
+            if lo <= best / 2 < hi:
+                verdict += " by the medians; not resolved (the middle half of the rounds straddles it)"
             print(
                 f"target ({name}): overhead <= half the best peer's ({ours * 100:+.1f}% vs "
                 f"{best * 100:+.1f}% / 2): {verdict}"
@@ -442,58 +450,77 @@ def bench_disk(args: argparse.Namespace) -> None:
     layers = ["h.*", "h.*.attn", "h.*.mlp", "h.*.ln_1", "h.*.ln_2"]
     out = os.path.join(base, "capture")
     dd = dd_speed(base, args.dd_mb)
-    with torch.no_grad():
-        fwd = timeit(lambda: [model(ids) for ids in batches], 1)
+    rounds = args.disk_rounds
+
+    def forward_loop() -> None:
+        for ids in batches:
+            model(ids)
+
+    def disk_capture() -> tuple[float, float, int, float, int]:
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         with capture(
             model, layers, out=out, flatten=True, shard_bytes=64 << 20, max_pending_shards=2
         ) as rec:
-            for ids in batches:
-                model(ids)
+            forward_loop()
             loop_done = time.perf_counter()
             writer = rec._writer
         total = time.perf_counter() - t0
-    nbytes = writer.bytes_written
-    busy = writer.write_seconds
-    shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        return loop_done - t0, total, writer.bytes_written, writer.write_seconds, len(rec.layers)
+
+    fwd: list[float] = []
+    runs = []
+    with torch.no_grad():
+        forward_loop()
+        disk_capture()  # warm-up: the pool, the page cache, the writer thread's first start
+        for r in range(rounds):
+            # alternate which goes first, so that neither always inherits the other's state
+            for step in ("fwd", "cap") if r % 2 == 0 else ("cap", "fwd"):
+                if step == "fwd":
+                    t0 = time.perf_counter()
+                    forward_loop()
+                    fwd.append(time.perf_counter() - t0)
+                else:
+                    runs.append(disk_capture())
+    loop = [x[0] for x in runs]
+    total = [x[1] for x in runs]
+    nbytes = runs[0][2]
+    rate = statistics.median(x[2] / x[3] for x in runs) / 1e6
+    med = statistics.median
     print(
-        f"\n(b) capture to disk: {len(rec.layers)} module outputs of the same model, {len(batches)} batches, "
-        f"{nbytes / 1e6:.0f} MB written to {base}"
+        f"\n(b) capture to disk: {runs[0][4]} module outputs of the same model, {len(batches)} batches, "
+        f"{nbytes / 1e6:.0f} MB written per run to {base}; medians of {rounds} paired rounds"
     )
     rows = [
         ["dd bs=1M conv=fsync (disk sequential write)", f"{dd:.0f}", "1.00"],
-        [
-            "pyhook writer, while writing (bytes / busy time)",
-            f"{nbytes / busy / 1e6:.0f}",
-            f"{nbytes / busy / 1e6 / dd:.2f}",
-        ],
+        ["pyhook writer, while writing (bytes / busy time)", f"{rate:.0f}", f"{rate / dd:.2f}"],
         [
             "pyhook end to end (bytes / (forward loop + final flush))",
-            f"{nbytes / total / 1e6:.0f}",
-            f"{nbytes / total / 1e6 / dd:.2f}",
+            f"{nbytes / med(total) / 1e6:.0f}",
+            f"{nbytes / med(total) / 1e6 / dd:.2f}",
         ],
     ]
     print(table(rows, ["what", "MB/s", "vs dd"]))
     print(
         table(
             [
-                ["forward loop alone", f"{fwd * 1e3:.0f}", "1.00"],
+                ["forward loop alone", f"{med(fwd) * 1e3:.0f}", "1.00"],
                 [
                     "forward loop with disk capture (until the last forward returned)",
-                    f"{(loop_done - t0) * 1e3:.0f}",
-                    f"{(loop_done - t0) / fwd:.2f}",
+                    f"{med(loop) * 1e3:.0f}",
+                    f"{med(a / f for a, f in zip(loop, fwd)):.2f}",
                 ],
                 [
                     "... plus waiting for the last shards (close)",
-                    f"{total * 1e3:.0f}",
-                    f"{total / fwd:.2f}",
+                    f"{med(total) * 1e3:.0f}",
+                    f"{med(a / f for a, f in zip(total, fwd)):.2f}",
                 ],
             ],
-            ["loop", "ms", "vs forward"],
+            ["loop", "ms", "vs forward (paired)"],
         )
     )
-    ratio = nbytes / busy / 1e6 / dd
+    ratio = rate / dd
     print(
         f"target: writer >= 70% of dd: {'met' if ratio >= 0.7 else 'NOT met'} ({ratio * 100:.0f}%)"
     )
@@ -606,6 +633,7 @@ def main() -> None:
     ]
     args.disk_shape = (4, 128, 4, 64, 4) if args.quick else (6, 256, 4, 128, 8)
     args.disk_steps, args.dd_mb = (4, 64) if args.quick else (12, 512)
+    args.disk_rounds = 2 if args.quick else 7
     print(
         f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}"
