@@ -507,6 +507,11 @@ class Recorder:
                 raw = output
             else:
                 raw = _first_tensor(output)
+            if raw.layout != torch.strided:
+                raise TypeError(
+                    f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
+                    "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
+                )
             if self._batch_examples is None:
                 self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
             if reduces:

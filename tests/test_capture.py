@@ -133,6 +133,22 @@ def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
         assert _backend.pool_stats()["live_buffers"] == before["live_buffers"]
 
 
+def test_sparse_output_is_refused_with_the_layer_named_and_no_hook_left():
+    class Sparse(nn.Module):
+        def forward(self, x):
+            return x.to_sparse()
+
+    net = nn.Sequential(nn.Linear(3, 3), Sparse())
+    with pytest.raises(TypeError, match=r"layer '1'.*sparse_coo.*to_dense"):
+        with capture(net, "*") as rec:
+            net(torch.eye(3))
+    assert all_hooks(net) == 0 and rec.batches == 0
+    # the suggested select works
+    with capture(net, "1", select=lambda out: out.to_dense()) as rec:
+        net(torch.eye(3))
+    assert torch.equal(rec["1"], net(torch.eye(3)).to_dense().detach())
+
+
 def test_namedtuple_dict_outputs_and_select():
     torch.manual_seed(0)
     net = nn.Sequential(NamedTupleBlock(4))
