@@ -107,6 +107,25 @@ def gpt2_config(n_layer: int, d_model: int, heads: int, vocab: int, positions: i
     )
 
 
+def with_clone_hooks(blocks: torch.nn.ModuleList, run: Callable[[], object]) -> None:
+    """The nethook-style baseline: a hand-written forward hook per block that keeps a detached
+    clone of the block's first output, around ``run()``."""
+    store: list[list[torch.Tensor]] = [[] for _ in blocks]
+    handles = [
+        blk.register_forward_hook(
+            lambda m, a, o, i=i: store[i].append(
+                (o[0] if isinstance(o, tuple) else o).detach().clone()
+            )
+        )
+        for i, blk in enumerate(blocks)
+    ]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # -- (a0) cost per captured layer ---------------------------------------------------------------
 class _Block(torch.nn.Module):
     """A block whose forward costs almost nothing: what is left is the capture's own cost."""
@@ -161,21 +180,7 @@ def bench_per_layer(args: argparse.Namespace) -> None:
             assert rec.batches == forwards
 
         def hooks() -> None:
-            store: list[list[torch.Tensor]] = [[] for _ in range(n)]
-            handles = [
-                blk.register_forward_hook(
-                    lambda m, a, o, i=i: store[i].append(
-                        (o[0] if isinstance(o, tuple) else o).detach().clone()
-                    )
-                )
-                for i, blk in enumerate(model.h)
-            ]
-            try:
-                for _ in range(forwards):
-                    model(x)
-            finally:
-                for h in handles:
-                    h.remove()
+            with_clone_hooks(model.h, raw)
 
         fns: dict[str, Callable[[], object]] = {
             "raw": raw,
@@ -257,21 +262,7 @@ def bench_peers(args: argparse.Namespace, regime: str, B: int, T: int, steps: in
     base_of["pyhook capture(to='host', copy=False)"] = "raw"
 
     def run_hooks() -> None:
-        store: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
-        handles = [
-            blk.register_forward_hook(
-                lambda m, a, o, i=i: store[i].append(
-                    (o[0] if isinstance(o, tuple) else o).detach().clone()
-                )
-            )
-            for i, blk in enumerate(model.h)
-        ]
-        try:
-            for ids in batches:
-                model(ids)
-        finally:
-            for h in handles:
-                h.remove()
+        with_clone_hooks(model.h, fns["raw"])
 
     fns["nethook-style hooks + clone"] = run_hooks
     base_of["nethook-style hooks + clone"] = "raw"
