@@ -26,6 +26,8 @@ engines() {
 // every request after the first few batches a pool hit, at the price of at
 // most 2x the bytes. 64 KiB floor: smaller buffers are not worth pooling.
 int64_t bucket_size(int64_t nbytes) {
+  TORCH_CHECK(nbytes <= (int64_t{1} << 62), "Offloader: a host buffer of ", nbytes,
+              " bytes is not possible");
   int64_t size = int64_t{1} << 16;
   while (size < nbytes) {
     size <<= 1;
@@ -38,6 +40,25 @@ at::Tensor view_as_dense(const at::Tensor& buffer, const at::Tensor& like) {
   return buffer.narrow(0, 0, static_cast<int64_t>(like.nbytes()))
       .view(like.scalar_type())
       .view(like.sizes());
+}
+
+// The values of a device tensor as a dense span for a raw byte copy. Lazy
+// conjugate/negative bits and zero tensors (no data) are materialised, since a
+// byte copy would ignore them; strided tensors are made contiguous. With
+// `snapshot`, a tensor that may alias memory the model updates in place later
+// is cloned on the current stream first (device bandwidth is far above the
+// link's). Each of these runs on the current stream, before the copy.
+at::Tensor dense_source(const at::Tensor& t, bool snapshot) {
+  if (t._is_zerotensor()) {
+    return at::zeros(t.sizes(), t.options());
+  }
+  if (t.is_conj() || t.is_neg()) {
+    return t.resolve_conj().resolve_neg().contiguous();  // fresh memory
+  }
+  if (!t.is_contiguous()) {
+    return t.contiguous();
+  }
+  return snapshot ? t.clone() : t;
 }
 
 }  // namespace
@@ -150,11 +171,19 @@ Offloader::~Offloader() {
   }
 }
 
+void Offloader::drop_locked(std::deque<std::shared_ptr<Job>>::iterator it) {
+  inflight_bytes_ -= (*it)->nbytes;
+  for (const at::Tensor& buffer : (*it)->to_pool) {
+    pool_.put(buffer);  // the pool's lock is a leaf: never held while taking mu_
+  }
+  (*it)->to_pool.clear();
+  jobs_.erase(it);
+}
+
 void Offloader::erase_locked(const std::shared_ptr<Job>& job) {
   for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
     if (*it == job) {
-      inflight_bytes_ -= job->nbytes;
-      jobs_.erase(it);
+      drop_locked(it);
       return;
     }
   }
@@ -163,8 +192,7 @@ void Offloader::erase_locked(const std::shared_ptr<Job>& job) {
 void Offloader::retire_finished_locked() {
   // Copies on one queue finish in order: stop at the first unfinished job.
   while (!jobs_.empty() && jobs_.front()->query()) {
-    inflight_bytes_ -= jobs_.front()->nbytes;
-    jobs_.pop_front();
+    drop_locked(jobs_.begin());
   }
 }
 
@@ -182,6 +210,8 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
                 t.layout(), "; only strided (dense) tensors can be copied to host memory");
     TORCH_CHECK(!t.is_meta(), "Offloader.submit: tensor ", i,
                 " is on the meta device and has no values to copy");
+    TORCH_CHECK(!t.is_quantized(), "Offloader.submit: tensor ", i,
+                " is quantized; dequantize it (or capture its int_repr()) first");
     t = t.detach();
     total_bytes += static_cast<int64_t>(t.nbytes());
     if (!t.is_cpu() && t.numel() > 0) {
@@ -195,7 +225,8 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
   // Back-pressure before anything new is allocated: retire what has finished,
   // then wait for the oldest copies until the new ones fit the budget (a
   // single submission larger than the budget proceeds once nothing else is in
-  // flight).
+  // flight). The bytes are reserved under the same lock, so that concurrent
+  // submitters cannot all pass the check and overshoot the budget together.
   if (async_bytes > 0) {
     std::unique_lock<std::mutex> lock(mu_);
     retire_finished_locked();
@@ -207,67 +238,73 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
       lock.lock();
       erase_locked(oldest);
     }
+    inflight_bytes_ += async_bytes;
   }
 
-  std::vector<size_t> clone_idx;
-  std::vector<at::Tensor> clone_src;
-  // Asynchronous copies grouped per device: one completion per device.
-  std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
-      groups;
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& t = tensors[i];
-    if (t.is_cpu()) {
-      if (!copy) {
-        host[i] = t;  // a fresh tensor the model does not own: nothing to copy
-      } else if (pooled && t.numel() > 0) {
-        at::Tensor dst = view_as_dense(pool_.get(static_cast<int64_t>(t.nbytes()), false), t);
-        dst.copy_(t);
-        host[i] = std::move(dst);
-      } else {
-        clone_idx.push_back(i);
-        clone_src.push_back(t);
+  // Everything below may throw (out of memory, a device error): `lent` are the
+  // pool buffers taken so far, given back if nothing was enqueued.
+  std::vector<at::Tensor> lent;
+  auto pooled_dst = [&](const at::Tensor& like, bool pinned) {
+    lent.push_back(pool_.get(static_cast<int64_t>(like.nbytes()), pinned));
+    return view_as_dense(lent.back(), like);
+  };
+  std::shared_ptr<Job> job;
+  try {
+    std::vector<size_t> clone_idx;
+    std::vector<at::Tensor> clone_src;
+    // Asynchronous copies grouped per device: one completion per device.
+    std::vector<
+        std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
+        groups;
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& t = tensors[i];
+      if (t.is_cpu()) {
+        if (!copy) {
+          host[i] = t;  // a fresh tensor the model does not own: nothing to copy
+        } else if (pooled && t.numel() > 0) {
+          at::Tensor dst = pooled_dst(t, false);
+          dst.copy_(t);
+          host[i] = std::move(dst);
+        } else {
+          clone_idx.push_back(i);
+          clone_src.push_back(t);
+        }
+        continue;
       }
-      continue;
+      if (engine_of[i] == nullptr) {
+        host[i] = t.to(at::kCPU);  // no asynchronous engine for this device (or empty)
+        continue;
+      }
+      at::Tensor src = dense_source(t, copy);
+      at::Tensor dst =
+          pooled ? pooled_dst(t, pin_)
+                 : at::empty(t.sizes(),
+                             at::TensorOptions().dtype(t.scalar_type()).pinned_memory(pin_));
+      auto it = groups.begin();
+      while (it != groups.end() && it->first != t.device()) {
+        ++it;
+      }
+      if (it == groups.end()) {
+        groups.emplace_back(t.device(),
+                            std::make_pair(std::vector<at::Tensor>{}, std::vector<at::Tensor>{}));
+        it = std::prev(groups.end());
+      }
+      it->second.first.push_back(std::move(src));
+      it->second.second.push_back(dst);
+      host[i] = std::move(dst);
     }
-    if (engine_of[i] == nullptr) {
-      host[i] = t.to(at::kCPU);  // no asynchronous engine for this device (or empty)
-      continue;
+    if (!clone_src.empty()) {
+      std::vector<at::Tensor> copies = clone_many_cpu(clone_src);
+      for (size_t k = 0; k < clone_idx.size(); ++k) {
+        host[clone_idx[k]] = std::move(copies[k]);
+      }
     }
-    // The engine reads a dense span. With `copy` the tensor may alias memory
-    // the model updates in place later on the same stream, after this call
-    // returns but possibly before the side stream has read it: snapshot it on
-    // the current stream (device bandwidth is far above the link's).
-    at::Tensor src = t.is_contiguous() ? (copy ? t.clone() : t) : t.contiguous();
-    at::Tensor dst =
-        pooled ? view_as_dense(pool_.get(static_cast<int64_t>(t.nbytes()), pin_), t)
-               : at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(pin_));
-    auto it = groups.begin();
-    while (it != groups.end() && it->first != t.device()) {
-      ++it;
-    }
-    if (it == groups.end()) {
-      groups.emplace_back(t.device(), std::make_pair(std::vector<at::Tensor>{}, std::vector<at::Tensor>{}));
-      it = std::prev(groups.end());
-    }
-    it->second.first.push_back(std::move(src));
-    it->second.second.push_back(dst);
-    host[i] = std::move(dst);
-  }
-  if (!clone_src.empty()) {
-    std::vector<at::Tensor> copies = clone_many_cpu(clone_src);
-    for (size_t k = 0; k < clone_idx.size(); ++k) {
-      host[clone_idx[k]] = std::move(copies[k]);
-    }
-  }
-
-  std::lock_guard<std::mutex> lock(mu_);
-  const int64_t ticket = next_ticket_++;
-  bytes_submitted_ += total_bytes;
-  if (!groups.empty()) {
-    auto job = std::make_shared<Job>();
-    job->ticket = ticket;
-    job->nbytes = async_bytes;
-    try {
+    if (!groups.empty()) {
+      job = std::make_shared<Job>();
+      job->nbytes = async_bytes;
+      // Enqueued without the lock: a copy into pageable memory (pin=False)
+      // blocks the host, and ready()/wait()/stats() on the writer thread must
+      // not wait for it.
       for (auto& [device, sd] : groups) {
         auto& [src, dst] = sd;
         job->done.push_back(copy_engine(device.type())->copy_to_host(device, src, dst));
@@ -281,17 +318,32 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
           job->keep.push_back(std::move(d));
         }
       }
-    } catch (...) {
-      // Copies already enqueued for other devices still read and write these
-      // tensors: keep the job (and its tensors) until they complete.
-      if (!job->done.empty()) {
-        jobs_.push_back(job);
-        inflight_bytes_ += async_bytes;
-      }
-      throw;
     }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (job && !job->done.empty()) {
+      // Copies already enqueued (on other devices) still read and write these
+      // tensors: keep the job, with the reserved bytes, until they complete;
+      // the caller never sees its pooled buffers, so they return to the pool then.
+      job->ticket = next_ticket_++;
+      job->to_pool = std::move(lent);
+      jobs_.push_back(std::move(job));
+    } else {
+      // Nothing is in flight (a failing engine call waits for what it queued).
+      inflight_bytes_ -= async_bytes;
+      for (const at::Tensor& buffer : lent) {
+        pool_.put(buffer);
+      }
+    }
+    throw;
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t ticket = next_ticket_++;
+  bytes_submitted_ += total_bytes;
+  if (job) {
+    job->ticket = ticket;  // the reserved bytes are now the job's
     jobs_.push_back(std::move(job));
-    inflight_bytes_ += async_bytes;
   }
   return {ticket, std::move(host)};
 }

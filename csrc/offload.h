@@ -106,11 +106,15 @@ class Offloader : public torch::CustomClassHolder {
     int64_t nbytes = 0;
     std::vector<at::Tensor> keep;  // device sources and host destinations
     std::vector<std::unique_ptr<CopyCompletion>> done;
+    // Pooled buffers of a submit that failed after some copies were enqueued:
+    // nobody else holds them, so they go back to the pool when the job retires.
+    std::vector<at::Tensor> to_pool;
     bool query();
     void wait();
   };
   void retire_finished_locked();
   void erase_locked(const std::shared_ptr<Job>& job);
+  void drop_locked(std::deque<std::shared_ptr<Job>>::iterator it);
 
   std::mutex mu_;
   std::deque<std::shared_ptr<Job>> jobs_;  // in submission order

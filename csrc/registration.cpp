@@ -31,8 +31,9 @@ TORCH_LIBRARY(pyhook, m) {
   // PyTorch imports that module to find the fake implementations.
   m.set_python_module("pyhook.ops");
 
-  // Fresh copies (values, dtype, clone's strides) of every input, allocated
-  // in one buffer. Outputs alias neither the inputs nor each other's storage.
+  // Fresh copies (values, dtype, clone's strides) of every input (on the CPU
+  // allocated in one pooled buffer, on CUDA one allocation per output).
+  // Outputs alias neither the inputs nor each other's storage.
   m.def("clone_many(Tensor[] tensors) -> Tensor[]");
 
   // The CPU buffer pool. These take no tensors, so the dispatcher has no

@@ -80,6 +80,11 @@ def _check_copyable(i: int, t: torch.Tensor) -> None:
         raise RuntimeError(
             f"Offloader.submit: tensor {i} is on the meta device and has no values to copy"
         )
+    if t.is_quantized:
+        raise RuntimeError(
+            f"Offloader.submit: tensor {i} is quantized; dequantize it (or capture its "
+            "int_repr()) first"
+        )
 
 
 def _dense_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -260,7 +265,8 @@ class ReferenceOffloader:
         is_async = [t.is_cuda and t.numel() > 0 for t in tensors]
         async_bytes = sum(t.nbytes for t, a in zip(tensors, is_async) if a)
         if async_bytes:
-            # Back-pressure: retire finished copies, then wait for the oldest until this fits.
+            # Back-pressure: retire finished copies, then wait for the oldest until this fits;
+            # the bytes are reserved under the same lock (concurrent submitters see them).
             with self._lock:
                 while self._jobs and self._jobs[0].event.query():
                     self._inflight_bytes -= self._jobs.popleft().nbytes
@@ -270,11 +276,43 @@ class ReferenceOffloader:
                         not self._jobs
                         or self._inflight_bytes + async_bytes <= self.max_inflight_bytes
                     ):
+                        self._inflight_bytes += async_bytes
                         break
                     oldest = self._jobs[0]
                     self._stalls += 1
                 oldest.event.synchronize()
                 self._erase(oldest)
+
+        lent: list[torch.Tensor] = []  # pool buffers taken by this call
+        jobs: list[_Job] = []
+        try:
+            return self._submit_reserved(tensors, copy, pooled, total, is_async, lent, jobs)
+        except BaseException:
+            # Let the copies already enqueued finish (also those of a device whose enqueueing
+            # failed half-way), then give back what this call took.
+            for stream in list(self._streams.values()):
+                stream.synchronize()
+            for job in jobs:
+                self._erase(job)
+            with self._lock:
+                self._inflight_bytes -= async_bytes - sum(j.nbytes for j in jobs)
+            for buf in lent:
+                self.pool.put(buf)
+            raise
+
+    def _submit_reserved(
+        self,
+        tensors: list[torch.Tensor],
+        copy: bool,
+        pooled: bool,
+        total: int,
+        is_async: list[bool],
+        lent: list[torch.Tensor],
+        jobs: list[_Job],
+    ) -> tuple[int, list[torch.Tensor]]:
+        def pooled_dst(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+            lent.append(self.pool.get(like.nbytes, pinned))
+            return _dense_view(lent[-1], like)
 
         host: list[Any] = [None] * len(tensors)
         clone_idx = []
@@ -284,7 +322,7 @@ class ReferenceOffloader:
                 if not copy:
                     host[i] = t
                 elif pooled and t.numel() > 0:
-                    dst = _dense_view(self.pool.get(t.nbytes, False), t)
+                    dst = pooled_dst(t, False)
                     dst.copy_(t)
                     host[i] = dst
                 else:
@@ -294,9 +332,10 @@ class ReferenceOffloader:
                 host[i] = t.to("cpu")
                 continue
             # Snapshot on the current stream when t may alias memory updated in place later.
+            # (copy_ below resolves lazy conjugate/negative bits and zero tensors.)
             src = (t.clone() if copy else t) if t.is_contiguous() else t.contiguous()
             if pooled:
-                dst = _dense_view(self.pool.get(t.nbytes, self.pin), t)
+                dst = pooled_dst(t, self.pin)
             else:
                 dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
             srcs, dsts = groups.setdefault(t.device, ([], []))
@@ -323,8 +362,8 @@ class ReferenceOffloader:
                 event.record(side)
             job = _Job(ticket, event, srcs + dsts, sum(s.nbytes for s in srcs))
             with self._lock:
-                self._jobs.append(job)
-                self._inflight_bytes += job.nbytes
+                self._jobs.append(job)  # its bytes were reserved before
+            jobs.append(job)
         return ticket, host
 
     def ready(self, ticket: int) -> bool:

@@ -153,6 +153,44 @@ def test_bad_input_is_named(backend, engine):
     assert off.stats()["inflight_jobs"] == 0
 
 
+class _FailsOnCopy(torch.Tensor):
+    """A CPU tensor whose values cannot be read: any op but detach raises."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise RuntimeError(f"cannot read this tensor ({func})")
+
+
+def test_failed_submit_gives_pool_buffers_back(engine):
+    # The first tensor takes a pooled buffer and is copied; reading the second one fails. The
+    # buffer taken for the first must go back to the pool (nobody will ever release it).
+    eng = engine()
+    good = torch.randn(1 << 16)
+    with pytest.raises(RuntimeError, match="cannot read this tensor"):
+        eng.submit([good, _FailsOnCopy((1 << 16,))], True, True)
+    s = _stats(eng)
+    assert s["pool_lent"] == 0 and s["pool_idle_bytes"] >= good.nbytes
+    assert s["inflight_bytes"] == 0 and s["inflight_jobs"] == 0
+    # and the engine keeps working, reusing that buffer
+    ticket, host = eng.submit([good], True, True)
+    assert eng.ready(ticket) and torch.equal(host[0], good)
+    assert _stats(eng)["pool_hits"] >= 1
+
+
+def test_quantized_tensors_are_refused_by_name(engine):
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(RuntimeError, match="tensor 1 is quantized; dequantize it"):
+        engine().submit([torch.ones(2), q], True, True)
+    with pytest.raises(RuntimeError, match="tensor 0 is quantized"):
+        Offloader().submit([q])
+
+
 def test_pinned_pool_reference():
     pool = PinnedPool()
     a = pool.get(100_000)
@@ -240,6 +278,50 @@ def test_cuda_source_memory_is_not_recycled_while_read(backend):
         junk = torch.full((4 << 20,), 7.0, device="cuda")  # would take x's block if freed
     assert torch.equal(p.wait()[0], want)
     del junk
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("pooled", [False, True])
+def test_cuda_lazy_conj_neg_and_zero_tensors_are_resolved(backend, pooled):
+    # A raw byte copy would ignore the conjugate / negative bits (and a zero tensor has no
+    # data): the host copy must hold the values the tensor means.
+    z = torch.randn(64, 32, dtype=torch.complex64, device="cuda")
+    xs = [z.conj(), z.conj().imag, torch._efficientzerotensor(8, 4, device="cuda")]
+    assert xs[0].is_conj() and xs[1].is_neg() and xs[2]._is_zerotensor()
+    want = [x.resolve_conj().resolve_neg().cpu() for x in xs]
+    for copy in (False, True):
+        got = Offloader().submit(xs, copy=copy, pooled=pooled).wait()
+        for g, w in zip(got, want):
+            assert not g.is_conj() and not g.is_neg() and torch.equal(g, w)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_concurrent_submitters_share_one_budget(backend):
+    chunk = torch.randn(1 << 20, device="cuda")  # 4 MiB
+    budget = 3 * chunk.nbytes
+    off = Offloader(max_inflight_bytes=budget)
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(8):
+                torch.cuda._sleep(1_000_000)
+                p = off.submit([chunk * (k + i)])
+                seen.append(off.stats()["inflight_bytes"])
+                assert torch.equal(p.wait()[0], (chunk * (k + i)).cpu())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert max(seen) <= budget
 
 
 @cuda

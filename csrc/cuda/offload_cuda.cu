@@ -71,17 +71,32 @@ class CudaCopyEngine final : public DeviceCopyEngine {
     const c10::DeviceIndex index = device.index();
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t producer = c10::cuda::getCurrentCUDAStream(index).stream();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(producer, &capturing));
+    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
+                "Offloader.submit: the current CUDA stream of ", device,
+                " is being captured into a CUDA graph; offload after the graph is captured "
+                "(or replayed), not inside it");
     const cudaStream_t side = side_stream(index);
 
+    // Both events exist before anything is enqueued: a failure to create one
+    // leaves nothing running.
+    auto done = std::make_unique<CudaCompletion>(index);
     CudaEvent produced(index);
     C10_CUDA_CHECK(cudaEventRecord(produced.get(), producer));
     C10_CUDA_CHECK(cudaStreamWaitEvent(side, produced.get(), 0));
-    for (size_t i = 0; i < src.size(); ++i) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(dst[i].data_ptr(), src[i].const_data_ptr(),
-                                     src[i].nbytes(), cudaMemcpyDeviceToHost, side));
+    try {
+      for (size_t i = 0; i < src.size(); ++i) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(dst[i].data_ptr(), src[i].const_data_ptr(),
+                                       src[i].nbytes(), cudaMemcpyDeviceToHost, side));
+      }
+      C10_CUDA_CHECK(cudaEventRecord(done->event(), side));
+    } catch (...) {
+      // Copies already queued still read src and write dst, and the caller
+      // frees both once this throws: let them finish first.
+      C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(side));
+      throw;
     }
-    auto done = std::make_unique<CudaCompletion>(index);
-    C10_CUDA_CHECK(cudaEventRecord(done->event(), side));
     return done;
   }
 
@@ -103,8 +118,8 @@ class CudaCopyEngine final : public DeviceCopyEngine {
 };
 
 const bool registered = [] {
-  static CudaCopyEngine engine;
-  register_copy_engine(c10::DeviceType::CUDA, &engine);
+  // Never destroyed: a daemon writer thread may still call in at exit.
+  register_copy_engine(c10::DeviceType::CUDA, new CudaCopyEngine());
   return true;
 }();
 
