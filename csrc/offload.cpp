@@ -398,8 +398,31 @@ void Offloader::synchronize() {
 }
 
 void Offloader::release(std::vector<at::Tensor> tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
   for (const at::Tensor& t : tensors) {
-    pool_.put(t);
+    if (!t.defined() || !t.has_storage()) {
+      continue;
+    }
+    // A buffer whose copy has not landed yet goes back when its job retires:
+    // lent again now, the copy in flight would write into someone else's rows.
+    const void* data = t.storage().data();
+    Job* owner = nullptr;
+    for (auto& job : jobs_) {
+      for (const at::Tensor& k : job->keep) {
+        if (k.has_storage() && k.storage().data() == data) {
+          owner = job.get();
+          break;
+        }
+      }
+      if (owner != nullptr) {
+        break;
+      }
+    }
+    if (owner != nullptr) {
+      owner->to_pool.push_back(t);
+    } else {
+      pool_.put(t);
+    }
   }
 }
 

@@ -106,8 +106,8 @@ class Offloader : public torch::CustomClassHolder {
     int64_t nbytes = 0;
     std::vector<at::Tensor> keep;  // device sources and host destinations
     std::vector<std::unique_ptr<CopyCompletion>> done;
-    // Pooled buffers of a submit that failed after some copies were enqueued:
-    // nobody else holds them, so they go back to the pool when the job retires.
+    // Pooled buffers to give back when the job retires: those of a submit that
+    // failed after some copies were enqueued, and those release()d early.
     std::vector<at::Tensor> to_pool;
     bool query();
     void wait();

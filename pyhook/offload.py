@@ -202,13 +202,14 @@ class PendingCopy:
 
 
 class _Job:
-    __slots__ = ("event", "keep", "nbytes", "ticket")
+    __slots__ = ("event", "keep", "nbytes", "ticket", "to_pool")
 
     def __init__(self, ticket: int, event: Any, keep: list[torch.Tensor], nbytes: int) -> None:
         self.ticket = ticket
         self.event = event
         self.keep = keep
         self.nbytes = nbytes
+        self.to_pool: list[torch.Tensor] = []  # released before the copy landed
 
 
 class ReferenceOffloader:
@@ -253,7 +254,13 @@ class ReferenceOffloader:
                 self._jobs.remove(job)
             except ValueError:
                 return
-            self._inflight_bytes -= job.nbytes
+            self._retired_locked(job)
+
+    def _retired_locked(self, job: _Job) -> None:
+        self._inflight_bytes -= job.nbytes
+        for buf in job.to_pool:
+            self.pool.put(buf)
+        job.to_pool = []
 
     def submit(
         self, tensors: Sequence[torch.Tensor], copy: bool, pooled: bool
@@ -269,7 +276,7 @@ class ReferenceOffloader:
             # the bytes are reserved under the same lock (concurrent submitters see them).
             with self._lock:
                 while self._jobs and self._jobs[0].event.query():
-                    self._inflight_bytes -= self._jobs.popleft().nbytes
+                    self._retired_locked(self._jobs.popleft())
             while True:
                 with self._lock:
                     if (
@@ -390,8 +397,22 @@ class ReferenceOffloader:
             self._erase(j)
 
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
-        for t in tensors:
-            self.pool.put(t)
+        with self._lock:
+            for t in tensors:
+                # A buffer whose copy has not landed goes back when its job retires.
+                ptr = t.untyped_storage().data_ptr()
+                owner = next(
+                    (
+                        j
+                        for j in self._jobs
+                        if any(k.untyped_storage().data_ptr() == ptr for k in j.keep)
+                    ),
+                    None,
+                )
+                if owner is not None:
+                    owner.to_pool.append(t)
+                else:
+                    self.pool.put(t)
 
     def empty_pool(self) -> None:
         self.pool.empty()

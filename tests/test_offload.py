@@ -326,6 +326,30 @@ def test_cuda_concurrent_submitters_share_one_budget(backend):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("which", ["native", "reference"])
+def test_cuda_early_release_waits_for_the_copy(which):
+    # Releasing a pooled buffer before its copy landed (a caller's mistake) must not lend it
+    # again while the copy still writes into it: it returns to the pool when the job retires.
+    if which == "native":
+        if not _backend.native_available() or "cuda" not in torch.ops.pyhook.offload_async_devices():
+            pytest.skip("native core built without the CUDA engine")
+        eng = torch.classes.pyhook.Offloader(1 << 30, True, 1 << 30)
+    else:
+        eng = ReferenceOffloader(1 << 30, True, 1 << 30)
+    x = torch.randn(4 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the copy queues behind this
+    ticket, host = eng.submit([x], False, True)
+    eng.release(host)  # before wait()
+    s = _stats(eng)
+    if s["inflight_jobs"]:  # still in flight (the usual case): not lent again yet
+        assert s["pool_lent"] == 1 and s["pool_idle_bytes"] == 0
+    eng.synchronize()
+    s = _stats(eng)
+    assert s["pool_lent"] == 0 and s["pool_idle_bytes"] >= x.nbytes
+
+
+@cuda
+@pytest.mark.cuda
 def test_cuda_reference_and_native_agree(native):
     xs = _inputs(torch.device("cuda"))
     got = Offloader().submit(xs, copy=True).wait()
