@@ -77,7 +77,7 @@ class CudaCopyEngine final : public DeviceCopyEngine {
                 "Offloader.submit: the current CUDA stream of ", device,
                 " is being captured into a CUDA graph; offload after the graph is captured "
                 "(or replayed), not inside it");
-    const cudaStream_t side = side_stream(index);
+    const cudaStream_t side = side_stream(index, producer);
 
     // Both events exist before anything is enqueued: a failure to create one
     // leaves nothing running.
@@ -102,13 +102,18 @@ class CudaCopyEngine final : public DeviceCopyEngine {
 
  private:
   // One side stream per device, from PyTorch's pool (created lazily: loading
-  // pyhook must not initialise CUDA).
-  cudaStream_t side_stream(c10::DeviceIndex index) {
+  // pyhook must not initialise CUDA). The pool hands its streams out round
+  // robin, so the model may be running on ours: then take the next one, or the
+  // copies would queue behind the model instead of overlapping it.
+  cudaStream_t side_stream(c10::DeviceIndex index, cudaStream_t producer) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = streams_.find(index);
     if (it == streams_.end()) {
       it = streams_.emplace(index, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index))
                .first;
+    }
+    if (it->second.stream() == producer) {
+      it->second = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
     }
     return it->second.stream();
   }
