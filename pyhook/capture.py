@@ -523,6 +523,8 @@ class Recorder:
             else:
                 t = raw.detach()
                 needs_copy = True
+            if t.dim() == 0:
+                t = t.reshape(1)  # a scalar output (a loss, a score): one row per forward
             if by_reference:
                 if needs_copy and not t.is_inference():
                     needs_copy = False

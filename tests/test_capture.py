@@ -149,6 +149,25 @@ def test_sparse_output_is_refused_with_the_layer_named_and_no_hook_left():
     assert torch.equal(rec["1"], net(torch.eye(3)).to_dense().detach())
 
 
+@pytest.mark.parametrize("to", ["host", "device", "disk"])
+def test_scalar_outputs_give_one_row_per_forward(to, tmp_path):
+    class Loss(nn.Module):
+        def forward(self, x):
+            return (x**2).mean()
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), Loss())
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    ref = reference_outputs(net, ["1"], lambda: [net(x) for x in xs])
+    out = {"out": str(tmp_path / "c")} if to == "disk" else {}
+    with capture(net, "1", to=to, **out) as rec:
+        for x in xs:
+            net(x)
+    got = open_capture(out["out"])["1"].to_tensor() if to == "disk" else rec["1"]
+    assert got.shape == (3,) and torch.equal(got, torch.stack(ref["1"]))
+    assert rec.rows["1"] == 3 and rec.examples == 3
+
+
 def test_namedtuple_dict_outputs_and_select():
     torch.manual_seed(0)
     net = nn.Sequential(NamedTupleBlock(4))
