@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Union
 
@@ -170,6 +171,30 @@ def resolve_layers(
     return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
 
 
+def _check_mask_name(model: nn.Module, mask: str) -> None:
+    """A misspelled mask name would silently keep every token: refuse names that the model's
+    forward cannot take (a forward with ``**kwargs`` is checked per call instead)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if mask in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    raise ValueError(
+        f"mask {mask!r} is not an argument of {type(model).__name__}.forward; its arguments "
+        f"are: {', '.join(names) or '(none)'}"
+    )
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Examples in a call: dim 0 of its first tensor argument (None if it has none)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return int(v.shape[0]) if v.dim() else None
+    return None
+
+
 def _first_tensor(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
@@ -263,6 +288,8 @@ class Recorder:
                 "mask must be the name of a forward argument (e.g. 'attention_mask') or a callable "
                 f"(args, kwargs) -> bool tensor [batch, tokens], got {type(mask).__name__}"
             )
+        if isinstance(mask, str):
+            _check_mask_name(model, mask)
         if not isinstance(flatten, bool):
             raise TypeError(f"flatten must be a bool, got {flatten!r}")
         per_example = positions == "last" or (
@@ -334,6 +361,7 @@ class Recorder:
         self._batch_mask: torch.Tensor | None = None
         self._batch_examples: int | None = None
         self._sig: inspect.Signature | None = None
+        self._mask_warned = False
         self.examples = 0
         self.examples_done = 0
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
@@ -422,8 +450,10 @@ class Recorder:
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._discard_pending()  # leftovers of a forward that raised
-        self._batch_examples = None
         self._batch_mask = None
+        # Examples come from the inputs: the first captured layer may broadcast over the batch
+        # (a position embedding's [1, tokens, hidden]); a layer's dim 0 is the fallback.
+        self._batch_examples = _batch_size(args, kwargs)
         if self.mask is None:
             return
         if callable(self.mask):
@@ -437,6 +467,16 @@ class Recorder:
                     m = self._sig.bind_partial(*args, **kwargs).arguments.get(self.mask)
                 except TypeError:
                     m = None
+        if m is None and isinstance(self.mask, str) and not self._mask_warned:
+            params = (self._sig or inspect.signature(self.model.forward)).parameters
+            if self.mask not in params:  # only **kwargs could take it: maybe a misspelling
+                self._mask_warned = True
+                warnings.warn(
+                    f"mask {self.mask!r} was not among the arguments of this call of "
+                    f"{type(self.model).__name__} ({', '.join(kwargs) or 'positional only'}); "
+                    "its tokens are not masked",
+                    stacklevel=2,
+                )
         if m is not None:
             if not isinstance(m, torch.Tensor) or m.dim() != 2:
                 raise ValueError(
@@ -468,9 +508,12 @@ class Recorder:
                     t = t[:, -1]
                 mask = None
             elif isinstance(p, int):
+                self._check_positions(name, t, [p])
                 t = t[:, p]
                 mask = None
             else:
+                if not isinstance(p, slice):
+                    self._check_positions(name, t, p)
                 sel = p if isinstance(p, slice) else torch.as_tensor(list(p), device=t.device)
                 t = t[:, sel]
                 if mask is not None:
@@ -480,6 +523,15 @@ class Recorder:
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t
+
+    def _check_positions(self, name: str, t: torch.Tensor, positions: Sequence[int]) -> None:
+        tokens = int(t.shape[1])
+        bad = [q for q in positions if not -tokens <= q < tokens]
+        if bad:
+            raise ValueError(
+                f"layer {name!r}: positions={self.positions!r} reaches token {bad[0]}, but this "
+                f"batch has {tokens} tokens (output shape {tuple(t.shape)})"
+            )
 
     def _make_hook(self, name: str) -> Callable[..., None]:
         # Everything that does not change between calls is read once here: the hook runs once

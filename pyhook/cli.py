@@ -140,6 +140,10 @@ def _read_lines(path: str, limit: int | None) -> list[str]:
             lines = [ln.strip() for ln in f]
     except OSError as e:
         raise CLIError(f"cannot read --input {path!r}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CLIError(
+            f"--input {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); convert it first"
+        ) from e
     lines = [ln for ln in lines if ln]
     if limit is not None:
         lines = lines[:limit]
@@ -187,6 +191,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_length < 1:
         raise CLIError(f"--max-length must be >= 1, got {args.max_length}")
+    if args.limit is not None and args.limit < 1:
+        raise CLIError(f"--limit must be >= 1 (lines), got {args.limit}")
+    if not args.shard_mb > 0:
+        raise CLIError(f"--shard-mb must be > 0 (MB per shard), got {args.shard_mb}")
     positions = _parse_positions(args.positions)
     input_path = os.path.abspath(args.input or default_corpus())
     lines = _read_lines(input_path, args.limit)
@@ -378,6 +386,9 @@ def _layer_stats(reader: Any, name: str, sample: int) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
+
+    if args.sample < 1:
+        raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
 
     if args.plot:
         try:

@@ -33,6 +33,7 @@ import json
 import mmap
 import os
 import queue
+import secrets
 import struct
 import threading
 import time
@@ -121,7 +122,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
     """``'bf16'``/``'bfloat16'``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` passes."""
-    if name is None or isinstance(name, torch.dtype):
+    if name is None:
+        return None
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPE_TO_ST:
+            raise ValueError(
+                f"{what} must be a dtype the store can hold "
+                f"({', '.join(dtype_name(d) for d in _DTYPE_TO_ST)}), got {name}"
+            )
         return name
     aliases = {
         "fp32": "float32",
@@ -132,11 +140,13 @@ def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dt
         "double": "float64",
         "fp64": "float64",
     }
-    key = aliases.get(str(name).lower(), str(name).lower())
+    key = str(name).lower().removeprefix("torch.")
+    key = aliases.get(key, key)
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_TO_ST:
         raise ValueError(
-            f"{what} must be one of float32, float16, bfloat16, float64 (or a torch.dtype), got {name!r}"
+            f"{what} must be one of {', '.join(dtype_name(d) for d in _DTYPE_TO_ST)} "
+            f"(a name such as 'bf16', or a torch.dtype), got {name!r}"
         )
     return dtype
 
@@ -361,6 +371,13 @@ class ShardWriter:
                 with open(p, encoding="utf-8") as f:
                     existing = json.load(f)
                 break
+        if (
+            existing is not None
+            and not existing.get("shards")
+            and not existing.get("examples")
+            and not glob.glob(os.path.join(self.out, "shard-r*.safetensors"))
+        ):
+            existing = None  # an index of a capture that stored nothing: nothing to protect
         if existing is not None and not overwrite:
             diff = _settings_diff(existing.get("settings", {}), self.settings)
             old_world = existing.get("world_size", 1)
@@ -412,6 +429,12 @@ class ShardWriter:
             raise RuntimeError("ShardWriter is closed")
         self._check_error()
         for name, t in batch.items():
+            if t.dtype not in _DTYPE_TO_ST:
+                raise ValueError(
+                    f"layer {name!r}: rows of dtype {dtype_name(t.dtype)} cannot be stored in "
+                    f"safetensors shards; supported: {', '.join(dtype_name(d) for d in _DTYPE_TO_ST)} "
+                    "(pass dtype= to cast when capturing)"
+                )
             info = {"dtype": dtype_name(t.dtype), "row_shape": list(t.shape[1:])}
             known = self.layers.get(name)
             if known is None:
@@ -664,6 +687,29 @@ class LayerData:
 
     def __getitem__(self, index: int | slice | torch.Tensor | Sequence[int]) -> torch.Tensor:
         n = len(self)
+        if not isinstance(index, (int, slice)):
+            if (
+                not isinstance(index, torch.Tensor)
+                and not hasattr(index, "__len__")
+                and hasattr(index, "__index__")
+            ):
+                index = int(index.__index__())  # numpy integers
+            else:
+                idx = torch.as_tensor(index)
+                if idx.dim() == 0 and not idx.is_floating_point() and idx.dtype != torch.bool:
+                    index = int(idx)
+                elif idx.dtype == torch.bool:
+                    if idx.shape != (n,):
+                        raise IndexError(
+                            f"a boolean mask over layer {self.name!r} must have shape ({n},), "
+                            f"got {tuple(idx.shape)}"
+                        )
+                    return self._gather(idx.nonzero().squeeze(1))
+                elif idx.is_floating_point() or idx.is_complex():
+                    raise IndexError(
+                        f"rows of layer {self.name!r} are indexed by ints, slices, int sequences "
+                        f"or boolean masks, got a {idx.dtype} index"
+                    )
         if isinstance(index, int):
             if index < 0:
                 index += n
@@ -810,7 +856,8 @@ class CaptureReader:
             )
         n = next(iter(counts.values()), 0)
         if shuffle:
-            gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+            # Without a seed: a fresh one that leaves torch's global generator alone.
+            gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
             order: torch.Tensor | None = torch.randperm(n, generator=gen)
         else:
             order = None

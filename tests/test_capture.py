@@ -165,7 +165,7 @@ def test_scalar_outputs_give_one_row_per_forward(to, tmp_path):
             net(x)
     got = open_capture(out["out"])["1"].to_tensor() if to == "disk" else rec["1"]
     assert got.shape == (3,) and torch.equal(got, torch.stack(ref["1"]))
-    assert rec.rows["1"] == 3 and rec.examples == 3
+    assert rec.rows["1"] == 3 and rec.examples == 6  # examples: the inputs' batch size
 
 
 def test_namedtuple_dict_outputs_and_select():

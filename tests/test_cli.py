@@ -222,6 +222,10 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
         (["--input", "/no/such/file.txt"], "cannot read --input"),
         (["--dtype", "float7"], "--dtype must be one of"),
         (["--out", "/proc/pyhook-cannot-write"], "cannot write to the capture directory"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--limit", "-1"], "--limit must be >= 1"),
+        (["--shard-mb", "0"], "--shard-mb must be > 0"),
+        (["--positions", "100"], "positions=100 reaches token 100"),
     ],
 )
 def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message):
@@ -238,6 +242,25 @@ def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message
     ]
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_failed_first_batch_does_not_block_a_corrected_rerun(tiny_checkpoint, tmp_path, capsys):
+    base = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt")]
+    out = ["--out", str(tmp_path / "acts"), "--quiet"]
+    assert main([*base, *out, "--positions", "100"]) == 2  # nothing stored
+    assert main([*base, *out, "--positions", "0"]) == 0
+    assert open_capture(str(tmp_path / "acts")).index["examples"] == len(LINES)
+
+
+def test_non_utf8_input_and_bad_inspect_sample(tiny_checkpoint, tmp_path, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    args = ["capture", "--model", str(tiny_checkpoint), "--input", str(bad)]
+    assert main([*args, "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "latin1.txt" in err
+    assert main(["inspect", str(tmp_path), "--sample", "0"]) == 2
+    assert "--sample must be >= 1" in capsys.readouterr().err
 
 
 def test_unloadable_model_dir(tmp_path, capsys):
