@@ -607,18 +607,25 @@ class Recorder:
         pending = dict(self._pending)
         self._pending.clear()
         examples = self._batch_examples or 0
-        self.batches += 1
-        self.examples += examples
         rows = self.rows
         if self.to == "disk":
             assert self._writer is not None
             batch = {name: p._host[0] for name, p in pending.items()}  # shapes only until waited
+            waits = list(pending.values())
+            try:
+                self._writer.add(batch, examples, wait=lambda: [p.wait() for p in waits])
+            except BaseException:
+                for p in waits:  # refused (e.g. a shape change): nothing of it is counted
+                    self._offloader.release(p.wait())
+                raise
+            self.batches += 1
+            self.examples += examples
             for name, t in batch.items():
                 rows[name] += int(t.shape[0])
                 self.bytes += t.nbytes
-            waits = list(pending.values())
-            self._writer.add(batch, examples, wait=lambda: [p.wait() for p in waits])
             return
+        self.batches += 1
+        self.examples += examples
         results, kept = self._results, self._guards
         for name, guard in guards.items():
             kept[name].append(guard)

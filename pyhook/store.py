@@ -355,6 +355,37 @@ class ShardWriter:
             raise CaptureWriteError(
                 e.errno, f"cannot write to the capture directory {self.out!r}: {e.strerror or e}"
             ) from e
+        self._lock_fd = self._take_lock()
+        try:
+            self._open_locked(overwrite)
+        except BaseException:
+            self._drop_lock()
+            raise
+
+    def _take_lock(self) -> int | None:
+        """One writer per rank and directory: a second one (a nested capture, another process)
+        would overwrite the first one's shards and index."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no lock
+            return None
+        fd = os.open(os.path.join(self.out, f".lock-r{self.rank:03d}"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise CaptureExistsError(
+                f"{self.out!r} is being written (rank {self.rank}) by another capture that is "
+                "still open; close it first, or use another output directory"
+            ) from None
+        return fd
+
+    def _drop_lock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+    def _open_locked(self, overwrite: bool) -> None:
         if overwrite and self.rank == 0:
             for pattern in ("shard-r*.safetensors*", "index-r*.json*", "index.json"):
                 for p in glob.glob(os.path.join(self.out, pattern)):
@@ -544,22 +575,25 @@ class ShardWriter:
         if self._closed:
             return
         try:
-            self.flush()
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._queue.put(None)
+                self._thread.join()
+            self._check_error()
+            try:
+                self._write_part()
+                if barrier is not None:
+                    barrier()
+                if merge and self.rank == 0:
+                    _atomic_write_json(os.path.join(self.out, "index.json"), merged_index(self.out))
+            except OSError as e:
+                raise CaptureWriteError(
+                    e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
+                ) from e
         finally:
-            self._closed = True
-            self._queue.put(None)
-            self._thread.join()
-        self._check_error()
-        try:
-            self._write_part()
-            if barrier is not None:
-                barrier()
-            if merge and self.rank == 0:
-                _atomic_write_json(os.path.join(self.out, "index.json"), merged_index(self.out))
-        except OSError as e:
-            raise CaptureWriteError(
-                e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
-            ) from e
+            self._drop_lock()
 
     def abort(self) -> None:
         """Stop without writing the buffered rows (what a crash leaves: listed shards only)."""
@@ -569,6 +603,7 @@ class ShardWriter:
         self._buffer = []
         self._queue.put(None)
         self._thread.join()
+        self._drop_lock()
 
     def __enter__(self) -> ShardWriter:
         return self

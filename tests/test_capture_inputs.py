@@ -111,3 +111,15 @@ def test_unseeded_shuffle_leaves_the_global_rng_alone(tmp_path):
     assert torch.equal(a, torch.rand(3))
     rows = torch.cat([b["0"] for b in batches])
     assert torch.equal(rows[rows[:, 0].argsort()], reader["0"].to_tensor()[reader["0"].to_tensor()[:, 0].argsort()])
+
+
+def test_refused_disk_batch_is_not_counted(tmp_path):
+    net = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="rows of one layer must share their shape"):
+        with capture(net, "0", out=str(tmp_path / "c"), flatten=False) as rec:
+            net(torch.randn(2, 5, 4))
+            try:
+                net(torch.randn(2, 6, 4))  # another sequence length: refused by the store
+            finally:
+                assert (rec.batches, rec.examples, rec.rows["0"]) == (1, 2, 2)
+    assert all_hooks(net) == 0

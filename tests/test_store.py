@@ -263,3 +263,16 @@ def test_open_missing_directory(tmp_path):
         open_capture(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no pyhook capture"):
         open_capture(tmp_path)
+
+
+def test_one_writer_per_rank_and_directory(tmp_path):
+    # A second writer on the same directory (a nested capture, another process) would overwrite
+    # the first one's shards and index: refused while the first is open, fine after.
+    first = ShardWriter(tmp_path, settings={"k": 1})
+    with pytest.raises(CaptureExistsError, match="is being written \\(rank 0\\) by another capture"):
+        ShardWriter(tmp_path, settings={"k": 1})
+    ShardWriter(tmp_path, settings={"k": 1}, rank=1, world_size=2).abort()  # another rank: fine
+    first.add({"a": torch.ones(2, 3)}, examples=2)
+    first.close()
+    with ShardWriter(tmp_path, settings={"k": 1}) as again:
+        assert again.examples_done == 2
