@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -73,3 +75,23 @@ def bounded(default: int) -> settings:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         database=None,
     )
+
+
+def run_in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """``[fn(0), ..., fn(n - 1)]``, each call on its own thread; any exception fails the test."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            results[k] = fn(k)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    return results

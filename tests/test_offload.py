@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from _hygiene import run_in_threads
 
 from pyhook import _backend
 from pyhook.offload import Offloader, PinnedPool, ReferenceOffloader
@@ -303,24 +304,15 @@ def test_cuda_concurrent_submitters_share_one_budget(backend):
     budget = 3 * chunk.nbytes
     off = Offloader(max_inflight_bytes=budget)
     seen: list[int] = []
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            for i in range(8):
-                torch.cuda._sleep(1_000_000)
-                p = off.submit([chunk * (k + i)])
-                seen.append(off.stats()["inflight_bytes"])
-                assert torch.equal(p.wait()[0], (chunk * (k + i)).cpu())
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(8):
+            torch.cuda._sleep(1_000_000)
+            p = off.submit([chunk * (k + i)])
+            seen.append(off.stats()["inflight_bytes"])
+            assert torch.equal(p.wait()[0], (chunk * (k + i)).cpu())
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, 4)
     assert max(seen) <= budget
 
 
@@ -338,7 +330,7 @@ def test_cuda_early_release_waits_for_the_copy(which):
         eng = ReferenceOffloader(1 << 30, True, 1 << 30)
     x = torch.randn(4 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)  # the copy queues behind this
-    ticket, host = eng.submit([x], False, True)
+    _, host = eng.submit([x], False, True)
     eng.release(host)  # before wait()
     s = _stats(eng)
     if s["inflight_jobs"]:  # still in flight (the usual case): not lent again yet

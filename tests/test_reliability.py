@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _hygiene import bounded, diff, hook_snapshot
+from _hygiene import bounded, diff, hook_snapshot, run_in_threads
 from _models import Pair, gpt2
 from hypothesis import given
 from hypothesis import strategies as st
@@ -420,25 +420,6 @@ def test_stopforward_of_another_owner_passes_through_every_tracer():
     assert info.value.owner is token
 
 
-def _run_two_threads(fn: Callable[[int], Any]) -> list[Any]:
-    results: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def work(k: int) -> None:
-        try:
-            results[k] = fn(k)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize(
     "tracer", ["Trace", "TraceDict", "deephook", "TruncatedModule", "ModelStump", "capture"]
 )
@@ -496,7 +477,7 @@ def test_two_threads_tracing_one_model_each_get_their_own_forward(tracer):
                     got.append(rec[layer])
         return got
 
-    results = _run_two_threads(work)
+    results = run_in_threads(work, 2)
     for k in range(2):
         for got in results[k]:
             assert torch.allclose(got.reshape(ref[k].shape), ref[k], atol=1e-6), (
