@@ -38,16 +38,21 @@ def test_examples_come_from_the_inputs_not_a_broadcasting_layer(to, tmp_path):
 
 def test_misspelled_mask_name_is_refused_or_warned():
     net = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"mask 'atention_mask' is not an argument of Sequential.forward; its arguments are: input"):
+    with pytest.raises(
+        ValueError,
+        match=r"mask 'atention_mask' is not an argument of Sequential.forward; its arguments are: input",
+    ):
         capture(net, "0", mask="atention_mask")
     assert all_hooks(net) == 0
     # GPT2Model.forward takes **kwargs: the name cannot be refused up front, so it is warned
     # about on the first call that does not pass it.
     model = _gpt2()
     ids = torch.randint(0, 100, (2, 5))
-    with pytest.warns(UserWarning, match="mask 'atention_mask' was not among the arguments"):
-        with capture(model, "h.0", mask="atention_mask") as rec:
-            model(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    with (
+        pytest.warns(UserWarning, match="mask 'atention_mask' was not among the arguments"),
+        capture(model, "h.0", mask="atention_mask") as rec,
+    ):
+        model(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
     assert rec.rows["h.0"] == 10
     # the real name: no warning, padding dropped
     am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
@@ -59,9 +64,11 @@ def test_misspelled_mask_name_is_refused_or_warned():
 @pytest.mark.parametrize("positions", [9, -6, [0, 9]])
 def test_out_of_range_positions_name_the_layer(positions):
     net = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"layer '0': positions=.* but this batch has 5 tokens"):
-        with capture(net, "0", positions=positions):
-            net(torch.randn(2, 5, 4))
+    with (
+        pytest.raises(ValueError, match=r"layer '0': positions=.* but this batch has 5 tokens"),
+        capture(net, "0", positions=positions),
+    ):
+        net(torch.randn(2, 5, 4))
     assert all_hooks(net) == 0
 
 
@@ -69,9 +76,11 @@ def test_unstorable_dtypes_are_refused_by_name(tmp_path):
     net = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="dtype must be a dtype the store can hold"):
         capture(net, "0", out=str(tmp_path / "a"), dtype=torch.complex64)
-    with pytest.raises(ValueError, match=r"layer '0': rows of dtype uint16 cannot be stored"):
-        with capture(net, "0", out=str(tmp_path / "b"), select=lambda o: o.to(torch.uint16)):
-            net(torch.randn(2, 4))
+    with (
+        pytest.raises(ValueError, match=r"layer '0': rows of dtype uint16 cannot be stored"),
+        capture(net, "0", out=str(tmp_path / "b"), select=lambda o: o.to(torch.uint16)),
+    ):
+        net(torch.randn(2, 4))
     assert all_hooks(net) == 0
     # str() of a dtype is accepted as a name
     with capture(net, "0", dtype="torch.float16") as rec:
@@ -82,7 +91,7 @@ def test_unstorable_dtypes_are_refused_by_name(tmp_path):
 def test_layer_data_indexing_by_mask_numpy_and_0d(tmp_path):
     net = nn.Sequential(nn.Linear(4, 3))
     x = torch.randn(7, 4)
-    with capture(net, "0", out=str(tmp_path / "c"), shard_bytes=40) as rec:  # several shards
+    with capture(net, "0", out=str(tmp_path / "c"), shard_bytes=40):  # several shards
         for chunk in x.split(2):
             net(chunk)
     d = open_capture(str(tmp_path / "c"))["0"]
@@ -91,7 +100,9 @@ def test_layer_data_indexing_by_mask_numpy_and_0d(tmp_path):
     m = torch.zeros(7, dtype=torch.bool)
     m[[1, 3, 6]] = True
     assert torch.equal(d[m], want[m])
-    assert torch.equal(d[np.array([True, False] * 3 + [True])], want[torch.tensor([True, False] * 3 + [True])])
+    assert torch.equal(
+        d[np.array([True, False] * 3 + [True])], want[torch.tensor([True, False] * 3 + [True])]
+    )
     assert torch.equal(d[np.int64(5)], want[5]) and torch.equal(d[torch.tensor(-1)], want[-1])
     with pytest.raises(IndexError, match="boolean mask over layer '0' must have shape"):
         d[torch.ones(3, dtype=torch.bool)]
@@ -110,16 +121,20 @@ def test_unseeded_shuffle_leaves_the_global_rng_alone(tmp_path):
     batches = list(reader.batches(2, shuffle=True))
     assert torch.equal(a, torch.rand(3))
     rows = torch.cat([b["0"] for b in batches])
-    assert torch.equal(rows[rows[:, 0].argsort()], reader["0"].to_tensor()[reader["0"].to_tensor()[:, 0].argsort()])
+    assert torch.equal(
+        rows[rows[:, 0].argsort()], reader["0"].to_tensor()[reader["0"].to_tensor()[:, 0].argsort()]
+    )
 
 
 def test_refused_disk_batch_is_not_counted(tmp_path):
     net = nn.Sequential(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match="rows of one layer must share their shape"):
-        with capture(net, "0", out=str(tmp_path / "c"), flatten=False) as rec:
-            net(torch.randn(2, 5, 4))
-            try:
-                net(torch.randn(2, 6, 4))  # another sequence length: refused by the store
-            finally:
-                assert (rec.batches, rec.examples, rec.rows["0"]) == (1, 2, 2)
+    with (
+        pytest.raises(ValueError, match="rows of one layer must share their shape"),
+        capture(net, "0", out=str(tmp_path / "c"), flatten=False) as rec,
+    ):
+        net(torch.randn(2, 5, 4))
+        try:
+            net(torch.randn(2, 6, 4))  # another sequence length: refused by the store
+        finally:
+            assert (rec.batches, rec.examples, rec.rows["0"]) == (1, 2, 2)
     assert all_hooks(net) == 0
