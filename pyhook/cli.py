@@ -164,6 +164,19 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(out)
 
 
+def _sum_over_ranks(values: list[int], device: str) -> list[int]:
+    """``values`` summed over the ranks of the initialised process group (as is without one)."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=on)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
 def _parse_positions(text: str | None) -> Any:
     if text in (None, "all"):
         return None
@@ -244,9 +257,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with rec:
         todo = share[rec.examples_done :]
-        if rec.examples_done and show:
+        done_all, todo_all = _sum_over_ranks([rec.examples_done, len(todo)], device)
+        if done_all and show:
             print(
-                f"resuming {args.out}: {rec.examples_done} examples already stored, {len(todo)} to go",
+                f"resuming {args.out}: {done_all} examples already stored, {todo_all} to go",
                 file=sys.stderr,
             )
         try:
@@ -257,6 +271,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
             tqdm(
                 total=len(todo),
                 unit="ex",
+                desc=f"rank 0 of {world}" if world > 1 else None,
                 disable=not show or tqdm is None,
                 file=sys.stderr,
                 dynamic_ncols=True,
@@ -288,6 +303,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     elapsed = time.perf_counter() - t0
+    # The summary is of the whole run: every rank's share.
+    tokens, truncated, nbytes = _sum_over_ranks([tokens, truncated, rec.bytes], device)
     if rank != 0:
         return 0
     reader = open_capture(args.out)
@@ -312,7 +329,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(
             f"\n{reader.examples:,} examples ({tokens:,} tokens this run) from {os.path.basename(input_path)} -> "
             f"{os.path.abspath(args.out)}: {len(reader.index['shards'])} shard(s), {_mb(reader.index['bytes'])} MB; "
-            f"this run {elapsed:.1f} s, {_mb(rec.bytes / max(elapsed, 1e-9))} MB/s"
+            f"this run {elapsed:.1f} s, {_mb(nbytes / max(elapsed, 1e-9))} MB/s"
         )
         if truncated:
             print(
@@ -409,6 +426,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"  model {meta.get('model', '?')} ({meta.get('model_path', '-')}), pyhook {idx['pyhook_version']}, "
         f"{idx['examples']:,} examples, {len(idx['shards'])} shard(s) from {len(idx['ranks'])} rank(s), {_mb(idx['bytes'])} MB"
+        + (f"; MISSING rank(s) {idx['missing_ranks']}" if idx.get("missing_ranks") else "")
     )
     st = idx["settings"]
     print(

@@ -33,10 +33,12 @@ import json
 import mmap
 import os
 import queue
+import re
 import secrets
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -386,13 +388,29 @@ class ShardWriter:
             os.close(fd)  # releases the flock
 
     def _open_locked(self, overwrite: bool) -> None:
-        if overwrite and self.rank == 0:
-            for pattern in ("shard-r*.safetensors*", "index-r*.json*", "index.json"):
-                for p in glob.glob(os.path.join(self.out, pattern)):
+        own = f"r{self.rank:03d}"
+        doomed: list[str] = []
+        if overwrite:
+            # Each rank deletes only its own files (another rank may already be writing its
+            # new ones); rank 0 also the merged index and the files of ranks beyond this
+            # world (a previous run with more processes).
+            doomed += [f"shard-{own}-*.safetensors*", f"index-{own}.json*"]
+            if self.rank == 0:
+                doomed.append("index.json*")
+                for p in glob.glob(os.path.join(self.out, "index-r*.json*")) + glob.glob(
+                    os.path.join(self.out, "shard-r*.safetensors*")
+                ):
+                    m = re.match(r"(?:index|shard)-r(\d+)", os.path.basename(p))
+                    if m and int(m.group(1)) >= self.world_size:
+                        doomed.append(os.path.basename(p))
+        # Debris of a crash in the middle of a shard or index write: never listed, removable.
+        doomed += [f"shard-{own}-*.tmp*", f"index-{own}.json.tmp*"]
+        if self.rank == 0:
+            doomed.append("index.json.tmp*")
+        for pattern in doomed:
+            for p in glob.glob(os.path.join(self.out, pattern)):
+                with contextlib.suppress(FileNotFoundError):
                     os.remove(p)
-        # Debris of a crash in the middle of a shard write: never listed, always removable.
-        for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.tmp*")):
-            os.remove(p)
         existing = None
         for p in [
             os.path.join(self.out, "index.json"),
@@ -643,6 +661,9 @@ def merged_index(out: str) -> dict[str, Any]:
         "torch_version": first.get("torch_version"),
         "world_size": first["world_size"],
         "ranks": sorted(p["rank"] for p in parts),
+        # ranks whose index is absent (crashed, interrupted before their first shard, or still
+        # running): their rows are not part of this index
+        "missing_ranks": sorted(set(range(first["world_size"])) - {p["rank"] for p in parts}),
         "settings": first["settings"],
         "meta": first.get("meta", {}),
         "examples": sum(s["examples"] for s in shards),
@@ -813,6 +834,14 @@ class CaptureReader:
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
         self.index = merged_index(self.path)
+        if self.index["missing_ranks"]:
+            warnings.warn(
+                f"capture {self.path!r} has no index for rank(s) {self.index['missing_ranks']} of "
+                f"{self.index['world_size']} (crashed, interrupted or still running): their rows "
+                "are not read; rerun the same command with the same number of processes to "
+                "complete it",
+                stacklevel=2,
+            )
         self._shards = [
             _MappedShard(os.path.join(self.path, s["file"])) for s in self.index["shards"]
         ]

@@ -370,7 +370,9 @@ def test_capture_cuda_host_and_disk(tmp_path):
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------
-def _rank_worker(rank: int, world: int, init_file: str, out: str) -> None:
+def _rank_worker(rank: int, world: int, init_file: str, out: str, overwrite: bool = False) -> None:
+    import time
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -379,7 +381,11 @@ def _rank_worker(rank: int, world: int, init_file: str, out: str) -> None:
         model = gpt2()
         batches = gpt_batches(n=4)
         share = batches[rank * 2 : (rank + 1) * 2]  # contiguous shares keep the data order
-        with capture(model, "transformer.h.*", out=out, mask="attention_mask") as rec:
+        if overwrite and rank == 0:
+            time.sleep(2)  # rank 1 has written its new shard by now: rank 0 must not delete it
+        with capture(
+            model, "transformer.h.*", out=out, mask="attention_mask", overwrite=overwrite
+        ) as rec:
             assert (rec.rank, rec.world_size) == (rank, world)
             for ids, am in share:
                 model(input_ids=ids, attention_mask=am)
@@ -405,6 +411,14 @@ def test_two_gloo_ranks_write_one_capture(tmp_path):
     ]
     r = open_capture(out)
     assert r.index["world_size"] == 2 and r.index["ranks"] == [0, 1] and r.examples == 12
+    for n in ref.layers:
+        assert torch.equal(r[n].to_tensor(), ref[n])
+
+    # overwrite=True with several ranks: each rank replaces only its own files
+    (tmp_path / "init").unlink(missing_ok=True)
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "init2"), out, True), nprocs=2, join=True)
+    r = open_capture(out)
+    assert r.index["ranks"] == [0, 1] and r.examples == 12
     for n in ref.layers:
         assert torch.equal(r[n].to_tensor(), ref[n])
 

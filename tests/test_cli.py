@@ -293,3 +293,53 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     assert torch.equal(r["encoder.layer.5"].to_tensor(), want)
     assert all_hooks(model) == 0
     assert "encoder.layer.5" in capsys.readouterr().out
+
+
+def _cli_rank_worker(rank: int, world: int, port: int, args: list[str], report: str) -> None:
+    import contextlib
+    import io
+    import os
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        with open(report, "w") as f:
+            f.write(f"{code}\n{out.getvalue()}{err.getvalue()}")
+    assert code == 0, err.getvalue()
+
+
+def test_two_ranks_write_one_capture_and_report_the_whole_run(tiny_checkpoint, tmp_path, capsys):
+    # The command under torchrun (two gloo ranks): the rows equal a single-process run's, and
+    # the summary counts every rank's share (tokens, truncated lines), not rank 0's alone.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    base = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt")]
+    base += ["--max-length", "8", "--batch-size", "1"]
+    assert main([*base, "--out", str(tmp_path / "one")]) == 0
+    single = capsys.readouterr().out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = str(tmp_path / "report.txt")
+    args = [*base, "--out", str(tmp_path / "two")]
+    mp.spawn(_cli_rank_worker, args=(2, port, args, report), nprocs=2, join=True)
+    code, *text = open(report).read().split("\n")
+    printed = "\n".join(text)
+    assert code == "0"
+    tokens = single.split(" tokens this run")[0].rsplit("(", 1)[1]
+    assert f"({tokens} tokens this run)" in printed
+    assert "2 line(s) were longer than --max-length 8 tokens" in printed
+    one, two = open_capture(str(tmp_path / "one")), open_capture(str(tmp_path / "two"))
+    assert two.index["ranks"] == [0, 1] and two.examples == one.examples == len(LINES)
+    for n in one.layers:  # the ranks ran single-threaded: float sums in another order
+        torch.testing.assert_close(two[n].to_tensor(), one[n].to_tensor(), rtol=1e-5, atol=1e-6)

@@ -276,3 +276,21 @@ def test_one_writer_per_rank_and_directory(tmp_path):
     first.close()
     with ShardWriter(tmp_path, settings={"k": 1}) as again:
         assert again.examples_done == 2
+
+
+def test_missing_rank_is_warned_and_index_debris_removed(tmp_path):
+    # rank 1 of 3 never wrote its index (it crashed): the reader says so instead of silently
+    # returning rows with a hole in the input order; rank debris of a killed index write
+    # (index-rNNN.json.tmpPID) is removed when that rank reopens the directory.
+    for rank in (0, 2):
+        with ShardWriter(tmp_path, settings={"k": 1}, rank=rank, world_size=3) as w:
+            w.add({"a": torch.full((2, 3), float(rank))}, examples=2)
+    (tmp_path / "index-r001.json.tmp4242").write_text("{")
+    with pytest.warns(UserWarning, match=r"no index for rank\(s\) \[1\] of 3"):
+        r = store.open_capture(tmp_path)
+    assert r.index["missing_ranks"] == [1] and r.examples == 4
+    with ShardWriter(tmp_path, settings={"k": 1}, rank=1, world_size=3) as w:
+        w.add({"a": torch.ones(2, 3)}, examples=2)
+    assert not list(tmp_path.glob("*.tmp*"))
+    r = store.open_capture(tmp_path)  # complete now
+    assert r.index["missing_ranks"] == [] and r["a"].to_tensor()[:, 0].tolist() == [0, 0, 1, 1, 2, 2]
