@@ -44,7 +44,7 @@ from ._hooks import HookSet
 from ._tree import tensor_leaves
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
-from .offload import Offloader, PendingCopy
+from .offload import Offloader, PendingCopy, check_byte_count
 from .store import ShardWriter, dtype_name, parse_dtype
 
 __all__ = [
@@ -138,14 +138,13 @@ def resolve_layers(
         raise ValueError(
             "layers is empty: name at least one layer (names or globs such as 'transformer.h.*')"
         )
-    all_names: list[str] | None = None
     named: dict[str, nn.Module] | None = None
     found: dict[str, nn.Module] = {}
     for entry in entries:
         if isinstance(entry, str) and _GLOB_CHARS.search(entry):
-            if named is None or all_names is None:
+            if named is None:
                 named = dict(model.named_modules())
-                all_names = [n for n in named if n]
+            all_names = [n for n in named if n]
             rx = _glob_regex(entry)
             hits = [n for n in all_names if rx.match(n)]
             if not hits:
@@ -171,15 +170,17 @@ def resolve_layers(
     return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
 
 
-def _check_mask_name(model: nn.Module, mask: str) -> None:
+def _check_mask_name(model: nn.Module, mask: str) -> bool:
     """A misspelled mask name would silently keep every token: refuse names that the model's
-    forward cannot take (a forward with ``**kwargs`` is checked per call instead)."""
+    forward cannot take. True when only a ``**kwargs`` could take it (checked per call)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return
-    if mask in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
+        return False
+    if mask in params:
+        return False
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return True
     names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     raise ValueError(
         f"mask {mask!r} is not an argument of {type(model).__name__}.forward; its arguments "
@@ -288,8 +289,8 @@ class Recorder:
                 "mask must be the name of a forward argument (e.g. 'attention_mask') or a callable "
                 f"(args, kwargs) -> bool tensor [batch, tokens], got {type(mask).__name__}"
             )
-        if isinstance(mask, str):
-            _check_mask_name(model, mask)
+        # a mask name only forward(**kwargs) could take: warned about once if a call lacks it
+        self._mask_unlisted = isinstance(mask, str) and _check_mask_name(model, mask)
         if not isinstance(flatten, bool):
             raise TypeError(f"flatten must be a bool, got {flatten!r}")
         per_example = positions == "last" or (
@@ -340,14 +341,7 @@ class Recorder:
             **(settings or {}),
         }
         self._rank, self._world = self._dist_info(rank, world_size)
-        if (
-            not isinstance(max_inflight_bytes, int)
-            or isinstance(max_inflight_bytes, bool)
-            or max_inflight_bytes < 1
-        ):
-            raise ValueError(
-                f"max_inflight_bytes must be an int >= 1 (bytes), got {max_inflight_bytes!r}"
-            )
+        check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self._max_inflight_bytes = max_inflight_bytes
         # Made on first use: host captures of CPU tensors never need the engine.
         self._offloader_: Offloader | None = None
@@ -361,7 +355,6 @@ class Recorder:
         self._batch_mask: torch.Tensor | None = None
         self._batch_examples: int | None = None
         self._sig: inspect.Signature | None = None
-        self._mask_warned = False
         self.examples = 0
         self.examples_done = 0
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
@@ -467,16 +460,14 @@ class Recorder:
                     m = self._sig.bind_partial(*args, **kwargs).arguments.get(self.mask)
                 except TypeError:
                     m = None
-        if m is None and isinstance(self.mask, str) and not self._mask_warned:
-            params = (self._sig or inspect.signature(self.model.forward)).parameters
-            if self.mask not in params:  # only **kwargs could take it: maybe a misspelling
-                self._mask_warned = True
-                warnings.warn(
-                    f"mask {self.mask!r} was not among the arguments of this call of "
-                    f"{type(self.model).__name__} ({', '.join(kwargs) or 'positional only'}); "
-                    "its tokens are not masked",
-                    stacklevel=2,
-                )
+        if m is None and self._mask_unlisted:
+            self._mask_unlisted = False  # warn once: maybe a misspelling
+            warnings.warn(
+                f"mask {self.mask!r} was not among the arguments of this call of "
+                f"{type(self.model).__name__} ({', '.join(kwargs) or 'positional only'}); "
+                "its tokens are not masked",
+                stacklevel=2,
+            )
         if m is not None:
             if not isinstance(m, torch.Tensor) or m.dim() != 2:
                 raise ValueError(
@@ -631,12 +622,8 @@ class Recorder:
             kept[name].append(guard)
         for name, p in pending.items():
             results[name].append(p)
-            if isinstance(p, PendingCopy):
-                rows[name] += int(p.shapes[0][0])
-                self.bytes += p.nbytes
-            else:
-                rows[name] += int(p.shape[0])
-                self.bytes += p.nbytes
+            rows[name] += int(p.shapes[0][0] if isinstance(p, PendingCopy) else p.shape[0])
+            self.bytes += p.nbytes
 
     @staticmethod
     def _check(name: str, guard: tuple[torch.Tensor, int] | None, when: str) -> None:

@@ -69,6 +69,12 @@ def _bucket(nbytes: int) -> int:
     return size
 
 
+def check_byte_count(name: str, value: object, low: int) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low} (bytes), got {value!r}")
+
+
 def _check_copyable(i: int, t: torch.Tensor) -> None:
     # Same messages as the native engine's checks (csrc/offload.cpp).
     if t.layout != torch.strided:
@@ -458,12 +464,8 @@ class Offloader:
         pin: bool = True,
         pool_limit_bytes: int = 4 << 30,
     ) -> None:
-        for name, value, low in (
-            ("max_inflight_bytes", max_inflight_bytes, 1),
-            ("pool_limit_bytes", pool_limit_bytes, 0),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low} (bytes), got {value!r}")
+        check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)
+        check_byte_count("pool_limit_bytes", pool_limit_bytes, 0)
         self.max_inflight_bytes = max_inflight_bytes
         self.pin = bool(pin)
         self.pool_limit_bytes = pool_limit_bytes

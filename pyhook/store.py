@@ -122,16 +122,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+_STORABLE = ", ".join(dtype_name(d) for d in _DTYPE_TO_ST)  # for messages
+
+
 def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
     """``'bf16'``/``'bfloat16'``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` passes."""
     if name is None:
         return None
     if isinstance(name, torch.dtype):
         if name not in _DTYPE_TO_ST:
-            raise ValueError(
-                f"{what} must be a dtype the store can hold "
-                f"({', '.join(dtype_name(d) for d in _DTYPE_TO_ST)}), got {name}"
-            )
+            raise ValueError(f"{what} must be a dtype the store can hold ({_STORABLE}), got {name}")
         return name
     aliases = {
         "fp32": "float32",
@@ -147,7 +147,7 @@ def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dt
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_TO_ST:
         raise ValueError(
-            f"{what} must be one of {', '.join(dtype_name(d) for d in _DTYPE_TO_ST)} "
+            f"{what} must be one of {_STORABLE} "
             f"(a name such as 'bf16', or a torch.dtype), got {name!r}"
         )
     return dtype
@@ -481,7 +481,7 @@ class ShardWriter:
             if t.dtype not in _DTYPE_TO_ST:
                 raise ValueError(
                     f"layer {name!r}: rows of dtype {dtype_name(t.dtype)} cannot be stored in "
-                    f"safetensors shards; supported: {', '.join(dtype_name(d) for d in _DTYPE_TO_ST)} "
+                    f"safetensors shards; supported: {_STORABLE} "
                     "(pass dtype= to cast when capturing)"
                 )
             info = {"dtype": dtype_name(t.dtype), "row_shape": list(t.shape[1:])}
