@@ -49,11 +49,9 @@ at::Tensor view_as_dense(const at::Tensor& buffer, const at::Tensor& like) {
 // is cloned on the current stream first (device bandwidth is far above the
 // link's). Each of these runs on the current stream, before the copy.
 at::Tensor dense_source(const at::Tensor& t, bool snapshot) {
-  if (t._is_zerotensor()) {
-    return at::zeros(t.sizes(), t.options());
-  }
-  if (t.is_conj() || t.is_neg()) {
-    return t.resolve_conj().resolve_neg().contiguous();  // fresh memory
+  if (has_lazy_values(t)) {  // materialised into fresh memory
+    return t._is_zerotensor() ? at::zeros(t.sizes(), t.options())
+                              : t.resolve_conj().resolve_neg().contiguous();
   }
   if (!t.is_contiguous()) {
     return t.contiguous();

@@ -29,7 +29,7 @@ ClonePlan plan_clone(at::TensorList tensors) {
     s.strides = dense ? t.strides().vec() : at::infer_dense_strides(t.sizes(), t.strides());
     s.nbytes = t.numel() * static_cast<int64_t>(t.element_size());
     // A conj/neg view must be materialised by copy_, exactly as clone does.
-    s.raw_copy = dense && !t.is_conj() && !t.is_neg() && !t._is_zerotensor();
+    s.raw_copy = dense && !has_lazy_values(t);
     s.offset = offset;
     offset += (s.nbytes + kSliceAlignment - 1) / kSliceAlignment * kSliceAlignment;
   }

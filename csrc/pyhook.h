@@ -12,6 +12,13 @@ namespace pyhook {
 // (a cache line, and enough for any dtype and for vectorised memcpy).
 constexpr int64_t kSliceAlignment = 64;
 
+// Values a raw byte copy of the tensor's memory would get wrong: lazy
+// conjugate/negative views, and zero tensors (which have no data). Such a
+// tensor must be materialised (copy_, resolve_*) before any memcpy.
+inline bool has_lazy_values(const at::Tensor& t) {
+  return t.is_conj() || t.is_neg() || t._is_zerotensor();
+}
+
 // Where one input lands in the shared buffer and with which strides.
 struct SlicePlan {
   std::vector<int64_t> strides;  // the strides Tensor::clone() would give
