@@ -52,6 +52,12 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
+def capture_args(ckpt, *extra, input=None):
+    """``pyhook capture`` on the tiny checkpoint (its input.txt unless ``input``), then ``extra``."""
+    src = input if input is not None else ckpt / "input.txt"
+    return ["capture", "--model", str(ckpt), "--input", str(src), *extra]
+
+
 def direct_reference(path, layers, lines, max_length):
     """Load the checkpoint independently and hook it by hand: valid tokens of each layer."""
     from transformers import AutoTokenizer, GPT2LMHeadModel
@@ -84,22 +90,18 @@ def direct_reference(path, layers, lines, max_length):
 
 def test_capture_end_to_end_matches_direct_hooks(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
-    args = [
-        "capture",
-        "--model",
-        str(tiny_checkpoint),
+    args = capture_args(
+        tiny_checkpoint,
         "--layers",
         "transformer.h.*",
         "transformer.ln_f",
-        "--input",
-        str(tiny_checkpoint / "input.txt"),
         "--batch-size",
         "2",
         "--max-length",
         "8",
         "--out",
         str(out),
-    ]
+    )
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "transformer.h.1" in printed and "row shape" in printed
@@ -123,14 +125,10 @@ def test_capture_end_to_end_matches_direct_hooks(tiny_checkpoint, tmp_path, caps
 
 def test_resume_after_interrupt(tiny_checkpoint, tmp_path):
     out = tmp_path / "acts"
-    base = [
-        "capture",
-        "--model",
-        str(tiny_checkpoint),
+    base = capture_args(
+        tiny_checkpoint,
         "--layers",
         "transformer.h.1",
-        "--input",
-        str(tiny_checkpoint / "input.txt"),
         "--batch-size",
         "2",
         "--max-length",
@@ -140,7 +138,7 @@ def test_resume_after_interrupt(tiny_checkpoint, tmp_path):
         "--shard-mb",
         "0.000001",
         "--quiet",
-    ]
+    )
     # a run that stopped after 4 examples (as --limit 4 does), then the full command resumes it
     assert main([*base, "--limit", "4"]) == 0
     assert open_capture(out).examples == 4
@@ -163,23 +161,7 @@ def test_layers_command(tiny_checkpoint, capsys):
 
 def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
-    assert (
-        main(
-            [
-                "capture",
-                "--model",
-                str(tiny_checkpoint),
-                "--input",
-                str(tiny_checkpoint / "input.txt"),
-                "--positions",
-                "last",
-                "--out",
-                str(out),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    assert main(capture_args(tiny_checkpoint, "--positions", "last", "--out", str(out), "--quiet")) == 0
     r = open_capture(out)
     assert r.layers == ["transformer.h.0", "transformer.h.1"]  # default: every block
     assert r["transformer.h.0"].shape == (5, 32)  # one row per example
@@ -229,34 +211,21 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
     ],
 )
 def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message):
-    args = [
-        "capture",
-        "--model",
-        str(tiny_checkpoint),
-        "--input",
-        str(tiny_checkpoint / "input.txt"),
-        "--out",
-        str(tmp_path / "acts"),
-        "--quiet",
-        *extra,
-    ]
-    assert main(args) == 2
+    assert main(capture_args(tiny_checkpoint, "--out", str(tmp_path / "acts"), "--quiet", *extra)) == 2
     assert message in capsys.readouterr().err
 
 
 def test_failed_first_batch_does_not_block_a_corrected_rerun(tiny_checkpoint, tmp_path, capsys):
-    base = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt")]
     out = ["--out", str(tmp_path / "acts"), "--quiet"]
-    assert main([*base, *out, "--positions", "100"]) == 2  # nothing stored
-    assert main([*base, *out, "--positions", "0"]) == 0
+    assert main(capture_args(tiny_checkpoint, *out, "--positions", "100")) == 2  # nothing stored
+    assert main(capture_args(tiny_checkpoint, *out, "--positions", "0")) == 0
     assert open_capture(str(tmp_path / "acts")).index["examples"] == len(LINES)
 
 
 def test_non_utf8_input_and_bad_inspect_sample(tiny_checkpoint, tmp_path, capsys):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    args = ["capture", "--model", str(tiny_checkpoint), "--input", str(bad)]
-    assert main([*args, "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert main(capture_args(tiny_checkpoint, "--out", str(tmp_path / "o"), "--quiet", input=bad)) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "latin1.txt" in err
     assert main(["inspect", str(tmp_path), "--sample", "0"]) == 2
@@ -323,8 +292,7 @@ def test_two_ranks_write_one_capture_and_report_the_whole_run(tiny_checkpoint, t
 
     import torch.multiprocessing as mp
 
-    base = ["capture", "--model", str(tiny_checkpoint), "--input", str(tiny_checkpoint / "input.txt")]
-    base += ["--max-length", "8", "--batch-size", "1"]
+    base = capture_args(tiny_checkpoint, "--max-length", "8", "--batch-size", "1")
     assert main([*base, "--out", str(tmp_path / "one")]) == 0
     single = capsys.readouterr().out
     with socket.socket() as s:
@@ -333,7 +301,8 @@ def test_two_ranks_write_one_capture_and_report_the_whole_run(tiny_checkpoint, t
     report = str(tmp_path / "report.txt")
     args = [*base, "--out", str(tmp_path / "two")]
     mp.spawn(_cli_rank_worker, args=(2, port, args, report), nprocs=2, join=True)
-    code, *text = open(report).read().split("\n")
+    with open(report) as f:
+        code, *text = f.read().split("\n")
     printed = "\n".join(text)
     assert code == "0"
     tokens = single.split(" tokens this run")[0].rsplit("(", 1)[1]
