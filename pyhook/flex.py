@@ -124,7 +124,7 @@ class HookFunction:
     save_ctx, modules)`` receives the full activation (``current_module`` is None for tensor
     hooks), may write to ``save_ctx`` and use the trainable ``modules``, and must return a
     tensor of the same shape. ``unpack_idx`` picks the tensor among the tensors of a nested
-    output (tuples, lists, dicts, namedtuples, dataclasses and ``ModelOutput``s are unpacked
+    output (tuples, lists, dicts, namedtuples, dataclasses and ``ModelOutput`` objects are unpacked
     in order).
 
     Example::

@@ -1,0 +1,49 @@
+"""Sphinx configuration of the pyhook documentation (build: see docs/contributing.md)."""
+
+from __future__ import annotations
+
+import pyhook
+
+project = "pyhook"
+author = "the pyhook authors"
+release = pyhook.__version__
+version = ".".join(release.split(".")[:2])
+
+extensions = [
+    "myst_parser",  # prose pages in Markdown
+    "sphinx.ext.autodoc",  # the API reference, from the docstrings
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",  # "Args:" / "Returns:" sections in docstrings
+    "sphinx.ext.viewcode",
+]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3  # [text](page.md#a-heading) links resolve
+
+# The API reference documents what pyhook.__all__ exports under its public name (pyhook.Trace,
+# not pyhook.trace.Trace); module pages add only what the top level does not export.
+autodoc_default_options = {"members": True, "member-order": "bysource"}
+autodoc_typehints = "signature"
+autodoc_preserve_defaults = True
+autodoc_inherit_docstrings = False  # no torch.nn.Module boilerplate (forward, extra_repr, train)
+autosummary_generate = False
+add_module_names = False
+python_use_unqualified_type_names = True
+
+html_theme = "furo"
+html_title = f"pyhook {release}"
+html_static_path: list[str] = []
+
+_TOP_LEVEL = {id(getattr(pyhook, name)) for name in pyhook.__all__}
+
+
+def _skip_reexported(app, what, name, obj, skip, options):  # noqa: ANN001, ANN202
+    """On a module page other than the top-level API, skip objects pyhook.__all__ documents."""
+    if what == "module" and app.env.docname != "api/pyhook" and callable(obj) and id(obj) in _TOP_LEVEL:
+        return True
+    return None
+
+
+def setup(app):  # noqa: ANN001, ANN201
+    app.connect("autodoc-skip-member", _skip_reexported)
