@@ -38,12 +38,17 @@ html_static_path: list[str] = []
 _TOP_LEVEL = {id(getattr(pyhook, name)) for name in pyhook.__all__}
 
 
-def _skip_reexported(app, what, name, obj, skip, options):  # noqa: ANN001, ANN202
+def _skip_reexported(app, what, name, obj, skip, options):
     """On a module page other than the top-level API, skip objects pyhook.__all__ documents."""
-    if what == "module" and app.env.docname != "api/pyhook" and callable(obj) and id(obj) in _TOP_LEVEL:
+    if (
+        what == "module"
+        and app.env.docname != "api/pyhook"
+        and callable(obj)
+        and id(obj) in _TOP_LEVEL
+    ):
         return True
     return None
 
 
-def setup(app):  # noqa: ANN001, ANN201
+def setup(app):
     app.connect("autodoc-skip-member", _skip_reexported)

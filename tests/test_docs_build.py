@@ -14,14 +14,29 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_docs_build_without_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="the docs extra is not installed: pip install '.[docs]'")
-    pytest.importorskip("myst_parser", reason="the docs extra is not installed: pip install '.[docs]'")
+    pytest.importorskip(
+        "myst_parser", reason="the docs extra is not installed: pip install '.[docs]'"
+    )
     pytest.importorskip("furo", reason="the docs extra is not installed: pip install '.[docs]'")
     out = tmp_path / "html"
     # A fresh interpreter in an empty folder: autodoc documents the installed pyhook, as the tests
     # test it (`python -m` would otherwise put the checkout on sys.path when run from the root).
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
-         "-d", str(tmp_path / "doctrees"), str(ROOT / "docs"), str(out)],
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-E",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(ROOT / "docs"),
+            str(out),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
