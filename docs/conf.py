@@ -50,5 +50,13 @@ def _skip_reexported(app, what, name, obj, skip, options):
     return None
 
 
+def _list_public_names(app, docname, source):
+    """Fill the summary table of api/pyhook from pyhook.__all__ (so it cannot drift)."""
+    if docname == "api/pyhook":
+        names = "\n   ".join(n for n in pyhook.__all__ if not n.startswith("__"))
+        source[0] = source[0].replace("PYHOOK_ALL", names)
+
+
 def setup(app):
+    app.connect("source-read", _list_public_names)
     app.connect("autodoc-skip-member", _skip_reexported)
