@@ -94,6 +94,16 @@ def test_block_parser_handles_indented_fences_and_other_languages(tmp_path):
     assert python_blocks(page) == [(2, "x = 1\n"), (7, "if True:\n    y = 2\n")]
 
 
+def test_readme_links_point_to_existing_files():
+    # Sphinx checks the links between docs pages; the README is not part of the site.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links to no docs page"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+
+
 # --------------------------------------------------------------------------------------- runners
 #
 # Each block runs in its own process, with a fresh ``__main__`` namespace, its own empty working
