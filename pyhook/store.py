@@ -393,14 +393,21 @@ def _check_shard(
         )
     for name, rows in entry["rows"].items():
         info = layers.get(name)
-        if info is None:
+        if not isinstance(info, dict):
             raise CaptureDamagedError(
                 f"{path}: the index lists rows of layer {name!r}, which its layer list lacks", path
             )
         h = header.get(name)
         if not isinstance(h, dict):
             raise CaptureDamagedError(f"{path}: no tensor {name!r} in its header", path)
-        code = _DTYPE_TO_ST.get(getattr(torch, str(info.get("dtype")), None))  # type: ignore[arg-type]
+        dtype = getattr(torch, str(info.get("dtype")), None)
+        code = _DTYPE_TO_ST.get(dtype) if isinstance(dtype, torch.dtype) else None
+        if code is None:
+            raise CaptureDamagedError(
+                f"{path}: the index records dtype {info.get('dtype')!r} for layer {name!r}, "
+                "which a capture cannot hold",
+                path,
+            )
         if h.get("dtype") != code:
             raise CaptureDamagedError(
                 f"{path}: layer {name!r} has dtype {h.get('dtype')} in the header, the index "
@@ -414,7 +421,7 @@ def _check_shard(
                 f"records {shape}",
                 path,
             )
-        nbytes = torch.empty((), dtype=_ST_TO_DTYPE[code]).element_size()
+        nbytes = _ST_TO_DTYPE[code].itemsize
         for d in shape:
             nbytes *= d
         off = h.get("data_offsets")
@@ -525,7 +532,7 @@ def _load_part(path: str) -> dict[str, Any]:
     for s in part["shards"]:
         name = s.get("file") if isinstance(s, dict) else None
         m = _SHARD_NAME.match(name) if isinstance(name, str) else None
-        if m is None or int(m.group(1)) != rank:
+        if m is None or int(m.group(1)) != rank or not isinstance(name, str):
             raise CaptureDamagedError(
                 f"{path}: {name!r} is not a shard file name of rank {rank} "
                 "(shard-rRRR-NNNNNN.safetensors in the capture directory itself)",
