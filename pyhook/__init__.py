@@ -62,12 +62,14 @@ from .modules import (
     subsequence,
 )
 from .store import (
+    CaptureDamagedError,
     CaptureExistsError,
     CaptureReader,
     CaptureWriteError,
     LayerData,
     ShardWriter,
     open_capture,
+    verify_capture,
 )
 from .trace import CallRecord, Trace, TraceDict
 from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
@@ -116,11 +118,13 @@ __all__ = [
     "Recorder",
     "resolve_layers",
     "open_capture",
+    "verify_capture",
     "CaptureReader",
     "LayerData",
     "ShardWriter",
     "CaptureExistsError",
     "CaptureWriteError",
+    "CaptureDamagedError",
     "CaptureModifiedError",
     # backends
     "get_backend",
