@@ -69,7 +69,11 @@ def _snapshot(out):
         if name.startswith(".lock"):
             continue
         path = os.path.join(out, name)
-        files[name] = open(path, "rb").read() if os.path.isfile(path) else "<dir>"
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+        else:
+            files[name] = "<dir>"
     return files
 
 

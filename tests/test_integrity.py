@@ -16,9 +16,7 @@ import torch
 from pyhook import store
 from pyhook.capture import capture
 from pyhook.cli import main
-from pyhook.store import CaptureExistsError, ShardWriter, open_capture
-
-from pyhook.store import CaptureDamagedError
+from pyhook.store import CaptureDamagedError, CaptureExistsError, ShardWriter, open_capture
 
 SETTINGS = {"k": 1}
 
@@ -60,7 +58,7 @@ def test_resume_after_truncated_shard_refuses_up_front(tmp_path):
     path = _shard(tmp_path, 2)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 4)
-    with pytest.raises(CaptureDamagedError, match="shard-r000-000002.safetensors.*size"):
+    with pytest.raises(CaptureDamagedError, match=r"shard-r000-000002\.safetensors.*size"):
         ShardWriter(tmp_path, settings=SETTINGS)
 
 
@@ -101,11 +99,11 @@ def _header(path):
 def test_header_dtype_change_detected_on_open(tmp_path):
     _write(tmp_path, _data(8))
     path = _shard(tmp_path, 1)
-    n, raw = _header(path)
+    _, raw = _header(path)
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(raw.replace(b'"F32"', b'"I32"'))
-    with pytest.raises(CaptureDamagedError, match="shard-r000-000001.safetensors.*dtype"):
+    with pytest.raises(CaptureDamagedError, match=r"shard-r000-000001\.safetensors.*dtype"):
         open_capture(tmp_path)
 
 
@@ -121,7 +119,7 @@ def _edit_index(out, fn):
 def test_shard_listed_twice_detected(tmp_path):
     _write(tmp_path, _data(12))
     _edit_index(tmp_path, lambda i: {**i, "shards": [*i["shards"], i["shards"][1]]})
-    with pytest.raises(CaptureDamagedError, match="shard-r000-000001.safetensors.*twice"):
+    with pytest.raises(CaptureDamagedError, match=r"shard-r000-000001\.safetensors.*twice"):
         open_capture(tmp_path)
 
 
@@ -136,7 +134,7 @@ def test_path_escaping_the_directory_detected(tmp_path, bad):
         return i
 
     _edit_index(tmp_path / "cap", edit)
-    with pytest.raises(CaptureDamagedError, match="not a shard file name"):
+    with pytest.raises(CaptureDamagedError, match=r"not a shard file name"):
         open_capture(tmp_path / "cap")
 
 
@@ -146,7 +144,7 @@ def test_swapped_shards_detected_on_open(tmp_path):
     os.rename(a, a + ".x")
     os.rename(b, a)
     os.rename(a + ".x", b)
-    with pytest.raises(CaptureDamagedError, match="shard-r000-000000.safetensors"):
+    with pytest.raises(CaptureDamagedError, match=r"shard-r000-000000\.safetensors"):
         open_capture(tmp_path)
 
 
@@ -159,7 +157,7 @@ def test_flipped_data_byte_detected_by_verify(tmp_path, capsys):
         f.seek(-5, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0x10]))
     open_capture(tmp_path)  # cheap checks pass: same size, same header
-    with pytest.raises(CaptureDamagedError, match="shard-r000-000001.safetensors.*checksum"):
+    with pytest.raises(CaptureDamagedError, match=r"shard-r000-000001\.safetensors.*checksum"):
         open_capture(tmp_path, verify=True)
     assert main(["verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -252,7 +250,7 @@ def test_foreign_index_json_is_refused(tmp_path, content):
     p = tmp_path / "index.json"
     p.write_text(content)
     for overwrite in (False, True):
-        with pytest.raises(CaptureExistsError, match="index.json"):
+        with pytest.raises(CaptureExistsError, match=r"index\.json"):
             ShardWriter(tmp_path, settings=SETTINGS, overwrite=overwrite)
     assert p.read_text() == content
 
@@ -302,7 +300,7 @@ def _damage_bad_json(out):
 
 def _damage_shape(out):
     path = _shard(out, 0)
-    n, raw = _header(path)
+    _, raw = _header(path)
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(raw.replace(b'"shape":[4,3]', b'"shape":[3,4]'))
