@@ -239,7 +239,8 @@ class Recorder:
     but its examples still count in :attr:`examples` (and :attr:`skipped`), and with
     ``to="disk"`` in the index (``"skipped"`` lists their ranges), so that
     ``loader[rec.examples_done:]`` resumes at the right example. An error that leaves the
-    ``with`` block is not counted: a resume retries that batch.
+    ``with`` block is not counted: a resume retries that batch. A loop that runs a failed batch
+    again instead of skipping it calls :meth:`retry` first, so that it is not counted twice.
 
     After exit (or during, for ``device``/``host``), ``rec[layer]`` is all rows of that layer;
     for ``to="disk"`` read the directory with :func:`pyhook.store.open_capture`. With ``to="disk"``
@@ -462,6 +463,26 @@ class Recorder:
         self.examples += examples
         if self._writer is not None and examples:
             self._writer.add({}, examples, skipped=True)
+
+    def retry(self) -> None:
+        """The forward that just raised will be run again (e.g. in halves after running out of
+        memory): do not count its examples as skipped.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.capture import capture
+            >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            >>> with capture(net, "0") as rec:
+            ...     try:
+            ...         net(torch.randn(4, 3))  # wrong width: raises
+            ...     except RuntimeError:
+            ...         rec.retry()
+            ...     _ = net(torch.randn(4, 2))
+            >>> rec.examples, rec.skipped
+            (4, 0)
+        """
+        self._in_forward = False
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._discard_pending()  # leftovers of a forward that raised

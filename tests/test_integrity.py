@@ -370,3 +370,20 @@ def test_empty_step_slice_and_empty_list(tmp_path):
 
 def test_store_module_exports():
     assert "CaptureDamagedError" in store.__all__
+
+
+def test_retried_batch_is_counted_once(tmp_path):
+    x = _data(12)
+    net = Flaky([2])
+    with capture(net, "lin", out=tmp_path, shard_bytes=1) as rec:
+        for i in range(0, 12, 4):
+            try:
+                net(x[i : i + 4])
+            except RuntimeError:
+                rec.retry()  # run it again, in halves
+                net(x[i : i + 2])
+                net(x[i + 2 : i + 4])
+    assert rec.examples == 12 and rec.skipped == 0
+    r = open_capture(tmp_path)
+    assert r.examples == 12 and r.index["skipped"] == []
+    assert torch.equal(r["lin"][:], net.lin(x).detach())
