@@ -24,6 +24,7 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 
 from __future__ import annotations
 
+from . import _startup  # noqa: F401  (first: Ctrl-C while the command imports torch)
 from ._backend import (
     empty_pool,
     get_backend,

@@ -636,7 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["inspect", "/nonexistent"])  # errors are reported, not raised
         2
     """
+    from ._startup import restore
+
     try:
+        restore()  # from here on Ctrl-C is a KeyboardInterrupt, reported below
         return _run(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:  # also during start-up (importing torch, loading the model)
         print(

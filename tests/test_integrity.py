@@ -387,3 +387,37 @@ def test_retried_batch_is_counted_once(tmp_path):
     r = open_capture(tmp_path)
     assert r.examples == 12 and r.index["skipped"] == []
     assert torch.equal(r["lin"][:], net.lin(x).detach())
+
+
+_IMPORT_INTERRUPTED = """
+import builtins, os, signal, sys
+sys.argv[0] = os.path.join("bin", "pyhook")  # as the console script
+real = builtins.__import__
+def interrupting(name, *a, **k):
+    if name == "torch" and "torch" not in sys.modules:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while torch is being imported
+    return real(name, *a, **k)
+builtins.__import__ = interrupting
+from pyhook.cli import main
+sys.exit(main(["inspect", "nowhere"]))
+"""
+
+
+def test_ctrl_c_while_the_command_imports_torch_is_one_line():
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-P", "-c", _IMPORT_INTERRUPTED], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pyhook: interrupted"), p.stderr
+
+
+def test_importing_pyhook_from_a_program_leaves_sigint_alone():
+    import subprocess
+    import sys
+
+    code = "import signal, pyhook; assert signal.getsignal(signal.SIGINT) is signal.default_int_handler"
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=300)
