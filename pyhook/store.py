@@ -14,12 +14,16 @@ Layout of a capture directory::
   thread (a bounded queue: when the disk is slower than the model, the model waits instead of
   memory growing). A shard is written to ``*.tmp``, fsynced and renamed, and only then listed in
   the index (itself replaced atomically), so after a crash every listed shard is complete and
-  unlisted debris is removed on the next open. Reopening with the same settings resumes
-  (:attr:`ShardWriter.examples_done` says how many examples to skip); different settings raise
-  :class:`CaptureExistsError`.
-* :class:`CaptureReader` (:func:`open_capture`) merges the per-rank index files, maps each shard
-  into memory without reading it, and returns per-layer :class:`LayerData` views or iterates in
-  sequential or shuffled row batches.
+  unlisted debris is removed on the next open. The index records each shard's size, CRC32C
+  checksum and example range. Reopening with the same settings resumes
+  (:attr:`ShardWriter.examples_done` says how many examples to skip) after checking every listed
+  shard (size, header, checksum); different settings raise :class:`CaptureExistsError`, a
+  damaged shard :class:`CaptureDamagedError` naming it.
+* :class:`CaptureReader` (:func:`open_capture`) merges the per-rank index files, checks every
+  shard's size and header against them (``verify=True``: the checksums too), maps each shard
+  into memory without reading it, and returns per-layer :class:`LayerData` (reads are copies the
+  caller owns) or iterates in sequential or shuffled row batches. :func:`verify_capture`
+  (``pyhook verify``) lists every problem of a directory.
 
 The shard files are plain safetensors (``safetensors.torch.load_file`` reads them); pyhook writes
 them itself so that the pieces of a shard go to the file without being concatenated first.
@@ -712,13 +716,14 @@ class ShardWriter:
                     os.remove(p)
         # The settings to compare with: this rank's index, another rank's, else the merged one
         # (the per-rank files are the source of truth; a damaged merged index is rewritten).
+        # (With overwrite this rank's files are gone; the others' are not compared.)
         part = _load_part(self._part) if os.path.exists(self._part) else None
         existing: dict[str, Any] | None = part
-        if existing is None:
+        if existing is None and not overwrite:
             for p in sorted(glob.glob(os.path.join(self.out, "index-r*.json"))):
                 existing = _load_part(p)
                 break
-        if existing is None and os.path.exists(merged):
+        if existing is None and not overwrite and os.path.exists(merged):
             with contextlib.suppress(CaptureDamagedError):
                 existing = _load_json(merged)
         if (
