@@ -16,7 +16,7 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   see :mod:`pyhook.distributed`), :class:`DummyModule`;
 * capture: :func:`capture` / :class:`Recorder` pull activations of many layers (names or
   globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
-  them back (the ``pyhook`` command wraps both);
+  them back, :func:`verify_capture` checks them (the ``pyhook`` command wraps all three);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
   :func:`empty_pool` control the native capture-buffer pool.
@@ -24,6 +24,7 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 
 from __future__ import annotations
 
+from . import _startup  # noqa: F401  (first: Ctrl-C while the command imports torch)
 from ._backend import (
     empty_pool,
     get_backend,
@@ -62,12 +63,14 @@ from .modules import (
     subsequence,
 )
 from .store import (
+    CaptureDamagedError,
     CaptureExistsError,
     CaptureReader,
     CaptureWriteError,
     LayerData,
     ShardWriter,
     open_capture,
+    verify_capture,
 )
 from .trace import CallRecord, Trace, TraceDict
 from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
@@ -116,11 +119,13 @@ __all__ = [
     "Recorder",
     "resolve_layers",
     "open_capture",
+    "verify_capture",
     "CaptureReader",
     "LayerData",
     "ShardWriter",
     "CaptureExistsError",
     "CaptureWriteError",
+    "CaptureDamagedError",
     "CaptureModifiedError",
     # backends
     "get_backend",

@@ -235,6 +235,13 @@ class Recorder:
     and a hook after ``model`` commits the batch. A forward that raises commits nothing; if a
     layer runs several times in one forward, the last call is kept.
 
+    A forward that raises while the loop goes on (the caller skips that batch) stores no rows,
+    but its examples still count in :attr:`examples` (and :attr:`skipped`), and with
+    ``to="disk"`` in the index (``"skipped"`` lists their ranges), so that
+    ``loader[rec.examples_done:]`` resumes at the right example. An error that leaves the
+    ``with`` block is not counted: a resume retries that batch. A loop that runs a failed batch
+    again instead of skipping it calls :meth:`retry` first, so that it is not counted twice.
+
     After exit (or during, for ``device``/``host``), ``rec[layer]`` is all rows of that layer;
     for ``to="disk"`` read the directory with :func:`pyhook.store.open_capture`. With ``to="disk"``
     an existing capture with the same settings is resumed: :attr:`examples_done` tells how many
@@ -356,6 +363,8 @@ class Recorder:
         self._batch_examples: int | None = None
         self._sig: inspect.Signature | None = None
         self.examples = 0
+        self.skipped = 0
+        self._in_forward = False  # a forward began and has not committed (yet, or it raised)
         self.examples_done = 0
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
         self.bytes = 0
@@ -388,6 +397,7 @@ class Recorder:
     def __enter__(self) -> Recorder:
         if self._hooks.active:
             raise RuntimeError("this Recorder is already active")
+        self._in_forward = False
         if self.to == "disk":
             assert self.out is not None
             self._writer = ShardWriter(
@@ -417,6 +427,11 @@ class Recorder:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
         self._discard_pending()
+        if self._in_forward:
+            self._in_forward = False
+            if exc_type is None:
+                # The last forward raised and the loop went on: its examples were consumed.
+                self._skip(self._batch_examples or 0)
         if self._writer is not None:
             writer, self._writer = self._writer, None
             if exc_type is None:
@@ -441,12 +456,43 @@ class Recorder:
         self._pending.clear()
         self._pending_guard.clear()
 
+    def _skip(self, examples: int) -> None:
+        """Count the examples of a forward that raised and was skipped by the caller's loop:
+        they were consumed from the data, so they move the resume point (examples_done) too."""
+        self.skipped += examples
+        self.examples += examples
+        if self._writer is not None and examples:
+            self._writer.add({}, examples, skipped=True)
+
+    def retry(self) -> None:
+        """The forward that just raised will be run again (e.g. in halves after running out of
+        memory): do not count its examples as skipped.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.capture import capture
+            >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            >>> with capture(net, "0") as rec:
+            ...     try:
+            ...         net(torch.randn(4, 3))  # wrong width: raises
+            ...     except RuntimeError:
+            ...         rec.retry()
+            ...     _ = net(torch.randn(4, 2))
+            >>> rec.examples, rec.skipped
+            (4, 0)
+        """
+        self._in_forward = False
+
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._discard_pending()  # leftovers of a forward that raised
+        if self._in_forward:  # the previous forward raised, and the caller went on
+            self._skip(self._batch_examples or 0)
         self._batch_mask = None
         # Examples come from the inputs: the first captured layer may broadcast over the batch
         # (a position embedding's [1, tokens, hidden]); a layer's dim 0 is the fallback.
         self._batch_examples = _batch_size(args, kwargs)
+        self._in_forward = True
         if self.mask is None:
             return
         if callable(self.mask):
@@ -591,6 +637,7 @@ class Recorder:
         return hook
 
     def _commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._in_forward = False
         guards = dict(self._pending_guard)
         self._pending_guard.clear()
         for name, guard in guards.items():

