@@ -8,12 +8,29 @@ import tempfile
 import sys
 from collections.abc import Iterator
 
+import importlib.util
+
 import pytest
 import torch
 
-from pyhook import _backend
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite tests the INSTALLED package: stop the session if ``pyhook`` would be imported
+    from this checkout (``python -m pytest`` puts the current directory on ``sys.path``)."""
+    spec = importlib.util.find_spec("pyhook")
+    where = os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else None
+    if where is None:
+        raise pytest.UsageError("pyhook is not installed: pip install . first (see docs/install.md)")
+    if os.path.normcase(where) == os.path.normcase(os.path.join(ROOT, "pyhook")):
+        raise pytest.UsageError(
+            f"pyhook would be imported from the checkout ({where}), not from the installed "
+            "package: run the tests with `pytest tests` (the pytest command keeps the current "
+            "directory off sys.path; `python -m pytest` does not), or `python -P -m pytest` "
+            "on Python >= 3.11"
+        )
+
 # Subprocesses run outside the checkout, so that `python -c` imports the installed pyhook
 # (with its native module) rather than the source tree beside the tests.
 NEUTRAL_CWD = tempfile.gettempdir()
@@ -33,6 +50,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(params=["native", "reference"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from pyhook import _backend
+
     if request.param == "native" and not _backend.native_available():
         pytest.skip(f"native backend not built: {_backend.native_load_error()}")
     # Small test tensors must reach the kernel, not the small-capture shortcut.
@@ -43,6 +62,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture
 def native(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyhook import _backend
+
     if not _backend.native_available():
         pytest.skip(f"native backend not built: {_backend.native_load_error()}")
     monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)
