@@ -169,18 +169,21 @@ def native_extensions() -> tuple[list, dict]:
         """BuildExtension that records its outcome; a failure falls back to pure Python
         (or fails the install with PYHOOK_BUILD_NATIVE=1)."""
 
+        def failed(self, e: Exception) -> None:
+            message = " ".join(f"{type(e).__name__}: {e}".split())
+            record.update(native="failed", reason=message[-2000:], cuda=False)
+            if env_flag("PYHOOK_BUILD_NATIVE"):
+                raise e
+            log(
+                f"native build FAILED ({record['reason'][:300]}); installing pure Python "
+                f"(reference backend); fix the compiler, then {FIX}"
+            )
+
         def build_extension(self, extension) -> None:
             try:
                 super().build_extension(extension)
             except Exception as e:  # compiler missing or broken: stay installable
-                message = f"{type(e).__name__}: {e}".strip().splitlines()
-                record.update(native="failed", reason=" ".join(message)[-2000:], cuda=False)
-                if env_flag("PYHOOK_BUILD_NATIVE"):
-                    raise
-                log(
-                    f"native build FAILED ({record['reason'][:300]}); installing pure Python "
-                    f"(reference backend); fix the compiler and {FIX}"
-                )
+                self.failed(e)
             else:
                 record.update(native="built", reason=None, cuda=use_cuda)
                 log(
@@ -189,7 +192,13 @@ def native_extensions() -> tuple[list, dict]:
                 )
 
         def run(self) -> None:
-            super().run()
+            try:  # the compiler checks run before build_extension
+                super().run()
+            except Exception as e:
+                if record["native"] != "failed":
+                    self.failed(e)
+                elif env_flag("PYHOOK_BUILD_NATIVE"):
+                    raise
             write_record(self.build_lib, getattr(self, "inplace", False))
 
     return [ext], {"build_ext": RecordingBuildExt.with_options(use_ninja=True)}

@@ -21,8 +21,9 @@ Instead this backend, a thin wrapper around ``setuptools.build_meta``:
    without torch at build time.
 
 With ``--no-build-isolation`` torch is importable directly and step 1 is skipped. Builders
-that run the backend in a separate virtual environment (``python -m build``, ``uv``) are
-covered by also asking ``$PYHOOK_TORCH_PYTHON``, ``$VIRTUAL_ENV`` and ``$CONDA_PREFIX``.
+that run the backend with another interpreter than the target's (``python -m build``, ``uv``
+create a separate virtual environment for it) need ``--no-isolation`` /
+``--no-build-isolation``, or ``PYHOOK_TORCH_PYTHON=/path/to/target/python``.
 """
 
 from __future__ import annotations
@@ -65,17 +66,11 @@ def _native_wanted() -> bool:
 
 
 def _candidates() -> list[str]:
-    """Interpreters that may see the target environment, best first."""
-    out = [os.environ.get("PYHOOK_TORCH_PYTHON", ""), sys.executable]
-    for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
-        prefix = os.environ.get(var)
-        if prefix:
-            out.append(os.path.join(prefix, "Scripts" if os.name == "nt" else "bin", "python"))
-    seen: list[str] = []
-    for exe in out:
-        if exe and os.path.exists(exe) and exe not in seen:
-            seen.append(exe)
-    return seen
+    """Interpreters that may see the target environment: ``$PYHOOK_TORCH_PYTHON`` if set,
+    else the one running the backend (pip's target). ``$VIRTUAL_ENV`` is deliberately not
+    asked: an activated environment need not be the one pip installs into."""
+    chosen = os.environ.get("PYHOOK_TORCH_PYTHON")
+    return [chosen] if chosen else [sys.executable]
 
 
 def _probe(exe: str) -> dict | None:
@@ -126,10 +121,10 @@ def _require_torch() -> None:
     if find_torch()["how"] is None:
         # One line, no traceback: exiting here stops pip before it resolves (and downloads) torch.
         print(
-            "pyhook: torch is not installed in this environment "
-            f"({sys.executable}); install torch first (e.g. `pip install torch==2.13.0`, or the "
-            "build for your CUDA from https://pytorch.org), then run `pip install .` again "
-            "(or set PYHOOK_BUILD_NATIVE=0 for a pure-Python install)",
+            f"pyhook: torch is not installed for {_candidates()[0]}; install torch first "
+            "(e.g. `pip install torch==2.13.0`, or the build for your CUDA from pytorch.org), "
+            "then `pip install .` again (python -m build / uv: add --no-isolation / "
+            "--no-build-isolation; PYHOOK_BUILD_NATIVE=0: pure Python, no torch needed to build)",
             file=sys.stderr,
         )
         raise SystemExit(1)
