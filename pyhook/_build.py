@@ -189,9 +189,8 @@ def info() -> dict[str, str]:
         + (f", PYHOOK_BACKEND={env}" if env else "")
         + f"; native from {_backend.NATIVE_MIN_BYTES >> 10} KiB per call)"
     )
-    out["OpenMP"] = (
-        f"{_openmp_threads()}; native core compiled "
-        + ("with -fopenmp" if rec and rec.get("openmp") else "without OpenMP")
+    out["OpenMP"] = f"{_openmp_threads()}; native core compiled " + (
+        "with -fopenmp" if rec and rec.get("openmp") else "without OpenMP"
     )
     stats = _backend.pool_stats()
     out["pool"] = (

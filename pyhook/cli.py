@@ -554,6 +554,15 @@ Run 'pyhook COMMAND --help' for each command's options.
 """
 
 
+def _para(text: str) -> str:
+    """A description paragraph wrapped for the terminal (RawDescriptionHelpFormatter keeps the
+    examples' line breaks, so it does not wrap descriptions itself)."""
+    import shutil
+    import textwrap
+
+    return textwrap.fill(text, width=min(shutil.get_terminal_size().columns, 100) - 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pyhook`` command's parser (every subcommand's ``--help`` ends with examples).
 
@@ -566,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="pyhook",
-        description="Capture layer activations of transformers models to disk (safetensors shards).",
+        description=_para(
+            "Capture layer activations of transformers models to disk (safetensors shards)."
+        ),
         epilog=_EPILOG_MAIN,
         formatter_class=fmt,
     )
@@ -581,8 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "capture",
         help="capture activations over a text file (the default command)",
-        description="Run a model over a text file (one example per line) and store the "
-        "activations of the chosen layers as safetensors shards; an interrupted run resumes.",
+        description=_para(
+            "Run a model over a text file (one example per line) and store the "
+            "activations of the chosen layers as safetensors shards; an interrupted run resumes."
+        ),
         epilog=_EPILOG_CAPTURE,
         formatter_class=fmt,
     )
@@ -599,9 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file, one example per line (default: the bundled corpus)",
     )
     c.add_argument("--limit", type=int, default=None, help="use only the first N lines")
-    c.add_argument(
-        "--batch-size", type=int, default=32, help="lines per forward pass (default 32)"
-    )
+    c.add_argument("--batch-size", type=int, default=32, help="lines per forward pass (default 32)")
     c.add_argument(
         "--max-length",
         type=int,
@@ -633,8 +644,10 @@ def build_parser() -> argparse.ArgumentParser:
     ly = sub.add_parser(
         "layers",
         help="list a model's module names with their output shapes",
-        description="Run one example through the model and list every module's name, type and "
-        "output shape: the names --layers accepts.",
+        description=_para(
+            "Run one example through the model and list every module's name, type and "
+            "output shape: the names --layers accepts."
+        ),
         epilog=_EPILOG_LAYERS,
         formatter_class=fmt,
     )
@@ -648,8 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser(
         "inspect",
         help="summarise a capture directory, optionally plot it",
-        description="Print a capture's model, settings and per-layer statistics (rows, shape, "
-        "dtype, mean, std, mean row norm); --plot draws them.",
+        description=_para(
+            "Print a capture's model, settings and per-layer statistics (rows, shape, "
+            "dtype, mean, std, mean row norm); --plot draws them."
+        ),
         epilog=_EPILOG_INSPECT,
         formatter_class=fmt,
     )
@@ -668,9 +683,11 @@ def build_parser() -> argparse.ArgumentParser:
     inf = sub.add_parser(
         "info",
         help="versions, native core and backend: what a bug report needs",
-        description="Print pyhook, torch and Python versions, whether the native core and the "
-        "CUDA kernels were built and loaded (and why not), the backend in use, OpenMP threads, "
-        "pool limits, compiler and build flags.",
+        description=_para(
+            "Print pyhook, torch and Python versions, whether the native core and the "
+            "CUDA kernels were built and loaded (and why not), the backend in use, OpenMP threads, "
+            "pool limits, compiler and build flags."
+        ),
         epilog=_EPILOG_INFO,
         formatter_class=fmt,
     )

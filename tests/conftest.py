@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config: pytest.Config) -> None:
     """The suite tests the INSTALLED package: stop the session if ``pyhook`` would be imported
-    from this checkout (``python -m pytest`` puts the current directory on ``sys.path``)."""
+    from this checkout (``python -m pytest`` puts the current directory on ``sys.path``; the
+    test command is ``python -I -m pytest tests``, see docs/install.md)."""
     spec = importlib.util.find_spec("pyhook")
     where = os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else None
     if where is None:
@@ -26,9 +27,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.path.normcase(where) == os.path.normcase(os.path.join(ROOT, "pyhook")):
         raise pytest.UsageError(
             f"pyhook would be imported from the checkout ({where}), not from the installed "
-            "package: run the tests with `pytest tests` (the pytest command keeps the current "
-            "directory off sys.path; `python -m pytest` does not), or `python -P -m pytest` "
-            "on Python >= 3.11"
+            "package: run the tests with `python -I -m pytest tests` (-I keeps the current "
+            "directory off sys.path on every Python >= 3.10; plain `python -m pytest` puts it "
+            "first)"
         )
 
 # Subprocesses run outside the checkout, so that `python -c` imports the installed pyhook

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 import pytest
@@ -316,7 +317,9 @@ def test_plain_pip_install_in_fresh_venv_builds_against_installed_torch(tmp_path
     first = run([py, "-m", "pip", "install", "torch==2.13.0"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     src = copy_source(str(tmp_path / "src"))
+    t0 = time.perf_counter()
     proc = run([py, "-m", "pip", "install", "-v", src])
+    print(f"plain `pip install .` in a fresh venv: {time.perf_counter() - t0:.0f} s")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert not TORCH_FETCH.search(log), TORCH_FETCH.search(log).group(0)
