@@ -148,7 +148,7 @@ def test_pure_python_build_needs_no_torch_and_stays_quiet(tmp_path):
         "print(pyhook.info()['native core'])" % site,
     )
     assert check.returncode == 0, check.stderr
-    assert "Warning" not in check.stderr, check.stderr
+    assert "pyhook:" not in check.stderr, check.stderr  # torch may warn about numpy; we do not
     assert check.stdout.startswith("skipped: PYHOOK_BUILD_NATIVE=0"), check.stdout
 
 
@@ -338,4 +338,4 @@ def test_plain_pip_install_in_fresh_venv_builds_against_installed_torch(tmp_path
     assert loaded and backend == "native", check.stdout
     assert where.startswith(str(tmp_path / "venv")), where
     assert running.startswith("2.13.0") and built == running
-    assert "Warning" not in check.stderr, check.stderr
+    assert "pyhook:" not in check.stderr, check.stderr  # torch may warn about numpy; we do not
