@@ -53,7 +53,9 @@ def openmp_flags(torch) -> list[str]:
 
 def compiler_version(cmd: str) -> str:
     try:
-        out = subprocess.run([*shlex.split(cmd), "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [*shlex.split(cmd), "--version"], capture_output=True, text=True, timeout=30
+        )
         return (out.stdout or out.stderr).strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError) as e:
         return f"{cmd}: not runnable ({type(e).__name__})"
@@ -77,7 +79,7 @@ def cuda_arch_list(torch) -> str | None:
         {f"{a[3:-1]}.{a[-1]}" for a in flags.split() if a.startswith("sm_") and a[3:].isdigit()},
         key=lambda v: tuple(map(int, v.split("."))),
     )
-    return ";".join(archs[:-1] + [archs[-1] + "+PTX"]) if archs else "7.5;8.0;8.6;8.9;9.0+PTX"
+    return ";".join([*archs[:-1], archs[-1] + "+PTX"]) if archs else "7.5;8.0;8.6;8.9;9.0+PTX"
 
 
 # What the build did, written to pyhook/_build_info.json (see pyhook/_build.py).
@@ -155,7 +157,11 @@ def native_extensions() -> tuple[list, dict]:
         arch = cuda_arch_list(torch)
         if arch is not None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-        record.update(nvcc_flags=nvcc, cuda_arch_list=arch or "the visible GPUs'", cuda_home=cpp_extension.CUDA_HOME)
+        record.update(
+            nvcc_flags=nvcc,
+            cuda_arch_list=arch or "the visible GPUs'",
+            cuda_home=cpp_extension.CUDA_HOME,
+        )
     else:
         ext_cls = cpp_extension.CppExtension
         kwargs["extra_compile_args"] = {"cxx": cxx}

@@ -62,7 +62,12 @@ _found: dict | None = None
 
 
 def _native_wanted() -> bool:
-    return os.environ.get("PYHOOK_BUILD_NATIVE", "").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("PYHOOK_BUILD_NATIVE", "").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _candidates() -> list[str]:
@@ -74,10 +79,19 @@ def _candidates() -> list[str]:
 
 
 def _probe(exe: str) -> dict | None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")
+    }
     try:
         proc = subprocess.run(
-            [exe, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=os.path.dirname(exe), timeout=120
+            [exe, "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=os.path.dirname(exe),
+            timeout=120,
         )
         info = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -97,7 +111,11 @@ def find_torch() -> dict:
 
     spec = importlib.util.find_spec("torch")
     if spec is not None and spec.origin:
-        _found = {"how": "importable", "python": sys.executable, "dir": os.path.dirname(os.path.dirname(spec.origin))}
+        _found = {
+            "how": "importable",
+            "python": sys.executable,
+            "dir": os.path.dirname(os.path.dirname(spec.origin)),
+        }
         return _found
     for exe in _candidates():
         info = _probe(exe)
@@ -109,7 +127,10 @@ def find_torch() -> dict:
                 sys.path.append(p)  # after the build environment's entries
         importlib.invalidate_caches()
         _found = {"how": "target-env", "python": exe, "dir": info["torch"]}
-        print(f"pyhook: building against the torch in {info['torch']} (seen by {exe})", file=sys.stderr)
+        print(
+            f"pyhook: building against the torch in {info['torch']} (seen by {exe})",
+            file=sys.stderr,
+        )
         return _found
     _found = {"how": None, "python": sys.executable, "dir": None}
     return _found

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from collections.abc import Iterator
-
-import importlib.util
 
 import pytest
 import torch

@@ -48,7 +48,9 @@ def test_help_ends_with_examples_that_parse(name):
     text = parser.format_help()
     assert "\nExamples:\n" in text, f"pyhook {name} --help has no Examples: section"
     examples = text.split("\nExamples:\n", 1)[1]
-    commands = [ln.strip() for ln in examples.splitlines() if ln.strip().startswith(("pyhook", "torchrun"))]
+    commands = [
+        ln.strip() for ln in examples.splitlines() if ln.strip().startswith(("pyhook", "torchrun"))
+    ]
     assert commands, examples
     for line in commands:
         words = shlex.split(line.split(" #")[0].split(" >")[0])

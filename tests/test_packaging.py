@@ -34,8 +34,18 @@ def copy_source(dst: str) -> str:
         ROOT,
         dst,
         ignore=shutil.ignore_patterns(
-            ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "_build_info.json",
-            ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "pyhook-activations",
+            ".git",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            "*.so",
+            "_build_info.json",
+            ".pytest_cache",
+            ".hypothesis",
+            ".mypy_cache",
+            ".ruff_cache",
+            "pyhook-activations",
         ),
     )
     return dst
@@ -78,7 +88,9 @@ def test_backend_refuses_without_torch_in_one_line(tmp_path):
     torch, the build environment (PYTHONPATH, PYTHONNOUSERSITE=1) only setuptools."""
     import importlib.util
 
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True
+    )
     build_env = tmp_path / "build-env"
     for name in ("setuptools", "pkg_resources", "_distutils_hack"):
         spec = importlib.util.find_spec(name)
@@ -90,17 +102,27 @@ def test_backend_refuses_without_torch_in_one_line(tmp_path):
     )
     for hook in ("get_requires_for_build_wheel()", "prepare_metadata_for_build_wheel('.')"):
         proc = run(
-            [str(tmp_path / "venv" / "bin" / "python"), "-c", f"import pyhook_build; pyhook_build.{hook}"],
+            [
+                str(tmp_path / "venv" / "bin" / "python"),
+                "-c",
+                f"import pyhook_build; pyhook_build.{hook}",
+            ],
             env=env,
             cwd=str(tmp_path),
         )
         assert proc.returncode == 1, proc.stderr
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("pyhook: torch is not installed"), proc.stderr
+        assert len(lines) == 1 and lines[0].startswith("pyhook: torch is not installed"), (
+            proc.stderr
+        )
         assert "pip install torch==" in lines[0] and "PYHOOK_BUILD_NATIVE=0" in lines[0]
     # the opt-out needs no torch
     opt_out = run(
-        [str(tmp_path / "venv" / "bin" / "python"), "-c", "import pyhook_build; print(pyhook_build._require_torch())"],
+        [
+            str(tmp_path / "venv" / "bin" / "python"),
+            "-c",
+            "import pyhook_build; print(pyhook_build._require_torch())",
+        ],
         env={**env, "PYHOOK_BUILD_NATIVE": "0"},
     )
     assert opt_out.returncode == 0 and opt_out.stdout.strip() == "None", opt_out.stderr
@@ -143,9 +165,9 @@ def test_pure_python_build_needs_no_torch_and_stays_quiet(tmp_path):
     zipfile.ZipFile(os.path.join(dist, wheel)).extractall(site)
     check = import_from(
         site,
-        "import pyhook; assert pyhook.__file__.startswith(%r), pyhook.__file__\n"
+        f"import pyhook; assert pyhook.__file__.startswith({site!r}), pyhook.__file__\n"
         "assert not pyhook.native_available()\n"
-        "print(pyhook.info()['native core'])" % site,
+        "print(pyhook.info()['native core'])",
     )
     assert check.returncode == 0, check.stderr
     assert "pyhook:" not in check.stderr, check.stderr  # torch may warn about numpy; we do not
@@ -159,12 +181,17 @@ def test_failed_native_build_is_recorded_logged_and_warned_once(tmp_path):
     src = copy_source(str(tmp_path / "src"))
     dist = str(tmp_path / "dist")
     broken = clean_env(CXX="false", CC="false")
-    proc = run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", src, "-w", dist], env=broken)
+    proc = run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", src, "-w", dist], env=broken
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "pyhook: native build FAILED" in log, log
     # pip's isolated build environment has no torch: the backend found this interpreter's
-    assert f"pyhook: building against the torch in {os.path.dirname(os.path.dirname(torch.__file__))}" in log
+    assert (
+        f"pyhook: building against the torch in {os.path.dirname(os.path.dirname(torch.__file__))}"
+        in log
+    )
     assert not TORCH_FETCH.search(log), log
     (wheel,) = os.listdir(dist)
     rec, names = wheel_record(os.path.join(dist, wheel))
@@ -274,9 +301,10 @@ def test_build_problem_rules():
 # -- pyhook info ------------------------------------------------------------------------------------------
 def test_info_reports_the_real_values():
     facts = pyhook.info()
-    assert facts["pyhook"].startswith(f"{pyhook.__version__} (") and os.path.dirname(
-        pyhook.__file__
-    ) in facts["pyhook"]
+    assert (
+        facts["pyhook"].startswith(f"{pyhook.__version__} (")
+        and os.path.dirname(pyhook.__file__) in facts["pyhook"]
+    )
     assert facts["python"].startswith(".".join(map(str, sys.version_info[:3])))
     assert facts["torch"].startswith(torch.__version__)
     assert ("CPU build" in facts["torch"]) == (torch.version.cuda is None)
