@@ -3,6 +3,8 @@
 // devices without an asynchronous engine.
 #include "offload.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <array>

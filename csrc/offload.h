@@ -8,8 +8,8 @@
 // copied synchronously.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/custom_class.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>  // torch::CustomClassHolder (registration.cpp binds the class)
 
 #include <cstdint>
 #include <deque>

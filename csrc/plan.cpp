@@ -1,3 +1,8 @@
+// ExpandUtils.h includes all of <ATen/Functions.h> unless ATen's per-operator headers are
+// announced; it only needs view/view_copy, and this file calls neither.
+#ifndef AT_PER_OPERATOR_HEADERS
+#define AT_PER_OPERATOR_HEADERS
+#endif
 #include "pyhook.h"
 
 #include <ATen/ExpandUtils.h>

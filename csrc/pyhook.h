@@ -1,7 +1,10 @@
 // Declarations shared by the schema file and the per-device kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+// Only the Tensor class (with its methods), not <ATen/ATen.h>: that one declares every ATen
+// operator and costs each translation unit most of its compile time. Files that call a
+// free function (at::empty, ...) include its own <ATen/ops/...> header.
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -21,6 +21,7 @@ PyObject* PyInit__C(void) {
 }
 #endif
 
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "offload.h"

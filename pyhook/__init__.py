@@ -19,7 +19,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   them back, :func:`verify_capture` checks them (the ``pyhook`` command wraps all three);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
-  :func:`empty_pool` control the native capture-buffer pool.
+  :func:`empty_pool` control the native capture-buffer pool;
+* installation: :func:`info` / :func:`format_info` report what was built and loaded (the
+  ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ._backend import (
     set_pool_limit,
     use_backend,
 )
+from ._build import check_build as _check_build
+from ._build import format_info, info
 from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
@@ -135,4 +139,11 @@ __all__ = [
     "pool_stats",
     "set_pool_limit",
     "empty_pool",
+    # installation: what was built, what is loaded (``pyhook info``)
+    "info",
+    "format_info",
 ]
+
+# Once per process: warn (with the fix) if the native build failed, was skipped without the
+# user choosing it, or was built against another torch. Quiet after PYHOOK_BUILD_NATIVE=0.
+_check_build()

@@ -10,8 +10,9 @@ Index:
 
 The native module is loaded once, on first use, by importing ``pyhook._C`` (which registers
 ``torch.ops.pyhook.*``) and then :mod:`pyhook.ops`. Loading it never initialises CUDA. A
-missing ``.so`` (pure-Python install) is silent; a ``.so`` that exists but fails to load
-warns once with the real error. Either way :mod:`pyhook._reference` takes over.
+missing ``.so`` is silent here (``import pyhook`` already warned if the build failed, see
+:mod:`pyhook._build`); a ``.so`` that exists but fails to load warns once with the real error
+and the fix. Either way :mod:`pyhook._reference` takes over.
 
 Per call, a tensor goes to the native kernel only when it is a plain strided tensor (no
 subclass, no functorch wrapper, not meta/sparse/quantized/nested) on a device the build has a
@@ -99,12 +100,18 @@ def _load() -> None:
                 importlib.import_module("pyhook.ops")
             except Exception as e:
                 _load_error = f"{type(e).__name__}: {e}"
-                warnings.warn(
-                    f"pyhook: the native module {spec.origin} exists but failed to load "
-                    f"({_load_error}); falling back to the reference backend",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                from . import _build
+
+                if not _build.warned:  # import already warned (e.g. built for another torch)
+                    _build.warned = True
+                    warnings.warn(
+                        f"pyhook: the native module {spec.origin} exists but failed to load "
+                        f"({_load_error}); falling back to the reference backend. Rebuild it "
+                        f"against this torch: `{_build.REINSTALL}` from the pyhook source "
+                        "(`pyhook info` shows what was built)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
             else:
                 _native_ok = True
                 # Asking the dispatcher does not touch the CUDA runtime.

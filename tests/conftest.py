@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pyhook import _backend
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite tests the INSTALLED package: stop the session if ``pyhook`` would be imported
+    from this checkout (``python -m pytest`` puts the current directory on ``sys.path``; the
+    test command is ``python -I -m pytest tests``, see docs/install.md)."""
+    spec = importlib.util.find_spec("pyhook")
+    where = os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else None
+    if where is None:
+        raise pytest.UsageError("pyhook is not installed: pip install . first (see docs/install.md)")
+    if os.path.normcase(where) == os.path.normcase(os.path.join(ROOT, "pyhook")):
+        raise pytest.UsageError(
+            f"pyhook would be imported from the checkout ({where}), not from the installed "
+            "package: run the tests with `python -I -m pytest tests` (-I keeps the current "
+            "directory off sys.path on every Python >= 3.10; plain `python -m pytest` puts it "
+            "first)"
+        )
+
 # Subprocesses run outside the checkout, so that `python -c` imports the installed pyhook
 # (with its native module) rather than the source tree beside the tests.
 NEUTRAL_CWD = tempfile.gettempdir()
@@ -33,6 +50,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(params=["native", "reference"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from pyhook import _backend
+
     if request.param == "native" and not _backend.native_available():
         pytest.skip(f"native backend not built: {_backend.native_load_error()}")
     # Small test tensors must reach the kernel, not the small-capture shortcut.
@@ -43,6 +62,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture
 def native(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyhook import _backend
+
     if not _backend.native_available():
         pytest.skip(f"native backend not built: {_backend.native_load_error()}")
     monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -20,7 +21,10 @@ def test_native_core_loaded_when_expected():
 
 def test_import_does_not_initialise_cuda():
     code = "import torch, pyhook; pyhook.recursive_copy(torch.ones(1), clone=True); print(torch.cuda.is_initialized())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # outside the checkout, so that the installed pyhook (with its native module) is imported
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()
+    )
     assert out.stdout.strip() == "False"
 
 

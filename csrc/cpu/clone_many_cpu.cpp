@@ -2,6 +2,7 @@
 #include "../pyhook.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 

@@ -9,6 +9,7 @@
 // with the producer kernels and later consumers needs no extra sync.
 #include "../pyhook.h"
 
+#include <ATen/ops/empty_strided.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
