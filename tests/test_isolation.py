@@ -272,3 +272,60 @@ def test_without_the_native_module_every_recomputation_counts_as_the_owners():
     from pyhook._hooks import forward_owner_matches
 
     assert forward_owner_matches(threading.get_ident() + 1, 0) is True
+
+
+# -- item 7: TraceMultiple as a decorator on several threads at once ------------------------------
+
+
+def test_trace_multiple_decorator_on_two_threads_at_once_edits_and_records_each_thread():
+    """Both threads are inside the decorated function at the same time: each thread's forward
+    gets the edit, and ``tm[name]`` read inside the function is that thread's own capture."""
+    from pyhook.deephook import TraceMultiple
+
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    before = hook_snapshot(net)
+    tm = TraceMultiple(net, {"0": (True, False, lambda output, name: output * 0 + 1), "2": ()})
+    xs = [torch.randn(2, 4), torch.randn(5, 4)]
+    expected = [net[2](net[1](torch.ones(len(x), 3))) for x in xs]  # layer 0 edited to ones
+    inside = threading.Barrier(2)
+
+    @tm
+    def run(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inside.wait()  # both threads have entered before either runs its forward
+        y = net(xs[k])
+        inside.wait()  # both forwards ran before either reads its capture
+        return y, tm["0"].output, tm["2"].output
+
+    results = run_in_threads(run, 2)
+    for k, (y, out0, out2) in enumerate(results):
+        assert torch.allclose(y, expected[k]), f"thread {k}'s forward missed the edit"
+        assert torch.equal(out0, torch.ones(len(xs[k]), 3)), f"thread {k}: layer 0 capture"
+        assert torch.equal(out2, y.detach()), f"thread {k} read another thread's capture"
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_trace_multiple_decorator_many_threads_many_calls():
+    """Eight calls on four threads, overlapping: every call's capture is its own forward's."""
+    from pyhook.deephook import TraceMultiple
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    before = hook_snapshot(net)
+    tm = TraceMultiple(net, {"1": (True, True)})
+    barrier = threading.Barrier(4)
+
+    @tm
+    def run(x: torch.Tensor) -> bool:
+        barrier.wait()
+        y = net(x)
+        barrier.wait()
+        with tm:  # a nested entry on the same thread keeps this thread's hooks
+            pass
+        net(x)
+        return torch.equal(tm["1"].output, y.detach()) and torch.equal(tm["1"].input, net[0](x).detach())
+
+    def work(k: int) -> list[bool]:
+        return [run(torch.full((1, 4), float(k * 10 + i))) for i in range(2)]
+
+    assert run_in_threads(work, 4) == [[True, True]] * 4
+    assert diff(before, hook_snapshot(net)) == []
