@@ -354,5 +354,10 @@ class HookSet:
         """Whether any hook of this set is registered."""
         return bool(self._handles)
 
+    @property
+    def owned_by_caller(self) -> bool:
+        """Whether the guarded hooks act on the calling thread's forwards."""
+        return self.any_thread or self._thread == threading.get_ident()
+
     def __len__(self) -> int:
         return len(self._handles)

@@ -329,3 +329,84 @@ def test_trace_multiple_decorator_many_threads_many_calls():
 
     assert run_in_threads(work, 4) == [[True, True]] * 4
     assert diff(before, hook_snapshot(net)) == []
+
+
+# -- item 8: entering the same Trace / TraceDict object twice, nested ------------------------------
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def test_nested_entry_of_one_trace_keeps_its_hook_until_the_outermost_exit():
+    net, x = _net(), torch.randn(2, 4)
+    before = hook_snapshot(net)
+    want = net[2](net[1](net[0](x) * 0 + 2))  # layer 0 edited, as a hand-computed reference
+    t = pyhook.Trace(net, "0", edit_output=lambda output: output * 0 + 2, keep_calls=True)
+    with t:
+        with t:
+            net(x)
+        y = net(x)  # after the inner exit: still edited and recorded
+        assert torch.equal(y, want) and torch.equal(t.output, torch.full((2, 3), 2.0))
+        assert len(t.calls) == 2
+        with t as again:
+            assert again is t
+    assert diff(before, hook_snapshot(net)) == []
+    assert torch.equal(net(x), net[2](net[1](net[0](x))))  # closed: no edit any more
+
+
+def test_nested_entry_of_one_trace_dict_keeps_its_hooks_and_stop():
+    net, x = _net(), torch.randn(2, 4)
+    before = hook_snapshot(net)
+    td = pyhook.TraceDict(net, ["0", "2"], edit_output={"0": lambda output: output + 1}, stop=True)
+    with td:
+        with td:
+            net(x)
+            raise AssertionError("stop=True should end the block")  # pragma: no cover
+        with td:
+            pass
+        hooked = net[0](x) + 1
+        net(x * 2)  # stops after layer 2; the rest of the outer block is skipped
+        raise AssertionError("stop=True should end the block")  # pragma: no cover
+    assert torch.equal(td["0"].output, net[0](x * 2) + 1)
+    assert torch.equal(td["2"].output, net[2](net[1](net[0](x * 2) + 1)))
+    assert hooked.shape == (2, 3)
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_trace_entered_on_another_thread_while_active_is_refused_clearly():
+    net, x = _net(), torch.randn(2, 4)
+    before = hook_snapshot(net)
+    t = pyhook.Trace(net, "0")
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with t:
+                pass
+        except RuntimeError as e:
+            errors.append(e)
+
+    with t:
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+        net(x)  # the owner's entry is intact
+        assert torch.equal(t.output, net[0](x))
+    assert len(errors) == 1 and "'0'" in str(errors[0]) and "another thread" in str(errors[0])
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_trace_made_on_one_thread_and_entered_on_another_records_that_threads_forward():
+    """Entering (outermost) registers the hooks for the entering thread."""
+    net, x = _net(), torch.randn(2, 4)
+    before = hook_snapshot(net)
+    box: dict[str, pyhook.Trace] = {}
+    th = threading.Thread(target=lambda: box.update(t=pyhook.Trace(net, "0")))
+    th.start()
+    th.join()
+    with box["t"] as t:
+        net(x)
+    assert torch.equal(t.output, net[0](x))
+    assert diff(before, hook_snapshot(net)) == []
