@@ -340,9 +340,21 @@ class ActivationMapGrabber(HooksHandle):
 class ModelStump(HooksHandle):
     """Run a model only up to the sub-module ``stump_head`` and return that sub-module's output.
 
-    Unlike hybrid_learning's, the forward **stops at the head**: sub-modules that would run after
-    it are skipped, so no compute is wasted on them (a :class:`~pyhook.StopForward` owned by the
-    stump ends the forward; it never reaches the caller). If the head did not run,
+    The output is that of the head's **last** call in the forward, as in hybrid_learning (whose
+    hook overwrites the stored output at each call) and :class:`ActivationMapGrabber`. A module
+    object reached under several names (one ``nn.ReLU`` at indices 1 and 3) is one hooked
+    module: ``ModelStump(net, "1")`` and ``ModelStump(net, "3")`` both give the output of its
+    last call (index 3's).
+
+    Unlike hybrid_learning's, the forward **stops at the head** when that can not change the
+    result: sub-modules that would run after it are skipped, so no compute is wasted on them
+    (a :class:`~pyhook.StopForward` owned by the stump ends the forward; it never reaches the
+    caller). ``early_stop`` (keyword-only) chooses: ``None`` (default) stops right after the
+    head's first call unless the head module is registered under several names in the model
+    (then the full forward runs); ``False`` always runs the full forward (hybrid_learning's
+    behaviour, also for a head the model's own code calls several times, e.g. in a loop, which
+    the default would stop at its first call); ``True`` always stops at the first call. The
+    names are counted when the head is set. If the head did not run,
     :class:`~pyhook.HookNotCalledError` is raised.
 
     A stump is in eval mode after construction, as in hybrid_learning, but its mode is its own:
@@ -363,10 +375,19 @@ class ModelStump(HooksHandle):
         (True, True)
     """
 
-    def __init__(self, model: nn.Module, stump_head: str) -> None:
+    def __init__(
+        self, model: nn.Module, stump_head: str, *, early_stop: bool | None = None
+    ) -> None:
+        if early_stop is not None and not isinstance(early_stop, bool):
+            raise TypeError(
+                f"early_stop must be None, True or False, got {type(early_stop).__name__}: "
+                f"{early_stop!r}"
+            )
         _check_module_id(model, stump_head)
         super().__init__(model)
         self._stump_head: str | None = None
+        self._stop_at_head = early_stop is not False
+        self.early_stop = early_stop
         self.training = False
         self.stump_head = stump_head
 
@@ -386,15 +407,25 @@ class ModelStump(HooksHandle):
                 self._stump_head = old
                 raise
         self._stump_head = stump_head
+        self._stop_at_head = self._may_stop_at(stump_head)
         # A new head replaces the old one: its hook goes (hybrid_learning let hooks accumulate).
         if old is not None and old != stump_head and old in self._hook_sets:
             self._hook_sets.pop(old).remove()
+
+    def _may_stop_at(self, head: str | None) -> bool:
+        """Whether stopping at the head's first call gives the chosen result (see class doc)."""
+        if self.early_stop is not None or head is None:
+            return self.early_stop is not False
+        module = self.get_module_by_id(head)
+        names = (m for _, m in self.wrapped_model.named_modules(remove_duplicate=False))
+        return sum(m is module for m in names) == 1
 
     def register_submodule(self, module_id: str) -> None:
         """Register a sub-module; it becomes the stump head if there is none."""
         super().register_submodule(module_id)
         if self._stump_head is None:
             self._stump_head = module_id
+            self._stop_at_head = self._may_stop_at(module_id)
 
     def unregister_submodule(self, module_id: str) -> None:
         """Unregister a sub-module; unregistering the head leaves the stump without a head."""
@@ -421,7 +452,7 @@ class ModelStump(HooksHandle):
         if head is None:
             raise ValueError(f"this {type(self).__name__} has no stump_head (it was unregistered)")
         with _in_mode(self.wrapped_model, self.training):
-            _, outs = self._run(inps, kwargs, stop_at=head)
+            _, outs = self._run(inps, kwargs, stop_at=head if self._stop_at_head else None)
         if head not in outs:
             raise HookNotCalledError(
                 f"the forward of {type(self.wrapped_model).__name__} finished without running "
@@ -446,11 +477,16 @@ class ExtendedModelStump(ModelStump):
     """
 
     def __init__(
-        self, model: nn.Module, stump_head: str, modification: Callable[[Any], Any]
+        self,
+        model: nn.Module,
+        stump_head: str,
+        modification: Callable[[Any], Any],
+        *,
+        early_stop: bool | None = None,
     ) -> None:
         if not callable(modification):
             raise ValueError("modification function for model intermediate out must be callable!")
-        super().__init__(model, stump_head)
+        super().__init__(model, stump_head, early_stop=early_stop)
         self.modification = modification
 
     def forward(self, *inps: Any, **kwargs: Any) -> Any:

@@ -158,6 +158,50 @@ def test_stump_output_and_early_stop():
     assert ModelStump(net, "3")(x) is not None and counter.calls == 2
 
 
+class _Looped(nn.Module):
+    """One block called three times by the model's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+def test_stump_head_reused_under_several_names_returns_its_last_call():
+    """hybrid_learning keeps the last call of the head (its hook overwrites the stored output):
+    with one ReLU object at indices 1 and 3, ModelStump(net, "1") and (net, "3") both give the
+    output of index 3, as ActivationMapGrabber does."""
+    torch.manual_seed(0)
+    relu = nn.ReLU()
+    net = nn.Sequential(nn.Linear(4, 4), relu, nn.Linear(4, 4), relu, nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    last = relu(net[2](relu(net[0](x))))  # the second (last) call of the shared ReLU
+    _, grabbed = ActivationMapGrabber(net, ["1"])(x)
+    assert torch.equal(grabbed["1"], last)
+    for name in ("1", "3"):
+        stump = ModelStump(net, name)
+        assert torch.equal(stump(x), last), name
+        assert torch.equal(ExtendedModelStump(net, name, torch.neg)(x), -last), name
+        stump.close()
+
+
+def test_stump_early_stop_choice_for_a_head_called_in_a_loop():
+    """A head called several times by the model's code: early_stop=False gives hybrid_learning's
+    last call; the default stops at (and returns) the first call."""
+    torch.manual_seed(0)
+    model, x = _Looped(), torch.randn(2, 4)
+    first = model.block(x)
+    last = model.block(model.block(first))
+    assert torch.equal(ModelStump(model, "block", early_stop=False)(x), last)
+    assert torch.equal(ModelStump(model, "block")(x), first)
+    with pytest.raises(TypeError, match="early_stop"):
+        ModelStump(model, "block", early_stop="yes")  # type: ignore[arg-type]
+
+
 def test_stump_head_not_run_raises():
     model = Branchy()
     stump = ModelStump(model, "b")
