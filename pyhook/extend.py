@@ -540,6 +540,7 @@ class ModelExtender(ActivationMapGrabber):
         self.return_orig_out: bool = return_orig_out
         self.extension_models: nn.ModuleDict = nn.ModuleDict()
         self._name_registrations: dict[str, list[str]] = {}
+        self._ext_layers: set[str] = set()  # layers hooked for extensions, as last synced
         try:
             self._register_validated(extensions)
         except BaseException:
@@ -602,6 +603,47 @@ class ModelExtender(ActivationMapGrabber):
                 super().unregister_submodule(module_id)
             raise
         self._name_registrations.setdefault(module_id, []).append(name)
+        self._ext_layers.add(module_id)
+
+    def _sync_registry(self) -> None:
+        """Make the hooks follow the live ``name_registrations`` (which users may mutate).
+
+        Everything is checked before anything changes: a listed name that is no registered
+        extension, or one listed under two layers, or an unknown layer, raises naming it.
+        Then emptied layers are dropped from the registry, listed layers get a hook, and layers
+        hooked for extensions that are no longer listed lose theirs.
+        """
+        registry = self._name_registrations
+        where: dict[str, str] = {}
+        for module_id, names in registry.items():
+            if names and module_id not in self._hook_sets:
+                try:
+                    _check_module_id(self.wrapped_model, module_id)
+                except KeyError as e:
+                    raise KeyError(
+                        f"name_registrations lists extensions at sub-module {module_id!r}, "
+                        f"which does not exist: {e}"
+                    ) from None
+            for name in names:
+                if name not in self.extension_models:
+                    raise KeyError(
+                        f"name_registrations[{module_id!r}] lists {name!r}, which is not a "
+                        f"registered extension (registered: {self.extension_names})"
+                    )
+                if name in where:
+                    raise ValueError(
+                        f"extension {name!r} is listed under two sub-modules in "
+                        f"name_registrations: {where[name]!r} and {module_id!r}"
+                    )
+                where[name] = module_id
+        for module_id in [m for m, names in registry.items() if not names]:
+            del registry[module_id]
+        for module_id in registry:
+            self.register_submodule(module_id)  # no-op when already hooked
+        for module_id in self._ext_layers - set(registry):
+            if module_id in self._hook_sets:
+                super().unregister_submodule(module_id)
+        self._ext_layers = set(registry)
 
     # -- registration ---------------------------------------------------------------------------
     def register_extension(self, name: str, module_id: str, model: nn.Module) -> None:
@@ -622,6 +664,7 @@ class ModelExtender(ActivationMapGrabber):
             torch.Size([2, 1])
         """
         self._check_open()
+        self._sync_registry()
         self._validate_extensions(
             self.wrapped_model, {module_id: {name: model}}, self.extension_names
         )
@@ -634,6 +677,7 @@ class ModelExtender(ActivationMapGrabber):
         either all extensions are registered or none.
         """
         self._check_open()
+        self._sync_registry()
         self._validate_extensions(self.wrapped_model, new_extensions, self.extension_names)
         done: list[str] = []
         try:
@@ -663,12 +707,16 @@ class ModelExtender(ActivationMapGrabber):
         """
         module_id = next((m for m, ns in self._name_registrations.items() if name in ns), None)
         if module_id is None:
-            raise KeyError(f"Tried to unregister extension of unknown name {name}")
+            if name not in self.extension_models:
+                raise KeyError(f"Tried to unregister extension of unknown name {name}")
+            del self.extension_models[name]  # dropped from name_registrations by the user
+            return
         names = self._name_registrations[module_id]
         names.remove(name)
         del self.extension_models[name]
         if not names:
             del self._name_registrations[module_id]
+            self._ext_layers.discard(module_id)
             if module_id in self._hook_sets:
                 super().unregister_submodule(module_id)
 
@@ -685,8 +733,30 @@ class ModelExtender(ActivationMapGrabber):
     # -- views ----------------------------------------------------------------------------------
     @property
     def name_registrations(self) -> dict[str, list[str]]:
-        """Dict mapping main model sub-modules to their registered extension model names."""
-        return {module_id: list(names) for module_id, names in self._name_registrations.items()}
+        """Dict mapping main model sub-modules to their registered extension model names:
+        ``{<sub-module ID>: [<extension name>, ...]}``.
+
+        As in hybrid_learning, this is the live registry the forward runs by, not a copy. It
+        may be edited: reorder a layer's names (outputs follow that order), move a name to
+        another layer's list, or remove it (the extension is then not run; its module stays in
+        ``extension_models`` until :meth:`unregister_extension`). Edits are applied at the next
+        forward or (un)registration call: hooks follow the layers listed (a layer no longer
+        listed loses the hook added for its extensions, a newly listed one gets one), and a
+        name that is no registered extension, is listed twice, or sits under an unknown layer
+        raises there, naming it, before any hook changes. :meth:`close` removes every hook
+        whatever the registry holds.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.extend import ModelExtender
+            >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+            >>> ext = ModelExtender(net, {"0": {"a": torch.nn.Linear(4, 1)}}, return_orig_out=False)
+            >>> ext.name_registrations["1"] = ext.name_registrations.pop("0")  # feed "a" from "1"
+            >>> sorted(ext(torch.randn(2, 3))), ext.registered_submodules
+            (['a'], ['1'])
+        """
+        return self._name_registrations
 
     @property
     def extensions(self) -> dict[str, dict[str, nn.Module]]:
@@ -708,6 +778,8 @@ class ModelExtender(ActivationMapGrabber):
         self, *inps: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]] | dict[str, Any]:
         """Pytorch forward method: ``(<main model out>, {<ext name>: <ext out>})`` (or the dict)."""
+        self._check_open()
+        self._sync_registry()
         main_out, outs = self._run(inps, kwargs)
         ext_outs: dict[str, Any] = {}
         for module_id, names in self._name_registrations.items():
