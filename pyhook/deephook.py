@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from ._copy import recursive_copy
 from ._hooks import HookSet, check_not_compiled
 from .modules import resolve_module
+from .trace import _Entries
 
 __all__ = ["Trace", "TraceMultiple"]
 
@@ -99,7 +100,8 @@ class Trace(contextlib.AbstractContextManager):
         (0.0, False, torch.Size([2, 4]))
 
     As in deephook, the hook is registered when the Trace is made and removed on exit; entering
-    a closed Trace registers it again. ``.output`` is a detached clone of the (edited) output,
+    a closed Trace registers it again. Nested entries of one Trace keep the hook until the
+    outermost exits (entering it on another thread meanwhile raises ``RuntimeError``). ``.output`` is a detached clone of the (edited) output,
     ``.input`` a detached clone of the first positional argument (``None`` if there is none),
     ``.input_kw`` a detached clone of the keyword arguments. ``layer_name`` is a dotted name
     (a submodule object is accepted too). ``any_thread=True`` (keyword-only) also records
@@ -137,7 +139,9 @@ class Trace(contextlib.AbstractContextManager):
         self.input: Any = None
         self.input_kw: dict[str, Any] | None = None
         self.hook: RemovableHandle | None = None
+        self._any_thread = any_thread
         self._hooks = HookSet(any_thread=any_thread)
+        self._entries = _Entries(self)
         if _register:
             self._open()
 
@@ -173,16 +177,23 @@ class Trace(contextlib.AbstractContextManager):
         return _copy(x)
 
     def __enter__(self) -> Trace:
-        if not self._hooks.active:
-            self.output = self.input = self.input_kw = None
-            self._open()
+        # Nested entries on one thread keep the hook until the outermost exit (as nethook's
+        # Trace in pyhook); an outermost entry re-registers a hook another thread registered.
+        if self._entries.enter():
+            if self._hooks.active and not self._hooks.owned_by_caller:
+                self._hooks.remove()
+            if not self._hooks.active:
+                self.output = self.input = self.input_kw = None
+                self._open()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        if self._entries.exit():
+            self.close()
 
     def close(self) -> None:
-        """Remove the hook (idempotent)."""
+        """Remove the hook (idempotent), whatever the nesting of ``with`` blocks."""
+        self._entries.reset()
         self._hooks.remove()
 
     @property

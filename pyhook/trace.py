@@ -93,7 +93,7 @@ class _Entries:
 
     __slots__ = ("depth", "thread", "tracer")
 
-    def __init__(self, tracer: Trace | TraceDict) -> None:
+    def __init__(self, tracer: object) -> None:
         self.tracer = weakref.ref(tracer)
         self.depth = 0
         self.thread: int | None = None

@@ -410,3 +410,18 @@ def test_trace_made_on_one_thread_and_entered_on_another_records_that_threads_fo
         net(x)
     assert torch.equal(t.output, net[0](x))
     assert diff(before, hook_snapshot(net)) == []
+
+
+def test_nested_entry_of_one_deephook_trace_keeps_its_hook():
+    from pyhook.deephook import Trace as DeepTrace
+
+    net, x = _net(), torch.randn(2, 4)
+    before = hook_snapshot(net)
+    t = DeepTrace(net, "0", edit_output=lambda output, name: output * 0)
+    with t:
+        with t:
+            net(x)
+        y = net(x)
+        assert torch.equal(y, net[2](net[1](torch.zeros(2, 3))))
+        assert torch.equal(t.output, torch.zeros(2, 3))
+    assert diff(before, hook_snapshot(net)) == []
