@@ -57,4 +57,9 @@ char* pooled_block_data(PooledBlock* block);
 void pooled_block_retain(PooledBlock* block);
 void pooled_block_release(void* block);  // usable as a c10::DeleterFnPtr
 
+// threads.cpp: the autograd engine's id of the calling thread, and of the thread whose
+// forward created the autograd Node being run on this thread (0 outside a backward).
+int64_t thread_id();
+int64_t autograd_node_thread_id();
+
 }  // namespace pyhook

@@ -43,6 +43,12 @@ TORCH_LIBRARY(pyhook, m) {
   m.def("pool_set_limit(int nbytes) -> ()", &pyhook::pool_set_limit);
   m.def("pool_empty() -> ()", &pyhook::pool_empty);
 
+  // Thread identities as the autograd engine records them (see pyhook/_hooks.py: a
+  // thread-guarded hook acts on a checkpoint recomputation only if its owner's forward
+  // created the node being run).
+  m.def("thread_id() -> int", &pyhook::thread_id);
+  m.def("autograd_node_thread_id() -> int", &pyhook::autograd_node_thread_id);
+
   // Copies to host memory, asynchronous on devices with an engine (CUDA: a
   // side stream into pooled pinned buffers), with a bound on bytes in flight.
   // A class rather than ops: it owns streams, buffers and in-flight copies.

@@ -262,8 +262,10 @@ def clone_one(t: torch.Tensor, min_bytes: int | None = None) -> torch.Tensor:
     True
     """
     limit = NATIVE_MIN_BYTES if min_bytes is None else min_bytes
-    checked = bool(limit) and type(t) is torch.Tensor
-    if _requested == "reference" or (checked and t.nbytes < limit):
+    # Only a strided tensor has a byte size to compare (sparse ones raise on ``nbytes``); any
+    # other layout is routed by _clone_list, to the reference path.
+    checked = bool(limit) and type(t) is torch.Tensor and t.layout == torch.strided
+    if _requested == "reference" or (checked and not t.is_nested and t.nbytes < limit):
         return t.clone()
     return _clone_list([t], size_checked=checked or min_bytes is not None)[0]
 

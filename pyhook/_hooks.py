@@ -3,11 +3,11 @@
 * :class:`HookSet` registers hooks as a unit: if anything fails while a set is being built,
   everything registered so far is removed (``with hooks.registering(): ...``), and
   :meth:`HookSet.remove` removes them all, in reverse order, exactly once.
-* Forward hooks of a set only act on the thread that created the set, so two threads tracing
-  one model each see their own forward (``any_thread=True`` lifts this, e.g. for
-  ``nn.DataParallel`` replicas that run in worker threads). The exception is a forward that
-  autograd recomputes during a backward (activation checkpointing), which may run on one of
-  autograd's threads: hooks act there too, so edits apply to the recomputation as well.
+* Forward hooks of a set only act on the forwards of the thread that created the set, so two
+  threads tracing one model each see their own forward (``any_thread=True`` lifts this, e.g.
+  for ``nn.DataParallel`` replicas that run in worker threads). A forward that autograd
+  recomputes during a backward (activation checkpointing) belongs to the thread whose forward
+  is being recomputed, whichever thread runs the backward: see :func:`forward_owner_matches`.
 * :class:`StopForward` carries the identity of the tracer that raised it (``owner``) and an
   optional ``payload``: a tracer swallows only its own stop; anyone else's propagates.
 """
@@ -136,6 +136,88 @@ def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "
         )
 
 
+# -- whose forward is this? -------------------------------------------------------------------
+# During a backward, a module's forward runs again when activation checkpointing recomputes it
+# (torch.utils.checkpoint, reentrant or not), on whichever thread runs the backward: the one
+# that called .backward(), or on CUDA one of autograd's device threads. The thread running it
+# says nothing about whose forward it is. The autograd graph does: every autograd Node records
+# the id of the thread whose forward created it (``Node::thread_id``, what the profiler uses to
+# pair backward ops with forward ops), and during a recomputation the engine is running a node
+# of the forward being recomputed (the reentrant CheckpointFunction's node, or the node whose
+# saved tensors the non-reentrant checkpoint is unpacking). The native module reads both ids.
+
+_engine_ids = threading.local()
+
+
+def _engine_thread_id() -> int:
+    """The autograd engine's id of the calling thread, or 0 without the native module."""
+    try:
+        value: int = _engine_ids.value
+        return value
+    except AttributeError:
+        from . import _backend
+
+        value = int(torch.ops.pyhook.thread_id()) if _backend.native_available() else 0
+        _engine_ids.value = value
+        return value
+
+
+def _running_node_thread_id() -> int:
+    """The engine's id of the thread whose forward created the node being run here, or 0."""
+    return int(torch.ops.pyhook.autograd_node_thread_id()) if _engine_thread_id() else 0
+
+
+# Per thread: the owners whose forward this thread is recomputing right now (engine ids). A
+# nested checkpoint's inner node is created during the outer recomputation, on the thread
+# running it, so it names that thread rather than the owner of the forward.
+_recomputing = threading.local()
+
+
+def _recomputing_for() -> set[int]:
+    try:
+        owners: set[int] = _recomputing.owners
+    except AttributeError:
+        owners = _recomputing.owners = set()
+    return owners
+
+
+def forward_owner_matches(owner_ident: int, owner_engine_id: int) -> bool:
+    """Whether the forward running on this thread *during a backward* is the owner's.
+
+    ``owner_ident`` is the owner's :func:`threading.get_ident`, ``owner_engine_id`` its
+    :func:`_engine_thread_id`. A forward run during a backward is a recomputation (activation
+    checkpointing) of the forward that created the autograd node being run, so it is the
+    owner's iff that node was created by the owner's thread -- or, for checkpoints nested in
+    checkpoints, by this thread while it was recomputing the owner's forward. When no node is
+    running (e.g. a forward called from a backward hook) the running thread decides. Without
+    the native module, which alone can read a node's thread, every recomputation is taken as
+    the owner's (edits then also apply to other threads' checkpointed recomputations).
+
+    >>> forward_owner_matches(threading.get_ident(), _engine_thread_id())  # no backward: ours
+    True
+    """
+    if not owner_engine_id:
+        return True
+    node_thread = _running_node_thread_id()
+    if not node_thread:
+        return threading.get_ident() == owner_ident
+    owners = _recomputing_for()
+    if node_thread == owner_engine_id:
+        owners.add(owner_engine_id)
+        return True
+    if owner_engine_id in owners and node_thread == _engine_thread_id():
+        return True  # created here while recomputing the owner's forward: a nested checkpoint
+    owners.discard(owner_engine_id)
+    return False
+
+
+def forget_recomputation(owner_engine_id: int) -> None:
+    """This thread runs a forward of its own: it no longer recomputes the owner's forward."""
+    owners = _recomputing_for()
+    if owners:
+        owners.discard(owner_engine_id)
+
+
 class HookSet:
     """A group of hook registrations added and removed as one unit.
 
@@ -153,21 +235,26 @@ class HookSet:
         0
     """
 
-    __slots__ = ("__weakref__", "_handles", "_thread", "any_thread")
+    __slots__ = ("__weakref__", "_engine_thread", "_handles", "_thread", "any_thread")
 
     # ``with hooks.registering(): ...`` is the hot path of every tracer's construction, so the
     # set is its own (cheap) context manager rather than a contextlib generator.
 
     def __init__(self, *, any_thread: bool = False) -> None:
         self._handles: list[RemovableHandle] = []
-        self._thread = threading.get_ident()
         self.any_thread = any_thread
+        self._own_thread()
 
     # -- registration -------------------------------------------------------------------
     def registering(self) -> HookSet:
         """Context in which hooks are added atomically: any exception removes them all."""
-        self._thread = threading.get_ident()
+        self._own_thread()
         return self
+
+    def _own_thread(self) -> None:
+        """The calling thread becomes the owner whose forwards the guarded hooks act on."""
+        self._thread = threading.get_ident()
+        self._engine_thread = 0 if self.any_thread else _engine_thread_id()
 
     def __enter__(self) -> HookSet:
         return self
@@ -179,15 +266,20 @@ class HookSet:
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if self.any_thread:
             return fn
-        owner = self._thread
+        owner, owner_engine = self._thread, self._engine_thread
         get_ident = threading.get_ident
         in_backward = torch._C._current_graph_task_id
 
         def guarded(*args: Any) -> Any:
-            # Another thread's forward is not ours -- unless that thread is autograd's, running
-            # a backward: activation checkpointing recomputes the forward there (on CUDA the
-            # engine's device threads), and skipping an edit then would silently corrupt grads.
-            if get_ident() != owner and in_backward() == -1:
+            # Outside a backward, only the owner thread's forwards are ours. During a backward
+            # a forward is a checkpoint recomputation, whoever runs it: ours iff it recomputes
+            # the owner's forward (skipping it would corrupt the owner's grads, acting on
+            # another thread's would corrupt that thread's grads and our captures).
+            if in_backward() == -1:
+                if get_ident() != owner:
+                    forget_recomputation(owner_engine)
+                    return None
+            elif not forward_owner_matches(owner, owner_engine):
                 return None
             return fn(*args)
 
@@ -261,6 +353,11 @@ class HookSet:
     def active(self) -> bool:
         """Whether any hook of this set is registered."""
         return bool(self._handles)
+
+    @property
+    def owned_by_caller(self) -> bool:
+        """Whether the guarded hooks act on the calling thread's forwards."""
+        return self.any_thread or self._thread == threading.get_ident()
 
     def __len__(self) -> int:
         return len(self._handles)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from ._copy import recursive_copy
 from ._hooks import HookSet, check_not_compiled
 from .modules import resolve_module
+from .trace import _Entries
 
 __all__ = ["Trace", "TraceMultiple"]
 
@@ -98,7 +100,8 @@ class Trace(contextlib.AbstractContextManager):
         (0.0, False, torch.Size([2, 4]))
 
     As in deephook, the hook is registered when the Trace is made and removed on exit; entering
-    a closed Trace registers it again. ``.output`` is a detached clone of the (edited) output,
+    a closed Trace registers it again. Nested entries of one Trace keep the hook until the
+    outermost exits (entering it on another thread meanwhile raises ``RuntimeError``). ``.output`` is a detached clone of the (edited) output,
     ``.input`` a detached clone of the first positional argument (``None`` if there is none),
     ``.input_kw`` a detached clone of the keyword arguments. ``layer_name`` is a dotted name
     (a submodule object is accepted too). ``any_thread=True`` (keyword-only) also records
@@ -136,7 +139,9 @@ class Trace(contextlib.AbstractContextManager):
         self.input: Any = None
         self.input_kw: dict[str, Any] | None = None
         self.hook: RemovableHandle | None = None
+        self._any_thread = any_thread
         self._hooks = HookSet(any_thread=any_thread)
+        self._entries = _Entries(self)
         if _register:
             self._open()
 
@@ -172,16 +177,23 @@ class Trace(contextlib.AbstractContextManager):
         return _copy(x)
 
     def __enter__(self) -> Trace:
-        if not self._hooks.active:
-            self.output = self.input = self.input_kw = None
-            self._open()
+        # Nested entries on one thread keep the hook until the outermost exit (as nethook's
+        # Trace in pyhook); an outermost entry re-registers a hook another thread registered.
+        if self._entries.enter():
+            if self._hooks.active and not self._hooks.owned_by_caller:
+                self._hooks.remove()
+            if not self._hooks.active:
+                self.output = self.input = self.input_kw = None
+                self._open()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        if self._entries.exit():
+            self.close()
 
     def close(self) -> None:
-        """Remove the hook (idempotent)."""
+        """Remove the hook (idempotent), whatever the nesting of ``with`` blocks."""
+        self._entries.reset()
         self._hooks.remove()
 
     @property
@@ -216,7 +228,13 @@ class TraceMultiple(contextlib.ContextDecorator):
     Hooks are registered on entry (in settings order, all or none) and removed on exit, so a
     TraceMultiple can be entered, or used as a decorator, any number of times; each entry starts
     with empty ``.output``/``.input``, and the values of the last forward stay readable after
-    exit. Nested entries of the same object register once.
+    exit. Nested entries of the same object on one thread register once (the hooks go when the
+    outermost exits).
+
+    Entries on several threads at once (e.g. a decorated function called from a thread pool)
+    are independent: each thread registers its own hooks, which act on its own forwards, and
+    while it is inside, ``tm[name]`` is its own :class:`Trace`. After the last exit, ``tm[name]``
+    shows the captures of the entry that exited last.
     """
 
     def __init__(
@@ -248,31 +266,68 @@ class TraceMultiple(contextlib.ContextDecorator):
                 )
             traces[name] = Trace(model, name, *settings, any_thread=any_thread, _register=False)
         self.model = model
-        self.traces = traces
-        self._depth = 0
+        self._settings = dict(layer_settings)
+        self._any_thread = any_thread
+        self._primary = traces  # the first thread inside uses these; others get their own
+        self._last = traces  # shown to threads that are not inside
+        # thread ident -> (nesting depth, that thread's traces), for threads inside a block
+        self._inside: dict[int, tuple[int, dict[str, Trace]]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def traces(self) -> dict[str, Trace]:
+        """``{layer name: Trace}`` of the calling thread's entry (or of the last entry)."""
+        entry = self._inside.get(threading.get_ident())
+        return self._last if entry is None else entry[1]
+
+    def _own_traces(self) -> dict[str, Trace]:
+        """Traces for a thread entering while another thread is inside (same settings)."""
+        return {
+            name: Trace(self.model, name, *settings, any_thread=self._any_thread, _register=False)
+            for name, settings in self._settings.items()
+        }
 
     def __enter__(self) -> TraceMultiple:
-        if self._depth == 0:
+        tid = threading.get_ident()
+        with self._lock:
+            depth, traces = self._inside.get(tid, (0, self._primary))
+            if depth == 0 and any(t is self._primary for _, t in self._inside.values()):
+                traces = self._own_traces()
+            self._inside[tid] = (depth + 1, traces)
+        if depth == 0:
             try:
-                for trace in self.traces.values():
+                for trace in traces.values():
                     trace.output = trace.input = trace.input_kw = None
-                    trace._open()
+                    trace._open()  # the hooks are owned by (act on) this thread
             except BaseException:
-                self.close()
+                self._leave(tid, closing=True)
                 raise
-        self._depth += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._depth = max(self._depth - 1, 0)
-        if self._depth == 0:
-            self.close()
+        self._leave(threading.get_ident(), closing=False)
+
+    def _leave(self, tid: int, closing: bool) -> None:
+        with self._lock:
+            entry = self._inside.pop(tid, None)
+            if entry is None:
+                return
+            depth, traces = entry
+            if depth > 1 and not closing:
+                self._inside[tid] = (depth - 1, traces)
+                return
+            self._last = traces
+        for trace in reversed(list(traces.values())):
+            trace.close()
 
     def close(self) -> None:
-        """Remove every hook, newest first (idempotent)."""
-        self._depth = 0
-        for trace in reversed(list(self.traces.values())):
-            trace.close()
+        """Remove every hook of every thread's entry, newest first (idempotent)."""
+        with self._lock:
+            entries = [traces for _, traces in self._inside.values()]
+            self._inside.clear()
+        for traces in [*entries, self._primary]:
+            for trace in reversed(list(traces.values())):
+                trace.close()
 
     def __getitem__(self, layer_name: str) -> Trace:
         return self.traces[layer_name]

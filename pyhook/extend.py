@@ -340,9 +340,21 @@ class ActivationMapGrabber(HooksHandle):
 class ModelStump(HooksHandle):
     """Run a model only up to the sub-module ``stump_head`` and return that sub-module's output.
 
-    Unlike hybrid_learning's, the forward **stops at the head**: sub-modules that would run after
-    it are skipped, so no compute is wasted on them (a :class:`~pyhook.StopForward` owned by the
-    stump ends the forward; it never reaches the caller). If the head did not run,
+    The output is that of the head's **last** call in the forward, as in hybrid_learning (whose
+    hook overwrites the stored output at each call) and :class:`ActivationMapGrabber`. A module
+    object reached under several names (one ``nn.ReLU`` at indices 1 and 3) is one hooked
+    module: ``ModelStump(net, "1")`` and ``ModelStump(net, "3")`` both give the output of its
+    last call (index 3's).
+
+    Unlike hybrid_learning's, the forward **stops at the head** when that can not change the
+    result: sub-modules that would run after it are skipped, so no compute is wasted on them
+    (a :class:`~pyhook.StopForward` owned by the stump ends the forward; it never reaches the
+    caller). ``early_stop`` (keyword-only) chooses: ``None`` (default) stops right after the
+    head's first call unless the head module is registered under several names in the model
+    (then the full forward runs); ``False`` always runs the full forward (hybrid_learning's
+    behaviour, also for a head the model's own code calls several times, e.g. in a loop, which
+    the default would stop at its first call); ``True`` always stops at the first call. The
+    names are counted when the head is set. If the head did not run,
     :class:`~pyhook.HookNotCalledError` is raised.
 
     A stump is in eval mode after construction, as in hybrid_learning, but its mode is its own:
@@ -363,10 +375,19 @@ class ModelStump(HooksHandle):
         (True, True)
     """
 
-    def __init__(self, model: nn.Module, stump_head: str) -> None:
+    def __init__(
+        self, model: nn.Module, stump_head: str, *, early_stop: bool | None = None
+    ) -> None:
+        if early_stop is not None and not isinstance(early_stop, bool):
+            raise TypeError(
+                f"early_stop must be None, True or False, got {type(early_stop).__name__}: "
+                f"{early_stop!r}"
+            )
         _check_module_id(model, stump_head)
         super().__init__(model)
         self._stump_head: str | None = None
+        self._stop_at_head = early_stop is not False
+        self.early_stop = early_stop
         self.training = False
         self.stump_head = stump_head
 
@@ -386,15 +407,25 @@ class ModelStump(HooksHandle):
                 self._stump_head = old
                 raise
         self._stump_head = stump_head
+        self._stop_at_head = self._may_stop_at(stump_head)
         # A new head replaces the old one: its hook goes (hybrid_learning let hooks accumulate).
         if old is not None and old != stump_head and old in self._hook_sets:
             self._hook_sets.pop(old).remove()
+
+    def _may_stop_at(self, head: str | None) -> bool:
+        """Whether stopping at the head's first call gives the chosen result (see class doc)."""
+        if self.early_stop is not None or head is None:
+            return self.early_stop is not False
+        module = self.get_module_by_id(head)
+        names = (m for _, m in self.wrapped_model.named_modules(remove_duplicate=False))
+        return sum(m is module for m in names) == 1
 
     def register_submodule(self, module_id: str) -> None:
         """Register a sub-module; it becomes the stump head if there is none."""
         super().register_submodule(module_id)
         if self._stump_head is None:
             self._stump_head = module_id
+            self._stop_at_head = self._may_stop_at(module_id)
 
     def unregister_submodule(self, module_id: str) -> None:
         """Unregister a sub-module; unregistering the head leaves the stump without a head."""
@@ -421,7 +452,7 @@ class ModelStump(HooksHandle):
         if head is None:
             raise ValueError(f"this {type(self).__name__} has no stump_head (it was unregistered)")
         with _in_mode(self.wrapped_model, self.training):
-            _, outs = self._run(inps, kwargs, stop_at=head)
+            _, outs = self._run(inps, kwargs, stop_at=head if self._stop_at_head else None)
         if head not in outs:
             raise HookNotCalledError(
                 f"the forward of {type(self.wrapped_model).__name__} finished without running "
@@ -446,11 +477,16 @@ class ExtendedModelStump(ModelStump):
     """
 
     def __init__(
-        self, model: nn.Module, stump_head: str, modification: Callable[[Any], Any]
+        self,
+        model: nn.Module,
+        stump_head: str,
+        modification: Callable[[Any], Any],
+        *,
+        early_stop: bool | None = None,
     ) -> None:
         if not callable(modification):
             raise ValueError("modification function for model intermediate out must be callable!")
-        super().__init__(model, stump_head)
+        super().__init__(model, stump_head, early_stop=early_stop)
         self.modification = modification
 
     def forward(self, *inps: Any, **kwargs: Any) -> Any:
@@ -504,6 +540,7 @@ class ModelExtender(ActivationMapGrabber):
         self.return_orig_out: bool = return_orig_out
         self.extension_models: nn.ModuleDict = nn.ModuleDict()
         self._name_registrations: dict[str, list[str]] = {}
+        self._ext_layers: set[str] = set()  # layers hooked for extensions, as last synced
         try:
             self._register_validated(extensions)
         except BaseException:
@@ -566,6 +603,47 @@ class ModelExtender(ActivationMapGrabber):
                 super().unregister_submodule(module_id)
             raise
         self._name_registrations.setdefault(module_id, []).append(name)
+        self._ext_layers.add(module_id)
+
+    def _sync_registry(self) -> None:
+        """Make the hooks follow the live ``name_registrations`` (which users may mutate).
+
+        Everything is checked before anything changes: a listed name that is no registered
+        extension, or one listed under two layers, or an unknown layer, raises naming it.
+        Then emptied layers are dropped from the registry, listed layers get a hook, and layers
+        hooked for extensions that are no longer listed lose theirs.
+        """
+        registry = self._name_registrations
+        where: dict[str, str] = {}
+        for module_id, names in registry.items():
+            if names and module_id not in self._hook_sets:
+                try:
+                    _check_module_id(self.wrapped_model, module_id)
+                except KeyError as e:
+                    raise KeyError(
+                        f"name_registrations lists extensions at sub-module {module_id!r}, "
+                        f"which does not exist: {e}"
+                    ) from None
+            for name in names:
+                if name not in self.extension_models:
+                    raise KeyError(
+                        f"name_registrations[{module_id!r}] lists {name!r}, which is not a "
+                        f"registered extension (registered: {self.extension_names})"
+                    )
+                if name in where:
+                    raise ValueError(
+                        f"extension {name!r} is listed under two sub-modules in "
+                        f"name_registrations: {where[name]!r} and {module_id!r}"
+                    )
+                where[name] = module_id
+        for module_id in [m for m, names in registry.items() if not names]:
+            del registry[module_id]
+        for module_id in registry:
+            self.register_submodule(module_id)  # no-op when already hooked
+        for module_id in self._ext_layers - set(registry):
+            if module_id in self._hook_sets:
+                super().unregister_submodule(module_id)
+        self._ext_layers = set(registry)
 
     # -- registration ---------------------------------------------------------------------------
     def register_extension(self, name: str, module_id: str, model: nn.Module) -> None:
@@ -586,6 +664,7 @@ class ModelExtender(ActivationMapGrabber):
             torch.Size([2, 1])
         """
         self._check_open()
+        self._sync_registry()
         self._validate_extensions(
             self.wrapped_model, {module_id: {name: model}}, self.extension_names
         )
@@ -598,6 +677,7 @@ class ModelExtender(ActivationMapGrabber):
         either all extensions are registered or none.
         """
         self._check_open()
+        self._sync_registry()
         self._validate_extensions(self.wrapped_model, new_extensions, self.extension_names)
         done: list[str] = []
         try:
@@ -627,12 +707,16 @@ class ModelExtender(ActivationMapGrabber):
         """
         module_id = next((m for m, ns in self._name_registrations.items() if name in ns), None)
         if module_id is None:
-            raise KeyError(f"Tried to unregister extension of unknown name {name}")
+            if name not in self.extension_models:
+                raise KeyError(f"Tried to unregister extension of unknown name {name}")
+            del self.extension_models[name]  # dropped from name_registrations by the user
+            return
         names = self._name_registrations[module_id]
         names.remove(name)
         del self.extension_models[name]
         if not names:
             del self._name_registrations[module_id]
+            self._ext_layers.discard(module_id)
             if module_id in self._hook_sets:
                 super().unregister_submodule(module_id)
 
@@ -649,8 +733,30 @@ class ModelExtender(ActivationMapGrabber):
     # -- views ----------------------------------------------------------------------------------
     @property
     def name_registrations(self) -> dict[str, list[str]]:
-        """Dict mapping main model sub-modules to their registered extension model names."""
-        return {module_id: list(names) for module_id, names in self._name_registrations.items()}
+        """Dict mapping main model sub-modules to their registered extension model names:
+        ``{<sub-module ID>: [<extension name>, ...]}``.
+
+        As in hybrid_learning, this is the live registry the forward runs by, not a copy. It
+        may be edited: reorder a layer's names (outputs follow that order), move a name to
+        another layer's list, or remove it (the extension is then not run; its module stays in
+        ``extension_models`` until :meth:`unregister_extension`). Edits are applied at the next
+        forward or (un)registration call: hooks follow the layers listed (a layer no longer
+        listed loses the hook added for its extensions, a newly listed one gets one), and a
+        name that is no registered extension, is listed twice, or sits under an unknown layer
+        raises there, naming it, before any hook changes. :meth:`close` removes every hook
+        whatever the registry holds.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.extend import ModelExtender
+            >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+            >>> ext = ModelExtender(net, {"0": {"a": torch.nn.Linear(4, 1)}}, return_orig_out=False)
+            >>> ext.name_registrations["1"] = ext.name_registrations.pop("0")  # feed "a" from "1"
+            >>> sorted(ext(torch.randn(2, 3))), ext.registered_submodules
+            (['a'], ['1'])
+        """
+        return self._name_registrations
 
     @property
     def extensions(self) -> dict[str, dict[str, nn.Module]]:
@@ -672,6 +778,8 @@ class ModelExtender(ActivationMapGrabber):
         self, *inps: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]] | dict[str, Any]:
         """Pytorch forward method: ``(<main model out>, {<ext name>: <ext out>})`` (or the dict)."""
+        self._check_open()
+        self._sync_registry()
         main_out, outs = self._run(inps, kwargs)
         ext_outs: dict[str, Any] = {}
         for module_id, names in self._name_registrations.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -82,6 +83,46 @@ def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
     raise TypeError(f"{name}{where} must be a bool, got {type(value).__name__}: {value!r}")
 
 
+class _Entries:
+    """Nesting depth of a tracer's ``with`` blocks, and the thread that entered them.
+
+    Nested entries of one tracer on its thread are counted, so its hooks stay until the
+    outermost block exits (as :class:`~pyhook.TraceMultiple`'s); an entry from another thread
+    while it is entered is refused, since its hooks act on the entering thread's forwards.
+    """
+
+    __slots__ = ("depth", "thread", "tracer")
+
+    def __init__(self, tracer: object) -> None:
+        self.tracer = weakref.ref(tracer)
+        self.depth = 0
+        self.thread: int | None = None
+
+    def enter(self) -> bool:
+        """Count an entry; True for the outermost one."""
+        tid = threading.get_ident()
+        if self.depth:
+            tracer = self.tracer()
+            if self.thread != tid and not getattr(tracer, "_any_thread", False):
+                raise RuntimeError(
+                    f"{tracer!r} is already entered on another thread, and its hooks act on "
+                    "that thread's forwards only: make one tracer per thread (or pass "
+                    "any_thread=True to record every thread's forwards)"
+                )
+            self.depth += 1
+            return False
+        self.depth, self.thread = 1, tid
+        return True
+
+    def exit(self) -> bool:
+        """Count an exit; True for the outermost one (then the hooks must go)."""
+        self.depth = max(self.depth - 1, 0)
+        return self.depth == 0
+
+    def reset(self) -> None:
+        self.depth, self.thread = 0, None
+
+
 class Trace(contextlib.AbstractContextManager):
     """Retain (and optionally edit) the output of one named layer during a forward pass.
 
@@ -107,7 +148,10 @@ class Trace(contextlib.AbstractContextManager):
 
     The hook is registered on construction (as in nethook: a Trace used without ``with`` stays
     registered until :meth:`close`) and removed on exit; entering a closed Trace registers it
-    again, so one Trace object can be reused.
+    again, so one Trace object can be reused. Entering it again inside its own block (nested,
+    same thread) is allowed: the hook stays until the outermost block exits. While it is
+    entered on one thread, entering it on another raises ``RuntimeError`` (its hook acts on
+    the first thread's forwards only: make one Trace per thread, or pass ``any_thread=True``).
     """
 
     def __init__(
@@ -201,6 +245,7 @@ class Trace(contextlib.AbstractContextManager):
         self._owner_ref = None if stop_owner is None else weakref.ref(stop_owner)
         self._any_thread = any_thread
         self._hooks = HookSet(any_thread=any_thread)
+        self._entries = _Entries(self)
         self._register()
 
     # -- hook -----------------------------------------------------------------------------
@@ -252,16 +297,23 @@ class Trace(contextlib.AbstractContextManager):
 
     # -- lifetime -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
-        if not self._hooks.active:
-            self._register()
+        if self._entries.enter():
+            # Outermost entry: the hook acts on the entering thread's forwards (re-registered
+            # if it was registered, at construction, by another thread).
+            if self._hooks.active and not self._hooks.owned_by_caller:
+                self._hooks.remove()
+            if not self._hooks.active:
+                self._register()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        self.close()
+        if self._entries.exit():
+            self.close()
         return self.stop and is_own_stop(exc, self._stop_owner, accept_unowned=True)
 
     def close(self) -> None:
-        """Remove the hook (idempotent)."""
+        """Remove the hook (idempotent), whatever the nesting of ``with`` blocks."""
+        self._entries.reset()
         self._hooks.remove()
 
     def __repr__(self) -> str:
@@ -285,7 +337,8 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
     name (layers left out get ``None``, i.e. off), and keys that are not listed layers raise.
     ``stop=True`` ends the forward once every listed layer has run, whatever their order.
     Duplicate names are traced once. Hooks run in list order; :meth:`close` removes them in
-    reverse order.
+    reverse order. Nested entries of one TraceDict follow :class:`Trace`'s rule: the hooks stay
+    until the outermost block exits; entering it on another thread meanwhile raises.
     """
 
     def __init__(
@@ -359,6 +412,8 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
             flags["stop"] = False
             settings.append((name, flags, edit_for(name)))
         self._pending: set[str] = set()
+        self._any_thread = any_thread
+        self._entries = _Entries(self)
         self._hooks = HookSet(any_thread=any_thread)
         on_call = self._layer_ran if self.stop else None
         try:
@@ -386,27 +441,31 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
             raise StopForward(owner=self)
 
     def __enter__(self) -> TraceDict:
-        if (not self._hooks.active and self.stop) or any(
-            not t._hooks.active for t in self.values()
-        ):
-            try:
-                for trace in self.values():
-                    trace.__enter__()
-                if self.stop and not self._hooks.active:
-                    with self._hooks.registering():
-                        self._hooks.forward_pre(self.module, self._forward_starts, prepend=True)
-            except BaseException:
-                self.close()
-                raise
+        if not self._entries.enter():
+            return self  # nested entry: the hooks stay until the outermost block exits
+        if self._hooks.active and not self._hooks.owned_by_caller:
+            self._hooks.remove()  # registered at construction by another thread
+        try:
+            for trace in self.values():
+                trace.__enter__()
+                trace._entries.reset()  # the TraceDict counts the entries, not its Traces
+            if self.stop and not self._hooks.active:
+                with self._hooks.registering():
+                    self._hooks.forward_pre(self.module, self._forward_starts, prepend=True)
+        except BaseException:
+            self.close()
+            raise
         self._pending = set(self._names)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        self.close()
+        if self._entries.exit():
+            self.close()
         return self.stop and is_own_stop(exc, self, accept_unowned=True)
 
     def close(self) -> None:
         """Remove every hook, in reverse order of registration (idempotent)."""
+        self._entries.reset()
         self._hooks.remove()
         for trace in reversed(list(self.values())):
             trace.close()

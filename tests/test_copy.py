@@ -92,3 +92,94 @@ def test_backends_agree(backend):
         ref = pyhook.recursive_copy(x, clone=True)
     for k in x:
         assert torch.equal(y[k], ref[k]) and y[k].stride() == ref[k].stride(), k
+
+
+# -- layouts the native kernel does not take (issue 12, item 9) ------------------------------------
+
+
+def _layouts() -> dict[str, object]:
+    """name -> function making a tensor of that layout from a dense float (rows, 4) tensor."""
+    makers = {
+        "dense": lambda x: x,
+        "transposed": lambda x: x.t(),
+        "expanded": lambda x: x[:1].expand(len(x), 4),
+        "sparse_coo": lambda x: x.relu().to_sparse(),
+        "sparse_coo_uncoalesced": lambda x: torch.sparse_coo_tensor(
+            torch.tensor([[0, 0, 1], [1, 1, 2]]), x[0, :3], (len(x), 4)
+        ),
+        "sparse_csr": lambda x: x.relu().to_sparse_csr(),
+        "sparse_csc": lambda x: x.relu().to_sparse_csc(),
+        "sparse_bsr": lambda x: x.relu().to_sparse_bsr((2, 2)),
+        "sparse_bsc": lambda x: x.relu().to_sparse_bsc((2, 2)),
+        "nested": lambda x: torch.nested.nested_tensor([x[:1], x[1:]]),
+        "nested_jagged": lambda x: torch.nested.nested_tensor(
+            [x[:1], x[1:]], layout=torch.jagged
+        ),
+        "quantized": lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
+        "meta": lambda x: torch.empty(x.shape, device="meta"),
+        "conj": lambda x: torch.complex(x, -x).conj(),
+        "neg_view": lambda x: torch.complex(x, x).conj().imag,
+        "zerotensor": lambda x: torch._efficientzerotensor(x.shape),
+    }
+    return makers
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same layout, dtype, device, shape and values (values through a dense copy)."""
+    if (a.layout, a.dtype, a.device, a.is_nested) != (b.layout, b.dtype, b.device, b.is_nested):
+        return False
+    if a.device.type == "meta":
+        return a.shape == b.shape
+    if a.is_nested:
+        return all(torch.equal(u, v) for u, v in zip(a.unbind(), b.unbind(), strict=True))
+    if a.is_quantized:
+        return torch.equal(a.int_repr(), b.int_repr()) and a.q_scale() == b.q_scale()
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense())
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+class _Emit(torch.nn.Module):
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.make(x)
+
+
+@pytest.mark.parametrize("min_bytes", ["default", 0])
+@pytest.mark.parametrize("layout", sorted(_layouts()))
+def test_trace_clone_agrees_with_tensor_clone_for_every_layout(layout, min_bytes, backend,
+                                                               monkeypatch):
+    """Trace(clone=True), TraceDict and recursive_copy give ``t.clone()`` whatever the layout,
+    on both backends, with and without the small-capture shortcut (which asked sparse tensors
+    for ``nbytes``)."""
+    from pyhook import _backend
+
+    if min_bytes == "default":
+        monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 256 << 10)
+    make = _layouts()[layout]
+    torch.manual_seed(7)
+    x = torch.randn(4, 4)
+    want = make(x).clone()
+    net = torch.nn.Sequential(torch.nn.Identity(), _Emit(make))
+    with pyhook.Trace(net, "1", clone=True, detach=True) as t:
+        out = net(x)
+    assert _same(t.output, want) and t.output is not out
+    with pyhook.TraceDict(net, ["0", "1"], clone=True) as td:
+        net(x)
+    assert _same(td["1"].output, want) and torch.equal(td["0"].output, x)
+    big = torch.randn(512, 256)  # above the shortcut's size: the native kernel takes it
+    copies = pyhook.recursive_copy([big, make(x), big.t()], clone=True)
+    assert _same(copies[1], want)
+    assert torch.equal(copies[0], big) and torch.equal(copies[2], big.t())
+    assert copies[0].data_ptr() != big.data_ptr()
+
+
+def test_sparse_capture_does_not_alias_the_layer_output(backend):
+    sparse = torch.randn(3, 4).relu().to_sparse()
+    copy = pyhook.recursive_copy(sparse, clone=True)
+    assert copy.values().data_ptr() != sparse.values().data_ptr()
+    sparse.values().mul_(0)
+    assert copy.to_dense().abs().sum() > 0

@@ -158,6 +158,50 @@ def test_stump_output_and_early_stop():
     assert ModelStump(net, "3")(x) is not None and counter.calls == 2
 
 
+class _Looped(nn.Module):
+    """One block called three times by the model's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+def test_stump_head_reused_under_several_names_returns_its_last_call():
+    """hybrid_learning keeps the last call of the head (its hook overwrites the stored output):
+    with one ReLU object at indices 1 and 3, ModelStump(net, "1") and (net, "3") both give the
+    output of index 3, as ActivationMapGrabber does."""
+    torch.manual_seed(0)
+    relu = nn.ReLU()
+    net = nn.Sequential(nn.Linear(4, 4), relu, nn.Linear(4, 4), relu, nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    last = relu(net[2](relu(net[0](x))))  # the second (last) call of the shared ReLU
+    _, grabbed = ActivationMapGrabber(net, ["1"])(x)
+    assert torch.equal(grabbed["1"], last)
+    for name in ("1", "3"):
+        stump = ModelStump(net, name)
+        assert torch.equal(stump(x), last), name
+        assert torch.equal(ExtendedModelStump(net, name, torch.neg)(x), -last), name
+        stump.close()
+
+
+def test_stump_early_stop_choice_for_a_head_called_in_a_loop():
+    """A head called several times by the model's code: early_stop=False gives hybrid_learning's
+    last call; the default stops at (and returns) the first call."""
+    torch.manual_seed(0)
+    model, x = _Looped(), torch.randn(2, 4)
+    first = model.block(x)
+    last = model.block(model.block(first))
+    assert torch.equal(ModelStump(model, "block", early_stop=False)(x), last)
+    assert torch.equal(ModelStump(model, "block")(x), first)
+    with pytest.raises(TypeError, match="early_stop"):
+        ModelStump(model, "block", early_stop="yes")  # type: ignore[arg-type]
+
+
 def test_stump_head_not_run_raises():
     model = Branchy()
     stump = ModelStump(model, "b")
@@ -458,3 +502,73 @@ def test_output_sizes_non_tensor_outputs():
     with pytest.raises(AttributeError, match="tuple"):
         output_sizes(model, (4,), ignore_non_tensor_outs=False)
     assert all_hooks(model) == 0
+
+
+# -- name_registrations is the live registry (issue 12, item 11) -----------------------------------
+
+
+def _probe_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    exts = {"0": {"a": nn.Linear(4, 1), "b": nn.Linear(4, 2)}, "2": {"c": nn.Linear(3, 1)}}
+    return net, ModelExtender(net, exts, return_orig_out=False)
+
+
+def test_name_registrations_is_the_live_registry():
+    """hybrid_learning returns its registry itself: reordering a layer's names reorders the
+    outputs, as in the original's forward loop."""
+    net, ext = _probe_net()
+    reg = ext.name_registrations
+    assert reg is ext.name_registrations and reg == {"0": ["a", "b"], "2": ["c"]}
+    ext.register_extension("d", "1", nn.Identity())
+    assert reg == {"0": ["a", "b"], "2": ["c"], "1": ["d"]}  # the same object, updated
+    reg["0"].reverse()
+    x = torch.randn(2, 4)
+    assert list(ext(x)) == ["b", "a", "c", "d"]
+    ext.close()
+    assert all_hooks(net) == 0
+
+
+def test_mutating_name_registrations_keeps_hooks_consistent():
+    """Moving an extension to another layer, or dropping a name, is applied at the next
+    forward: hooks follow the layers listed (none left on a layer no longer listed)."""
+    net, ext = _probe_net()
+    reg = ext.name_registrations
+    x = torch.randn(2, 4)
+    reg["1"] = [reg["0"].pop()]  # feed "b" from layer 1 (the ReLU) instead of layer 0
+    out = ext(x)
+    assert torch.allclose(out["b"], ext.extension_models["b"](net[1](net[0](x))))
+    assert torch.allclose(out["a"], ext.extension_models["a"](net[0](x)))
+    assert ext.registered_submodules == ["0", "2", "1"] and all_hooks(net) == 3
+    reg["2"].remove("c")  # not run any more; its module stays until unregistered
+    assert list(ext(x)) == ["a", "b"] and "c" in ext.extension_names
+    assert ext.registered_submodules == ["0", "1"] and all_hooks(net) == 2
+    ext.unregister_extension("c")
+    assert "c" not in ext.extension_names
+    reg["0"].clear()
+    assert list(ext(x)) == ["b"]
+    assert ext.registered_submodules == ["1"] and all_hooks(net) == 1
+    assert reg == {"1": ["b"]}
+    ext.close()
+    assert all_hooks(net) == 0
+
+
+def test_bad_mutation_of_name_registrations_raises_naming_it_and_adds_no_hook():
+    net, ext = _probe_net()
+    reg = ext.name_registrations
+    reg["zz"] = ["a"]
+    with pytest.raises(KeyError, match="'zz'"):
+        ext(torch.randn(2, 4))
+    del reg["zz"]
+    reg["2"].append("nope")
+    with pytest.raises(KeyError, match="'nope'"):
+        ext(torch.randn(2, 4))
+    reg["2"].remove("nope")
+    reg["2"].append("a")  # listed under two layers
+    with pytest.raises(ValueError, match="'a'"):
+        ext(torch.randn(2, 4))
+    reg["2"].remove("a")
+    assert ext.registered_submodules == ["0", "2"] and all_hooks(net) == 2
+    assert set(ext(torch.randn(2, 4))) == {"a", "b", "c"}
+    ext.close()
+    assert all_hooks(net) == 0

@@ -238,7 +238,13 @@ def test_opcheck_clone_many(native, device, args):
 
 @pytest.mark.parametrize(
     "op,args",
-    [("pool_stats", ()), ("pool_set_limit", (1 << 30,)), ("pool_empty", ())],
+    [
+        ("pool_stats", ()),
+        ("pool_set_limit", (1 << 30,)),
+        ("pool_empty", ()),
+        ("thread_id", ()),
+        ("autograd_node_thread_id", ()),
+    ],
 )
 def test_opcheck_pool_ops(native, op, args):
     torch.library.opcheck(getattr(torch.ops.pyhook, op).default, args)
@@ -461,3 +467,29 @@ def test_small_captures_take_reference_path(native, monkeypatch):
     assert torch.equal(big[0], big[0]) and ys[0].shape == (10,)
     s = _backend.pool_stats()
     assert s["misses"] + s["hits"] == misses + 1  # only the 1 MiB capture went native
+
+
+def test_thread_ops_name_the_thread_whose_forward_made_the_running_node(native):
+    """pyhook::thread_id is the engine's id of the calling thread (distinct per thread, never
+    0); pyhook::autograd_node_thread_id is, during a backward, that id of the thread whose
+    forward created the node being run (0 outside a backward) -- as a thread-guarded hook uses
+    them for checkpoint recomputations."""
+    import threading
+
+    ops = torch.ops.pyhook
+    mine = ops.thread_id()
+    other: dict[str, int] = {}
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 2).sum()  # forward on this thread
+    seen: list[int] = []
+    y.grad_fn.register_prehook(lambda grads: seen.append(ops.autograd_node_thread_id()))
+
+    def worker() -> None:
+        other["id"] = ops.thread_id()
+        y.backward()  # run on the worker thread: the node is still this thread's
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert mine != 0 and other["id"] not in (0, mine)
+    assert seen == [mine] and ops.autograd_node_thread_id() == 0
