@@ -741,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Examples:\n"
             "  pyhook verify pyhook-activations/\n"
-            "  pyhook verify acts/ && python train_probe.py acts/   # only read a verified capture"
+            "  pyhook verify acts/          # exit 0: read it; exit 2: each problem on its own line"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
