@@ -223,5 +223,10 @@ def format_info(facts: dict[str, str] | None = None) -> str:
     torch:  2.13.0
     """
     facts = info() if facts is None else facts
+    if not isinstance(facts, dict) or not facts:
+        raise TypeError(
+            f"format_info: facts must be a non-empty dict of field -> value (as info() returns), "
+            f"got {type(facts).__name__}"
+        )
     width = max(map(len, facts)) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in facts.items())

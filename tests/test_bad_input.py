@@ -161,6 +161,8 @@ CASES: list[Case] = [
         (ValueError,),
         "backend name must be one of",
     ),
+    ("format_info", lambda: pyhook.format_info(["torch"]), (TypeError,), "facts must be a non-empty dict"),
+    ("format_info", lambda: pyhook.format_info({}), (TypeError,), "facts must be a non-empty dict"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit(-1), (ValueError,), "nbytes must be >= 0"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit("1GB"), (TypeError,), "nbytes"),
     # --- deephook
@@ -430,6 +432,7 @@ def test_every_public_entry_point_has_bad_input_cases():
     no_arguments = {
         "__version__",
         "native_available",
+        "info",
         "get_backend",
         "pool_stats",
         "empty_pool",
