@@ -288,11 +288,45 @@ def copy_tree(x: Any, clone: bool, detach: bool) -> Any:
     return pytree.tree_map_only(torch.Tensor, one, x)
 
 
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
+
+    Layer names then resolve as in the eager model (``'h.0'``, not ``'_orig_mod.h.0'``).
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> unwrap_compiled(torch.compile(net, backend="eager")) is net
+    True
+    """
+    inner = module._modules.get("_orig_mod")
+    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
 def _raise(exc: BaseException) -> None:
     raise exc
 
 
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
 _raise_outside: Callable[[BaseException], None] | None = None
+_call_outside: Callable[[Callable[[], Any]], Any] | None = None
+
+
+def call_outside(fn: Callable[[], Any]) -> Any:
+    """Call ``fn()`` in eager Python (a graph break when reached from compiled code).
+
+    >>> call_outside(lambda: 3)
+    3
+    """
+    global _call_outside
+    if _call_outside is None:
+        import torch._dynamo
+
+        _call_outside = torch._dynamo.disable(_call)
+    return _call_outside(fn)
 
 
 def raise_outside(exc: BaseException) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ._compiled import call_plan, copy_tree, dispatcher_of, raise_outside
+from ._compiled import call_plan, copy_tree, dispatcher_of, raise_outside, unwrap_compiled
 from ._copy import recursive_copy
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from ._invoke import accepts_argument, invoke_with_optional_args
@@ -63,16 +63,7 @@ def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | 
     return lambda: fn
 
 
-def _unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
-
-    Layer names then resolve as in the eager model (``'0'``, not ``'_orig_mod.0'``); whether
-    hooks reach the compiled code is arranged by :func:`~pyhook._hooks.check_not_compiled`.
-    """
-    inner = module._modules.get("_orig_mod")
-    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        return inner
-    return module
+_unwrap_compiled = unwrap_compiled
 
 
 def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
