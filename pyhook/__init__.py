@@ -19,7 +19,10 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   them back (the ``pyhook`` command wraps both);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
-  :func:`empty_pool` control the native capture-buffer pool.
+  :func:`empty_pool` control the native capture-buffer pool;
+* compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
+  dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
+  :func:`release_compiled` removes those dispatchers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ._backend import (
     set_pool_limit,
     use_backend,
 )
+from ._compiled import release as release_compiled
 from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
@@ -79,6 +83,7 @@ __all__ = [
     "TraceDict",
     "CallRecord",
     "StopForward",
+    "release_compiled",
     "recursive_copy",
     "subsequence",
     "hierarchical_subsequence",

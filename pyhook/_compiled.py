@@ -34,7 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["Dispatcher", "dispatcher_of", "prepare", "release"]
+__all__ = ["Dispatcher", "active_entries", "dispatcher_of", "prepare", "release"]
 
 _ATTR = "_pyhook_dispatch"
 
@@ -189,7 +189,29 @@ def prepare(module: nn.Module) -> Dispatcher:
         d = Dispatcher(module)
         module.__dict__[_ATTR] = d
         _invalidate()
+    d.table(False)  # the calling thread's table exists before any compiled code reads it
     return d
+
+
+def active_entries(module: nn.Module) -> int:
+    """How many tracer hooks the calling thread (and any thread) has in ``module``'s dispatchers.
+
+    Zero once every tracer has exited: the dispatchers themselves stay installed.
+
+    >>> active_entries(torch.nn.Linear(2, 2))
+    0
+    """
+    if type(module).__name__ == "OptimizedModule":
+        module = unwrap_compiled(module)
+    n = 0
+    for m in module.modules():
+        d = dispatcher_of(m)
+        if d is not None:
+            local = getattr(d._local, "table", None)
+            for t in (local, d.shared):
+                if t is not None:
+                    n += len(t.pre) + len(t.post)
+    return n
 
 
 def release(module: nn.Module) -> None:
@@ -207,7 +229,7 @@ def release(module: nn.Module) -> None:
         ...     _ = compiled(torch.ones(1, 2))
         >>> len(net[0]._forward_hooks)  # the dispatcher stays installed for the next tracer
         1
-        >>> pyhook.release(net); len(net[0]._forward_hooks)
+        >>> pyhook.release_compiled(net); len(net[0]._forward_hooks)
         0
     """
     if isinstance(module, nn.Module) and type(module).__name__ == "OptimizedModule":
