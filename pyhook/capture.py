@@ -449,7 +449,7 @@ class Recorder:
         try:
             with self._hooks.registering():
                 if self._compiled:
-                    for name, module in self._modules:
+                    for name in self.layers:
                         check_not_compiled(self.model, name, who="capture")
                     self._chead = _Batch(None, {}, None, None)
                     self._hooks.forward_pre(
@@ -459,9 +459,7 @@ class Recorder:
                         self._hooks.forward(module, self._make_compiled_hook(name))
                     self._hooks.forward(self.model, self._commit_compiled)
                 else:
-                    self._hooks.forward_pre(
-                        self.model, self._begin, with_kwargs=True, prepend=True
-                    )
+                    self._hooks.forward_pre(self.model, self._begin, with_kwargs=True, prepend=True)
                     for name, module in self._modules:
                         self._hooks.forward(module, self._make_hook(name))
                     self._hooks.forward(self.model, self._commit)

@@ -39,8 +39,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._copy import recursive_copy
 from ._compiled import copy_tree, dispatcher_of, unwrap_compiled
+from ._copy import recursive_copy
 from ._hooks import HookSet, check_not_compiled
 from .modules import resolve_module
 

@@ -203,7 +203,12 @@ class Trace(contextlib.AbstractContextManager):
             # A module of a compiled model: the hook is inlined by dynamo, so it must trace
             # without breaks (retain_grad and keep_calls keep the eager hook: exact, not fast).
             if self.edit_output is not None and self._edit_plan is None:
-                names = ("output", "layer", "inputs", *(("inputs_kw",) if self._edit_takes_kw else ()))
+                names = (
+                    "output",
+                    "layer",
+                    "inputs",
+                    *(("inputs_kw",) if self._edit_takes_kw else ()),
+                )
                 self._edit_plan = call_plan(self.edit_output, names)
             if self.edit_output is None or self._edit_plan is not False:
                 hook = self._hook_compiled

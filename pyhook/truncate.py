@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-import torch  # noqa: F401  (the seed's doctest uses the module-level name `torch`)
+import torch
 from torch import nn
 
 from ._compiled import dispatcher_of, raise_outside, unwrap_compiled
@@ -122,7 +122,7 @@ class _HandlerWrapper:
         return self._hooks.active
 
 
-class _Truncated(Exception):  # noqa: N818 - internal, never escapes TruncatedModule
+class _Truncated(Exception):
     """The stop of a TruncatedModule on a compiled model (plain, so that dynamo traces it)."""
 
 
@@ -241,7 +241,8 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         if compiled_path(inner, name) is not None:
             check_not_compiled(inner, name, who="TruncatedModule")
             if inner is not module:  # torch.compile(model): our call compiles with its settings
-                self.__dict__["_compiled_run"] = module.dynamo_ctx(self._forward_compiled)
+                ctx: Any = module.dynamo_ctx
+                self.__dict__["_compiled_run"] = ctx(self._forward_compiled)
 
     @property
     def truncation_point(self) -> nn.Module:
@@ -291,7 +292,8 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         )
         try:
             try:
-                self._inner(*args, **kwargs)
+                inner: Any = self.__dict__["_inner"]
+                inner(*args, **kwargs)
             except _Truncated:
                 return slot.value
         finally:

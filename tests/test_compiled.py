@@ -61,7 +61,13 @@ def graphs() -> int:
 @pytest.fixture(scope="module")
 def gpt_parts():
     cfg = transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        n_layer=4,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     model = transformers.GPT2Model(cfg).eval()
@@ -96,7 +102,9 @@ def test_trace_on_a_compiled_model_matches_eager(how):
         plain = net(x)
     runner = compiled(net, how)
     runner(x)  # compiled before any tracer exists: the tracer must still be seen
-    with Trace(runner, "0", retain_input=True, clone=True, edit_output=lambda output: output + 1) as t:
+    with Trace(
+        runner, "0", retain_input=True, clone=True, edit_output=lambda output: output + 1
+    ) as t:
         y = runner(x)
     with torch.no_grad():
         assert torch.equal(t.input, x)
@@ -194,7 +202,9 @@ def test_flex_model_hook_functions_on_a_compiled_model_match_eager(how):
     assert active_entries(net) == 0
 
 
-@pytest.mark.parametrize("how", ["torch.compile", pytest.param("module.compile", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how", ["torch.compile", pytest.param("module.compile", marks=pytest.mark.slow)]
+)
 def test_truncated_module_on_a_compiled_model_matches_eager(how, gpt_parts):
     model, ids, _ = gpt_parts
     ref = TruncatedModule(model, "h.1")(ids)
@@ -393,15 +403,17 @@ def test_bad_input_keeps_named_errors_and_registers_nothing(gpt_parts):
     model, ids, _ = gpt_parts
     runner = torch.compile(model, backend="eager")
     try:
-        with pytest.raises(LayerNotFoundError, match="h.9"):
+        with pytest.raises(LayerNotFoundError, match=r"h\.9"):
             capture(runner, ["h.0", "h.9"])
         with pytest.raises(LayerNotFoundError):
             Trace(runner, "_orig_mod.h.0")  # the wrapper's own name is not a layer of the model
         with pytest.raises(TypeError, match="edit_output"):
             Trace(runner, "h.0", edit_output=3)
-        with pytest.raises(ValueError, match="h.1.*positions"):
-            with capture(runner, ["h.1"], positions=[40]):
-                runner(ids)
+        with (
+            pytest.raises(ValueError, match=r"h\.1.*positions"),
+            capture(runner, ["h.1"], positions=[40]),
+        ):
+            runner(ids)
         assert active_entries(model) == 0
         with capture(runner, ["h.1"]) as rec:  # still usable afterwards
             runner(ids)
