@@ -232,8 +232,9 @@ def release(module: nn.Module) -> None:
         >>> pyhook.release_compiled(net); len(net[0]._forward_hooks)
         0
     """
-    if isinstance(module, nn.Module) and type(module).__name__ == "OptimizedModule":
-        module = module._modules.get("_orig_mod", module)  # type: ignore[assignment]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    module = unwrap_compiled(module)
     found = False
     for m in module.modules():
         d = m.__dict__.pop(_ATTR, None)
