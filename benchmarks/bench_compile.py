@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--forwards", type=int, default=4, help="forwards per round")
     args = parser.parse_args()
-    rounds = 3 if args.quick else 15
+    rounds = 3 if args.quick else 10
 
     import transformers
 

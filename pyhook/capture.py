@@ -809,11 +809,13 @@ class Recorder:
         return t, mask
 
     def _commit_compiled(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        self._chead = _Batch(self._chead, self._cbatch, self._cfirst, self._cmask)
+        batch = self._cbatch
+        self._chead = _Batch(self._chead, batch, self._cfirst, self._cmask)
         self._cbatch = {}
-        if self.to == "disk":
-            # The writer's hand-off is Python that cannot be traced: one graph break, at the
-            # end of the forward, so batches do not pile up in memory.
+        if self.to == "disk" or any(t.is_cuda for t, _ in batch.values()):
+            # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
+            # in a CUDA graph's memory pool that the next replay overwrites: one graph break,
+            # at the end of the forward, finishes the batch at once (see docs/compile.md).
             call_outside(self._drain)
 
     def _drain(self) -> None:
@@ -842,6 +844,8 @@ class Recorder:
                     t = t[mask.to(t.device)]
                 if self.to != "device" and not t.is_cpu:
                     t = t.to("cpu")
+                elif t.is_cuda:
+                    t = t.clone()  # out of a CUDA graph's pool, before the next replay
                 if examples is None:
                     examples = int(t.shape[0])
                 rows_of[name] = t
