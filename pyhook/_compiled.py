@@ -37,6 +37,7 @@ from torch import nn
 __all__ = ["Dispatcher", "active_entries", "dispatcher_of", "prepare", "release"]
 
 _ATTR = "_pyhook_dispatch"
+_lock = threading.Lock()  # tables may be changed from several threads (any_thread, remove)
 
 
 class _Entry:
@@ -72,8 +73,9 @@ class _Handle:
     def remove(self) -> None:
         table, self.table = self.table, None
         if table is not None:
-            current = getattr(table, self.kind)
-            setattr(table, self.kind, tuple(e for e in current if e is not self.entry))
+            with _lock:
+                current = getattr(table, self.kind)
+                setattr(table, self.kind, tuple(e for e in current if e is not self.entry))
 
 
 class Dispatcher:
@@ -126,8 +128,9 @@ class Dispatcher:
         table = self.table(any_thread)
         kind = "post" if post else "pre"
         entry = _Entry(fn, with_kwargs)
-        current = getattr(table, kind)
-        setattr(table, kind, (entry, *current) if prepend else (*current, entry))
+        with _lock:  # tables are replaced, never mutated: a running forward keeps its snapshot
+            current = getattr(table, kind)
+            setattr(table, kind, (entry, *current) if prepend else (*current, entry))
         return _Handle(table, kind, entry)
 
     def remove(self) -> None:

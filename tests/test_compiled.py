@@ -455,3 +455,41 @@ def test_capture_under_cuda_graphs_matches_eager():  # pragma: no cover - no GPU
             runner(x)
     for name in ("0", "2"):
         assert torch.equal(rec[name], torch.cat([ref[name]] * 3))
+
+
+# -- inductor -----------------------------------------------------------------------------------
+def test_capture_and_trace_with_inductor_match_eager():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), capture(net, ["0", "1", "2"], positions="last") as ref:
+        net(x)
+    runner = torch.compile(net)  # inductor
+    with torch.no_grad():
+        runner(x)
+        with capture(runner, ["0", "1", "2"], positions="last") as rec:
+            runner(x)
+        with Trace(runner, "1", edit_output=lambda output: -output) as t:
+            y = runner(x)
+        expected = net[2](-net[1](net[0](x)))
+    for name in ("0", "1", "2"):
+        torch.testing.assert_close(rec[name], ref[name])
+    torch.testing.assert_close(t.output, -net[1](net[0](x)).detach())
+    torch.testing.assert_close(y, expected)
+
+
+def test_inductor_keeps_the_native_clone_op():
+    """pyhook::clone_many has a fake kernel: inductor compiles a graph that calls it."""
+    from torch._inductor.utils import run_and_get_code
+
+    if not pyhook.native_available():
+        pytest.skip("the native core is not built")
+
+    def f(x):
+        (a,) = torch.ops.pyhook.clone_many([x * 2])
+        return a + 1
+
+    x = torch.randn(4, 3)
+    out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    assert torch.equal(out, x * 2 + 1)
+    assert any("pyhook.clone_many" in c for c in code)
