@@ -60,6 +60,15 @@ class _Table:
         self.post: tuple[_Entry, ...] = ()
 
 
+def _put(table: _Table, kind: str, entry: _Entry, prepend: bool) -> None:
+    current = getattr(table, kind)
+    setattr(table, kind, (entry, *current) if prepend else (*current, entry))
+
+
+def _drop(table: _Table, kind: str, entry: _Entry) -> None:
+    setattr(table, kind, tuple(e for e in getattr(table, kind) if e is not entry))
+
+
 class _Handle:
     """Removes one entry from the table it was added to (any thread may call :meth:`remove`)."""
 
@@ -73,9 +82,11 @@ class _Handle:
     def remove(self) -> None:
         table, self.table = self.table, None
         if table is not None:
+            if torch.compiler.is_compiling():  # traced (TruncatedModule): no lock in a graph
+                _drop(table, self.kind, self.entry)
+                return
             with _lock:
-                current = getattr(table, self.kind)
-                setattr(table, self.kind, tuple(e for e in current if e is not self.entry))
+                _drop(table, self.kind, self.entry)
 
 
 class Dispatcher:
@@ -101,7 +112,7 @@ class Dispatcher:
     def __init__(self, module: nn.Module) -> None:
         self._local = threading.local()
         self.shared = _Table()
-        self._handles = (
+        self._handles: tuple[Any, ...] = (
             module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             module.register_forward_hook(self._post, with_kwargs=True),
         )
@@ -128,14 +139,35 @@ class Dispatcher:
         table = self.table(any_thread)
         kind = "post" if post else "pre"
         entry = _Entry(fn, with_kwargs)
-        with _lock:  # tables are replaced, never mutated: a running forward keeps its snapshot
-            current = getattr(table, kind)
-            setattr(table, kind, (entry, *current) if prepend else (*current, entry))
+        if torch.compiler.is_compiling():  # traced (TruncatedModule): no lock in a graph
+            _put(table, kind, entry, prepend)
+        else:
+            with _lock:  # tables are replaced, never mutated: a running forward keeps its own
+                _put(table, kind, entry, prepend)
         return _Handle(table, kind, entry)
 
-    def remove(self) -> None:
+    def remove(self, module: nn.Module) -> None:
+        """Take this dispatcher's two hooks off ``module`` (also on a copy of the module)."""
         for h in self._handles:
             h.remove()
+        for hooks, extra in (
+            (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+            (module._forward_hooks, module._forward_hooks_with_kwargs),
+        ):
+            for key, fn in list(hooks.items()):
+                if getattr(fn, "__self__", None) is self:
+                    del hooks[key]
+                    extra.pop(key, None)
+
+    # A model holding a dispatcher can be deep-copied and pickled (torch.save): the copy gets
+    # an empty dispatcher (tracers are never copied along with a model).
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._local = threading.local()
+        self.shared = _Table()
+        self._handles = ()
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         table = getattr(self._local, "table", None)
@@ -242,7 +274,7 @@ def release(module: nn.Module) -> None:
     for m in module.modules():
         d = m.__dict__.pop(_ATTR, None)
         if d is not None:
-            d.remove()
+            d.remove(m)
             found = True
     if found:
         _invalidate()

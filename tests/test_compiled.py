@@ -493,3 +493,20 @@ def test_inductor_keeps_the_native_clone_op():
     out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
     assert torch.equal(out, x * 2 + 1)
     assert any("pyhook.clone_many" in c for c in code)
+
+
+def test_a_model_with_dispatchers_can_be_copied_and_saved(tmp_path):
+    import copy
+
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    with Trace(runner, "0"):
+        runner(x)
+    twin = copy.deepcopy(net)
+    torch.save(net, tmp_path / "net.pt")
+    loaded = torch.load(tmp_path / "net.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(twin(x), net(x)) and torch.equal(loaded(x), net(x))
+    pyhook.release_compiled(twin)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules())
