@@ -103,7 +103,7 @@ class Dispatcher:
         >>> lin = torch.nn.Linear(2, 2)
         >>> d = prepare(lin)
         >>> h = d.add(lambda m, args, out: out * 0, post=True)
-        >>> float(lin(torch.ones(2)).abs().sum())
+        >>> float(lin(torch.ones(2)).detach().abs().sum())
         0.0
         >>> h.remove(); release(lin); len(lin._forward_hooks)
         0
