@@ -22,6 +22,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   :func:`empty_pool` control the native capture-buffer pool;
 * installation: :func:`info` / :func:`format_info` report what was built and loaded (the
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
+* compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
+  dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
+  :func:`release_compiled` removes those dispatchers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ._backend import (
 )
 from ._build import check_build as _check_build
 from ._build import format_info, info
+from ._compiled import release as release_compiled
 from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
@@ -86,6 +90,7 @@ __all__ = [
     "TraceDict",
     "CallRecord",
     "StopForward",
+    "release_compiled",
     "recursive_copy",
     "subsequence",
     "hierarchical_subsequence",

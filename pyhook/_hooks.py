@@ -23,7 +23,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["CompiledModelError", "HookSet", "StopForward", "check_not_compiled", "is_own_stop"]
+__all__ = [
+    "CompiledModelError",
+    "HookSet",
+    "StopForward",
+    "check_not_compiled",
+    "compiled_path",
+    "is_own_stop",
+]
 
 
 class StopForward(Exception):
@@ -60,25 +67,17 @@ def is_own_stop(exc: BaseException | None, owner: object, accept_unowned: bool =
 
 
 class CompiledModelError(RuntimeError):
-    """Raised when hooks would be added to a module that runs under ``torch.compile``.
+    """Raised when a pyhook tool cannot give eager results on a compiled model.
 
-    With ``torch._dynamo.config.skip_nnmodule_hook_guards = True`` (PyTorch's default), code
-    compiled by ``torch.compile`` does not notice hooks added or removed after it was compiled:
-    captures would silently be missing or stale, and edits would not apply (or keep applying).
-    pyhook raises this error instead. Either trace the uncompiled model, or set
-    ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` *before* compiling, so that
-    dynamo recompiles whenever hooks change (then every pyhook tracer gives eager results).
+    Tracing models compiled with ``torch.compile(model)`` or ``model.compile()`` works with
+    dynamo's default settings (see :mod:`pyhook._compiled`); this error remains for the options
+    compiled code cannot honour, and its message names the way out.
 
     Example::
 
-        >>> import torch, pyhook
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-        >>> compiled = torch.compile(net, backend="eager")
-        >>> try:
-        ...     pyhook.Trace(compiled, "0")
-        ... except pyhook.CompiledModelError as e:
-        ...     print("refused")
-        refused
+        >>> import pyhook
+        >>> issubclass(pyhook.CompiledModelError, RuntimeError)
+        True
     """
 
 
@@ -94,46 +93,60 @@ def _compile_marker(module: nn.Module) -> str | None:
     return None
 
 
-def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "pyhook") -> None:
-    """Raise :class:`CompiledModelError` if hooks on ``root``'s submodule ``name`` could be stale.
+def _dispatcher_for(module: nn.Module) -> Any:
+    """The dispatcher hooks on ``module`` go through: installed on a compiled module, or None."""
+    dispatch = module.__dict__.get("_pyhook_dispatch")
+    if dispatch is None and _compile_marker(module) is not None:
+        from . import _compiled
 
-    ``root`` and every module on the dotted path to ``name`` (``None``/``''``: ``root`` itself)
-    are checked for the marks ``torch.compile(m)`` and ``m.compile()`` leave. Nothing is raised
-    when dynamo guards hooks (``skip_nnmodule_hook_guards = False``), since then compiled code
-    is recompiled when hooks change.
+        dispatch = _compiled.prepare(module)
+    return dispatch
+
+
+def compiled_path(root: nn.Module, name: str | None = None) -> str | None:
+    """How ``root`` or a module on the dotted path to ``name`` was compiled (None: eager).
 
     >>> import torch
-    >>> check_not_compiled(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0")  # eager: fine
+    >>> compiled_path(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0") is None  # eager
+    True
     """
     if "torch._dynamo" not in sys.modules:
-        return  # nothing in this process was compiled (runs for every traced layer: keep it cheap)
-    where, how = "", _compile_marker(root)
+        return None  # nothing in this process was compiled (runs for every traced layer: keep it cheap)
+    how = _compile_marker(root)
     if how is None and name:
         mod: nn.Module | None = root
-        parts = name.split(".")
-        for i, part in enumerate(parts):
+        for part in name.split("."):
             mod = mod._modules.get(part)  # type: ignore[union-attr]
             if mod is None:
                 break
             how = _compile_marker(mod)
             if how is not None:
-                where = ".".join(parts[: i + 1])
                 break
-    if how is not None:
-        dynamo_config = getattr(sys.modules.get("torch._dynamo"), "config", None)
-        if dynamo_config is not None and not getattr(
-            dynamo_config, "skip_nnmodule_hook_guards", True
-        ):
-            return
-        at = f"module {where!r}" if where else f"the {type(root).__name__} given"
-        raise CompiledModelError(
-            f"{who}: {at} was compiled with {how}; compiled code ignores hooks added or removed "
-            "after compilation (torch._dynamo.config.skip_nnmodule_hook_guards is True), so "
-            "captured values would be missing or stale. Trace the uncompiled model instead "
-            "(e.g. `compiled._orig_mod`, called directly), or set "
-            "`torch._dynamo.config.skip_nnmodule_hook_guards = False` before compiling so that "
-            "dynamo recompiles when hooks change."
-        )
+    return how
+
+
+def check_not_compiled(root: nn.Module, name: str | None = None, *, who: str = "pyhook") -> None:
+    """Make hooks on ``root``'s submodule ``name`` visible to compiled code, if it is compiled.
+
+    ``root`` and every module on the dotted path to ``name`` (``None``/``''``: ``root`` itself)
+    are checked for the marks ``torch.compile(m)`` and ``m.compile()`` leave; if one is found,
+    the target module gets its persistent dispatcher (:func:`pyhook._compiled.prepare`), through
+    which :class:`HookSet` then registers. (The name is historical: compiled models used to be
+    refused.)
+
+    >>> import torch
+    >>> check_not_compiled(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0")  # eager: nothing to do
+    """
+    if compiled_path(root, name) is None:
+        return
+    target: nn.Module | None = root
+    for part in name.split(".") if name else ():
+        target = target._modules.get(part)  # type: ignore[union-attr]
+        if target is None:
+            return  # the caller resolves names and reports bad ones
+    from . import _compiled
+
+    _compiled.prepare(target)  # type: ignore[arg-type]
 
 
 # -- whose forward is this? -------------------------------------------------------------------
@@ -241,7 +254,7 @@ class HookSet:
     # set is its own (cheap) context manager rather than a contextlib generator.
 
     def __init__(self, *, any_thread: bool = False) -> None:
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[Any] = []  # RemovableHandle, or a dispatcher entry's handle
         self.any_thread = any_thread
         self._own_thread()
 
@@ -286,7 +299,7 @@ class HookSet:
         guarded.__wrapped__ = fn  # type: ignore[attr-defined]
         return guarded
 
-    def _keep(self, handle: RemovableHandle) -> RemovableHandle:
+    def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
 
@@ -299,9 +312,23 @@ class HookSet:
         prepend: bool = False,
         always_call: bool = False,
     ) -> RemovableHandle:
-        """``module.register_forward_hook(fn)``, thread-guarded, owned by this set."""
-        if "torch._dynamo" in sys.modules and _compile_marker(module) is not None:
-            check_not_compiled(module)
+        """``module.register_forward_hook(fn)``, thread-guarded, owned by this set.
+
+        On a module of a compiled model the hook goes into the module's persistent dispatcher
+        instead (see :mod:`pyhook._compiled`), which compiled code sees without recompiling.
+        """
+        if "torch._dynamo" in sys.modules:
+            dispatch = _dispatcher_for(module)
+            if dispatch is not None:
+                return self._keep(
+                    dispatch.add(
+                        fn,
+                        post=True,
+                        with_kwargs=with_kwargs,
+                        prepend=prepend,
+                        any_thread=self.any_thread,
+                    )
+                )
         return self._keep(
             module.register_forward_hook(
                 self._guard(fn), with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
@@ -316,9 +343,20 @@ class HookSet:
         with_kwargs: bool = False,
         prepend: bool = False,
     ) -> RemovableHandle:
-        """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set."""
-        if "torch._dynamo" in sys.modules and _compile_marker(module) is not None:
-            check_not_compiled(module)
+        """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set
+        (dispatched on compiled models, as :meth:`forward`)."""
+        if "torch._dynamo" in sys.modules:
+            dispatch = _dispatcher_for(module)
+            if dispatch is not None:
+                return self._keep(
+                    dispatch.add(
+                        fn,
+                        post=False,
+                        with_kwargs=with_kwargs,
+                        prepend=prepend,
+                        any_thread=self.any_thread,
+                    )
+                )
         return self._keep(
             module.register_forward_pre_hook(
                 self._guard(fn), with_kwargs=with_kwargs, prepend=prepend

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from . import _backend
-from ._hooks import HookSet
+from ._compiled import call_outside, unwrap_compiled
+from ._hooks import HookSet, check_not_compiled, compiled_path
 from ._tree import tensor_leaves
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
@@ -207,6 +208,41 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return leaves[0]
 
 
+class _Batch:
+    """One forward's rows on a compiled model, linked to the batch before it (see _drain)."""
+
+    __slots__ = ("first", "mask", "prev", "rows")
+
+    def __init__(self, prev: _Batch | None, rows: dict[str, Any], first: Any, mask: Any) -> None:
+        self.prev = prev
+        self.rows = rows
+        self.first = first
+        self.mask = mask
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _positional_index(model: nn.Module, mask: Any) -> int | None:
+    """Where a mask named ``mask`` sits among ``model.forward``'s positional parameters."""
+    if not isinstance(mask, str):
+        return None
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == mask:
+            return i
+    return None
+
+
 def _positions_repr(p: Positions) -> Any:
     if isinstance(p, slice):
         return {"slice": [p.start, p.stop, p.step]}
@@ -273,6 +309,7 @@ class Recorder:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = unwrap_compiled(model)  # names resolve as in the eager model
         if to is None:
             to = "disk" if out is not None else "host"
         if to not in ("device", "host", "disk"):
@@ -336,6 +373,14 @@ class Recorder:
         }
         self._modules = resolve_layers(model, layers)  # raises before anything is registered
         self.layers = [n for n, _ in self._modules]
+        # A compiled model (or one with compiled layers): hooks go through dispatchers, and the
+        # batches are built in code dynamo traces, then finished lazily (see _drain).
+        self._compiled = any(compiled_path(model, n) is not None for n in self.layers)
+        self._chead: _Batch = _Batch(None, {}, None, None)
+        self._cbatch: dict[str, Any] = {}
+        self._cfirst: torch.Tensor | None = None
+        self._cmask: torch.Tensor | None = None
+        self._mask_pos = _positional_index(model, mask) if self._compiled else None
         self.meta = {"model": type(model).__name__, **(meta or {})}
         self.settings = {
             "layers": self.layers,
@@ -413,10 +458,21 @@ class Recorder:
             self.examples_done = self._writer.examples_done
         try:
             with self._hooks.registering():
-                self._hooks.forward_pre(self.model, self._begin, with_kwargs=True, prepend=True)
-                for name, module in self._modules:
-                    self._hooks.forward(module, self._make_hook(name))
-                self._hooks.forward(self.model, self._commit)
+                if self._compiled:
+                    for name in self.layers:
+                        check_not_compiled(self.model, name, who="capture")
+                    self._chead = _Batch(None, {}, None, None)
+                    self._hooks.forward_pre(
+                        self.model, self._begin_compiled, with_kwargs=True, prepend=True
+                    )
+                    for name, module in self._modules:
+                        self._hooks.forward(module, self._make_compiled_hook(name))
+                    self._hooks.forward(self.model, self._commit_compiled)
+                else:
+                    self._hooks.forward_pre(self.model, self._begin, with_kwargs=True, prepend=True)
+                    for name, module in self._modules:
+                        self._hooks.forward(module, self._make_hook(name))
+                    self._hooks.forward(self.model, self._commit)
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
@@ -427,6 +483,14 @@ class Recorder:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
         self._discard_pending()
+        if self._compiled:
+            try:
+                self._drain()
+            except BaseException:
+                if self._writer is not None:
+                    writer, self._writer = self._writer, None
+                    writer.abort()
+                raise
         if self._in_forward:
             self._in_forward = False
             if exc_type is None:
@@ -683,7 +747,166 @@ class Recorder:
             )
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
-        self._offloader.release(list(batch.values()))
+        if not self._compiled:  # compiled batches hold no pooled buffers
+            self._offloader.release(list(batch.values()))
+
+    # -- compiled models ------------------------------------------------------------------------
+    # The hooks below run inside code compiled by torch.compile, so they only use what dynamo
+    # traces without a graph break or a recompilation per batch: tensor ops, attributes set on
+    # the Recorder, a dict made in the same forward, and a new _Batch linked in front of the
+    # previous one (a list that grows would be guarded on its length). Everything data-dependent
+    # (masked rows, host copies of device tensors, counters) is finished by _drain, in eager
+    # Python, when results are read or the block exits.
+    def _begin_compiled(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self._cbatch = {}
+        self._cmask = None
+        self._cfirst = _first_input(args, kwargs)
+        mask = self.mask
+        if mask is None:
+            return
+        if callable(mask):
+            m = mask(args, kwargs)
+        else:
+            m = kwargs.get(mask)
+            pos = self._mask_pos
+            if m is None and pos is not None and len(args) > pos:
+                m = args[pos]
+        if m is not None:
+            if not isinstance(m, torch.Tensor) or m.dim() != 2:
+                raise ValueError(
+                    f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}"
+                )
+            self._cmask = m.detach().bool()
+
+    def _make_compiled_hook(self, name: str) -> Callable[..., None]:
+        select = self.select
+        reduces = not (
+            self.positions is None and self.mask is None and self.dtype is None and not self.flatten
+        )
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if select is not None:
+                raw = select(output)
+                if not isinstance(raw, torch.Tensor):
+                    raise TypeError(
+                        f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
+                    )
+            elif isinstance(output, torch.Tensor):
+                raw = output
+            else:
+                raw = _first_tensor(output)
+            if raw.layout != torch.strided:
+                raise TypeError(
+                    f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
+                    "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
+                )
+            t, mask = self._reduce_compiled(name, raw.detach()) if reduces else (raw.detach(), None)
+            if t.dim() == 0:
+                t = t.reshape(1)
+            # Always a copy: in a graph the compiler removes it when nothing else could change
+            # the values (and copy=False's by-reference rows have no meaning there).
+            self._cbatch[name] = (t.clone(), mask)
+
+        return hook
+
+    def _reduce_compiled(
+        self, name: str, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_reduce` without the data-dependent step: rows selected by a mask are left
+        for :meth:`_drain` (the returned mask), so the graph keeps static shapes."""
+        mask = self._cmask
+        has_tokens = t.dim() >= 3
+        if has_tokens and mask is not None and tuple(t.shape[:2]) != tuple(mask.shape):
+            raise ValueError(
+                f"layer {name!r}: output shape {tuple(t.shape)} does not start with the mask's "
+                f"[batch, tokens] {tuple(mask.shape)}"
+            )
+        if mask is not None and mask.device != t.device:
+            mask = mask.to(t.device)
+        p = self.positions
+        if has_tokens and p is not None:
+            if p == "last":
+                if mask is not None:
+                    steps = torch.arange(1, mask.shape[1] + 1, device=t.device)
+                    idx = (mask * steps).argmax(dim=1)
+                    t = t[torch.arange(t.shape[0], device=t.device), idx]
+                else:
+                    t = t[:, -1]
+                mask = None
+            elif isinstance(p, int):
+                self._check_positions(name, t, [p])
+                t = t[:, p]
+                mask = None
+            else:
+                if not isinstance(p, slice):
+                    self._check_positions(name, t, p)
+                sel = p if isinstance(p, slice) else torch.tensor(list(p), device=t.device)
+                t = t[:, sel]
+                if mask is not None:
+                    mask = mask[:, sel]
+        if t.dim() >= 3 and self.flatten:
+            if mask is None:
+                t = t.reshape(-1, *t.shape[2:])
+        else:
+            mask = None
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t, mask
+
+    def _commit_compiled(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        batch = self._cbatch
+        self._chead = _Batch(self._chead, batch, self._cfirst, self._cmask)
+        self._cbatch = {}
+        if self.to == "disk" or any(t.is_cuda for t, _ in batch.values()):
+            # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
+            # in a CUDA graph's memory pool that the next replay overwrites: one graph break,
+            # at the end of the forward, finishes the batch at once (see docs/compile.md).
+            call_outside(self._drain)
+
+    def _drain(self) -> None:
+        """Finish the batches compiled code linked since the last drain (eager, in order)."""
+        node, batches = self._chead, []
+        while node.prev is not None:
+            batches.append(node)
+            node = node.prev
+        self._chead = node
+        for b in reversed(batches):
+            examples = None
+            if b.mask is not None:
+                examples = int(b.mask.shape[0])
+            elif b.first is not None and b.first.dim():
+                examples = int(b.first.shape[0])
+            elif self.mask is not None and self._mask_unlisted:
+                self._mask_unlisted = False
+                warnings.warn(
+                    f"mask {self.mask!r} was not among the arguments of a call of "
+                    f"{type(self.model).__name__}; its tokens are not masked",
+                    stacklevel=2,
+                )
+            rows_of: dict[str, torch.Tensor] = {}
+            for name, (t, mask) in b.rows.items():
+                if mask is not None:
+                    t = t[mask.to(t.device)]
+                if self.to != "device" and not t.is_cpu:
+                    t = t.to("cpu")
+                elif t.is_cuda:
+                    t = t.clone()  # out of a CUDA graph's pool, before the next replay
+                if examples is None:
+                    examples = int(t.shape[0])
+                rows_of[name] = t
+            if self.to == "disk":
+                assert self._writer is not None
+                self._writer.add(rows_of, examples or 0)
+            else:
+                for name, t in rows_of.items():
+                    self._results[name].append(t)
+            self.batches += 1
+            self.examples += examples or 0
+            for name, t in rows_of.items():
+                self.rows[name] += int(t.shape[0])
+                self.bytes += t.nbytes
 
     # -- results -----------------------------------------------------------------------------
     def parts(self, layer: str) -> list[torch.Tensor]:
@@ -694,6 +917,8 @@ class Recorder:
             )
         if layer not in self._results:
             raise KeyError(f"layer {layer!r} was not captured; captured layers: {self.layers}")
+        if self._compiled:
+            self._drain()
         out = [p.wait()[0] if isinstance(p, PendingCopy) else p for p in self._results[layer]]
         # Checked after the waits: an unchanged version once a copy has finished means no
         # in-place update was issued before the copy read the values.

@@ -40,6 +40,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._compiled import copy_tree, dispatcher_of, unwrap_compiled
 from ._copy import recursive_copy
 from ._hooks import HookSet, check_not_compiled
 from .modules import resolve_module
@@ -126,6 +127,7 @@ class Trace(contextlib.AbstractContextManager):
                 "layer_name must be a dotted module name (str), "
                 f"got {type(layer_name).__name__}: {layer_name!r}"
             )
+        model = unwrap_compiled(model)  # names resolve as in the eager model
         name, layer = resolve_module(model, layer_name)
         check_not_compiled(model, name, who="deephook.Trace")
         self.model = model
@@ -151,7 +153,23 @@ class Trace(contextlib.AbstractContextManager):
 
     def _open(self) -> None:
         with self._hooks.registering():
-            self.hook = self._hooks.forward(self.layer, self._hook, with_kwargs=True)
+            hook = self._hook_compiled if dispatcher_of(self.layer) is not None else self._hook
+            self.hook = self._hooks.forward(self.layer, hook, with_kwargs=True)
+
+    def _hook_compiled(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        # _hook with copies dynamo traces (a layer of a compiled model)
+        if self.retain_input:
+            self.input = copy_tree(args[0], True, True) if args else None
+            self.input_kw = copy_tree(kwargs, True, True)
+        if self.edit_output is not None:
+            edited = self.edit_output(output, self.layer_name)
+            if edited is not None:
+                output = edited
+        if self.retain_output:
+            self.output = copy_tree(output, True, True)
+        return output
 
     def _hook(
         self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from . import _backend, _tree
-from ._hooks import HookSet
+from ._compiled import unwrap_compiled
+from ._hooks import HookSet, check_not_compiled
 from .distributed import ParallelState, gather_activation, is_dtensor
 from .modules import _not_found, get_module, get_parameter
 
@@ -502,7 +503,9 @@ class FlexModel(nn.Module):
                 )
             target: Any = get_parameter(self.module, hf.module_name)
         else:
-            target = get_module(self.module, hf.module_name)
+            root = unwrap_compiled(self.module)  # names resolve as in the eager model
+            target = get_module(root, hf.module_name)
+            check_not_compiled(root, hf.module_name, who="FlexModel")  # compiled: dispatched
         hooks = HookSet(any_thread=True)
         with hooks.registering():
             fn = hf._make_hook(hook_type)

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from ._compiled import call_plan, copy_tree, dispatcher_of, raise_outside, unwrap_compiled
 from ._copy import recursive_copy
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from ._invoke import accepts_argument, invoke_with_optional_args
@@ -63,17 +64,7 @@ def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | 
     return lambda: fn
 
 
-def _unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
-
-    Layer names then resolve as in the eager model (``'0'``, not ``'_orig_mod.0'``); whether
-    hooks may be added at all is decided by :func:`~pyhook._hooks.check_not_compiled`.
-    """
-    inner = module._modules.get("_orig_mod")
-    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        check_not_compiled(module, who="Trace")
-        return inner
-    return module
+_unwrap_compiled = unwrap_compiled
 
 
 def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
@@ -237,6 +228,7 @@ class Trace(contextlib.AbstractContextManager):
         self.keep_calls = flags["keep_calls"]
         self.edit_output = edit_output
         self._edit_takes_kw = edit_output is not None and accepts_argument(edit_output, "inputs_kw")
+        self._edit_plan: Any = None  # made on the compiled path (see _register)
         self.module = target
         self.calls: list[CallRecord] = []
         # Weak references to a TraceDict that owns this Trace: no reference cycle, so dropping
@@ -251,9 +243,48 @@ class Trace(contextlib.AbstractContextManager):
     # -- hook -----------------------------------------------------------------------------
     def _register(self) -> None:
         self.calls = []
+        hook = self._hook
+        if dispatcher_of(self.module) is not None and not (self.retain_grad or self.keep_calls):
+            # A module of a compiled model: the hook is inlined by dynamo, so it must trace
+            # without breaks (retain_grad and keep_calls keep the eager hook: exact, not fast).
+            if self.edit_output is not None and self._edit_plan is None:
+                names = (
+                    "output",
+                    "layer",
+                    "inputs",
+                    *(("inputs_kw",) if self._edit_takes_kw else ()),
+                )
+                self._edit_plan = call_plan(self.edit_output, names)
+            if self.edit_output is None or self._edit_plan is not False:
+                hook = self._hook_compiled
         with self._hooks.registering():
-            self._hooks.forward(self.module, self._hook, with_kwargs=True)
+            self._hooks.forward(self.module, hook, with_kwargs=True)
         self.registered_hook = self._hooks._handles[0]
+
+    def _hook_compiled(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """:meth:`_hook` in code dynamo traces without graph breaks (compiled models)."""
+        if self.edit_output is not None:
+            positional, keywords = self._edit_plan
+            values = {"output": output, "layer": self.layer, "inputs": args, "inputs_kw": kwargs}
+            edited = self.edit_output(
+                *[values[n] for n in positional], **{k: values[n] for k, n in keywords}
+            )
+            if edited is not None:
+                output = edited
+        if self.retain_input:
+            self.input = copy_tree(args[0] if len(args) == 1 else args, self.clone, self.detach)
+            self.input_kw = copy_tree(kwargs, self.clone, self.detach)
+        if self.retain_output:
+            self.output = copy_tree(output, self.clone, self.detach)
+        if self._on_call is not None:
+            on_call = self._on_call()
+            if on_call is not None:
+                on_call(self.layer)
+        if self.stop:
+            raise_outside(StopForward(owner=self._stop_owner))
+        return output
 
     def _hook(
         self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-import torch  # noqa: F401  (the seed's doctest uses the module-level name `torch`)
+import torch
 from torch import nn
 
-from ._hooks import HookSet, StopForward, is_own_stop
+from ._compiled import dispatcher_of, raise_outside, unwrap_compiled
+from ._hooks import HookSet, StopForward, check_not_compiled, compiled_path, is_own_stop
 from .modules import module_name_of, resolve_module
 
 __all__ = ["HookNotCalledError", "TruncatedModule", "TruncationExecutionFinished"]
@@ -121,6 +122,27 @@ class _HandlerWrapper:
         return self._hooks.active
 
 
+class _Truncated(Exception):
+    """The stop of a TruncatedModule on a compiled model (plain, so that dynamo traces it)."""
+
+
+class _Slot:
+    """Where one compiled-path call of a TruncatedModule keeps the truncation point's output."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.value = output
+        raise _Truncated
+
+    def hook_outside(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.value = output
+        raise_outside(_Truncated())
+
+
 class TruncatedModule(nn.Module, Generic[ModuleT]):
     """A module that wraps another module that interrupts the forward pass when a specified
     truncation point is reached.
@@ -185,9 +207,10 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        inner = unwrap_compiled(module)  # names resolve as in the eager model
         if isinstance(truncation_point, nn.Module):
             try:
-                name = module_name_of(module, truncation_point)
+                name = module_name_of(inner, truncation_point)
             except ValueError:
                 raise ValueError(
                     f"truncation_point {type(truncation_point).__name__} is not a submodule of the "
@@ -196,7 +219,7 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
             point = truncation_point
         elif isinstance(truncation_point, str):
             try:
-                name, point = resolve_module(module, truncation_point)
+                name, point = resolve_module(inner, truncation_point)
             except LookupError as e:
                 raise ValueError(
                     f"truncation_point {truncation_point!r} is not a submodule: {e}"
@@ -212,6 +235,14 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         # again would duplicate its parameters in state_dict().
         self.__dict__["_truncation_point"] = point
         self.truncation_point_name = name
+        # Compiled model: the stop goes through the point's dispatcher (see _forward_compiled).
+        self.__dict__["_inner"] = inner
+        self.__dict__["_compiled_run"] = None
+        if compiled_path(inner, name) is not None:
+            check_not_compiled(inner, name, who="TruncatedModule")
+            if inner is not module:  # torch.compile(model): our call compiles with its settings
+                ctx: Any = module.dynamo_ctx
+                self.__dict__["_compiled_run"] = ctx(self._forward_compiled)
 
     @property
     def truncation_point(self) -> nn.Module:
@@ -226,6 +257,12 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         submodule is returned. Raises :class:`HookNotCalledError` if the truncation point was not
         reached, i.e. the wrapped module finished its forward without running it.
         """
+        if dispatcher_of(self.truncation_point) is not None:
+            run = self.__dict__["_compiled_run"]
+            if run is not None and not torch.compiler.is_compiling():
+                dispatcher_of(self.truncation_point).table(False)  # type: ignore[union-attr]
+                return run(args, kwargs)  # (made first: compiled code then never sees it missing)
+            return self._forward_compiled(args, kwargs)
         handler = self.lazy_register_truncation_hook()
         try:
             with handler:
@@ -236,6 +273,33 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
             raise
         raise HookNotCalledError(
             f"the forward of {type(self.module).__name__} finished without reaching the "
+            f"truncation point {self.truncation_point_name!r}"
+        )
+
+    def _forward_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward on a compiled model, in code dynamo traces as one graph up to the stop.
+
+        The truncation point's dispatcher gets an entry for this call that keeps the output in
+        a fresh slot and raises a plain exception, caught right here: when this runs inside
+        dynamo (``torch.compile`` of this module, or of the wrapped model's settings for a
+        ``torch.compile(model)`` wrapper), the graph simply ends at the truncation point, with
+        no graph break and none of the later layers. Compiled with ``model.compile()`` instead,
+        the wrapped model's compiled forward stops from eager Python (one graph break).
+        """
+        slot = _Slot()
+        handle = dispatcher_of(self.truncation_point).add(  # type: ignore[union-attr]
+            slot.hook if torch.compiler.is_compiling() else slot.hook_outside, post=True
+        )
+        try:
+            try:
+                inner: Any = self.__dict__["_inner"]
+                inner(*args, **kwargs)
+            except _Truncated:
+                return slot.value
+        finally:
+            handle.remove()
+        raise HookNotCalledError(
+            f"the forward of {type(self._inner).__name__} finished without reaching the "
             f"truncation point {self.truncation_point_name!r}"
         )
 

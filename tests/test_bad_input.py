@@ -165,6 +165,12 @@ CASES: list[Case] = [
     ("format_info", lambda: pyhook.format_info({}), (TypeError,), "facts must be a non-empty dict"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit(-1), (ValueError,), "nbytes must be >= 0"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit("1GB"), (TypeError,), "nbytes"),
+    (
+        "release_compiled",
+        lambda: pyhook.release_compiled("model"),
+        (TypeError,),
+        "module must be a torch.nn.Module",
+    ),
     # --- deephook
     (
         "deephook.Trace",

@@ -1,10 +1,11 @@
-"""Guarantee 5: tracing a model compiled with ``torch.compile`` is correct or a clear error.
+"""Guarantee 5: tracing a model compiled with ``torch.compile`` gives eager results.
 
 What PyTorch does (checked by ``test_pytorch_ignores_hooks_added_after_compilation``): with
 ``torch._dynamo.config.skip_nnmodule_hook_guards = True`` (the default) compiled code does not
-notice hooks added or removed after compilation. pyhook's tracers therefore raise
-:class:`~pyhook._hooks.CompiledModelError` on a compiled model unless dynamo guards hooks; with
-``skip_nnmodule_hook_guards = False`` set before compiling, the tracers give eager values.
+notice plain hooks added or removed after compilation. pyhook's tracers therefore register
+through a persistent dispatcher on each traced module of a compiled model (see
+:mod:`pyhook._compiled`), which compiled code does see; they give eager values with the default
+setting (tests/test_compiled.py covers every tool) and with ``skip_nnmodule_hook_guards = False``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import warnings
 
 import pytest
 import torch
-from _hygiene import diff, hook_snapshot
 from torch import nn
 
 from pyhook import Trace, TraceDict
-from pyhook._hooks import CompiledModelError
+from pyhook._compiled import active_entries
 from pyhook.capture import capture
 from pyhook.deephook import Trace as DeepTrace
 
@@ -66,7 +66,8 @@ def test_pytorch_ignores_hooks_added_after_compilation():
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
-def test_tracing_a_compiled_model_raises_a_clear_error_and_registers_nothing(how):
+def test_tracing_a_compiled_model_with_default_settings_sees_every_tracer(how):
+    """Formerly refused with CompiledModelError: now each tracer's values are fresh and exact."""
     net = mlp()
     x = torch.randn(3, 4)
     if how == "torch.compile":
@@ -75,31 +76,43 @@ def test_tracing_a_compiled_model_raises_a_clear_error_and_registers_nothing(how
         net.compile(backend="eager")
         runner = net
     runner(x)
-    before = hook_snapshot(net)
-    makers = [
-        lambda: Trace(net, "0"),
-        lambda: Trace(net, "2", stop=True),
-        lambda: TraceDict(net, ["0", "2"]),
-        lambda: capture(net, ["0"]).__enter__(),
-    ]
+    with torch.no_grad():
+        h0, h2 = net[0](x), net(x)
+    with Trace(net, "0") as t:
+        runner(x)
+    assert torch.allclose(t.output, h0)
+    with Trace(net, "2", stop=True) as t:
+        runner(x)
+    assert torch.allclose(t.output, h2)
+    with TraceDict(net, ["0", "2"]) as td:
+        runner(x)
+    assert torch.allclose(td["0"].output, h0) and torch.allclose(td["2"].output, h2)
+    with capture(net, ["0"]) as rec:
+        runner(x)
+    assert torch.allclose(rec["0"], h0)
     if how == "torch.compile":
-        makers.append(lambda: Trace(runner, "0"))
-    for make in makers:
-        with pytest.raises(CompiledModelError, match="skip_nnmodule_hook_guards = False") as info:
-            make()
-        assert "uncompiled" in str(info.value)
-        assert not diff(before, hook_snapshot(net))
+        with Trace(runner, "0") as t:
+            runner(x)
+        assert torch.allclose(t.output, h0)
+    # only the persistent dispatchers remain; no tracer entry is left in them
+    assert active_entries(net) == 0
+    assert all(len(m._forward_hooks) <= 1 for m in net.modules())
 
 
 def test_a_compiled_submodule_is_detected_on_the_path_to_the_layer():
     outer = nn.Sequential(mlp(), nn.Linear(2, 2))
     outer[0].compile(backend="eager")
-    with pytest.raises(CompiledModelError, match="module '0'"):
-        Trace(outer, "0.2")
-    # a sibling branch that is not compiled can be traced
+    x = torch.randn(1, 4)
+    outer(x)
+    with Trace(outer, "0.2") as t:  # inside the compiled submodule: dispatched, still exact
+        y = outer(x)
+    with torch.no_grad():
+        assert torch.allclose(t.output, outer[0](x)) and torch.allclose(outer[1](t.output), y)
+    # a sibling branch that is not compiled gets a plain hook
     with Trace(outer, "1") as t:
-        y = outer(torch.randn(1, 4))
+        y = outer(x)
     assert torch.equal(t.output, y)
+    assert "_pyhook_dispatch" not in outer[1].__dict__
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -127,7 +140,7 @@ def test_with_hook_guards_traces_of_compiled_models_match_eager(hook_guards, bac
             compiled(x2)
         assert [c.step for c in t.calls] == [0, 1]
         assert torch.allclose(t.calls[1].output, torch.relu(net[0](x2)))
-    assert sum(len(m._forward_hooks) for m in net.modules()) == 0
+    assert active_entries(net) == 0  # only the persistent dispatchers remain
 
 
 def test_module_compile_with_hook_guards_matches_eager(hook_guards):
@@ -145,20 +158,24 @@ def test_module_compile_with_hook_guards_matches_eager(hook_guards):
     assert not torch.allclose(net(x), y)
 
 
-def test_fullgraph_fails_loudly_rather_than_silently(hook_guards):
-    """fullgraph=True cannot inline the thread guard of a hook: dynamo raises (never stale)."""
+def test_fullgraph_traces_pyhook_hooks(hook_guards):
+    """fullgraph=True used to fail on the thread guard of a hook; dispatched hooks trace."""
     net = mlp()
     x = torch.randn(2, 4)
     compiled = torch.compile(net, backend="eager", fullgraph=True)
     compiled(x)
-    with pytest.raises(Exception, match="(?i)dynamo|unsupported|graph"), Trace(net, "0"):
+    with Trace(net, "0", clone=True) as t:
         compiled(x)
-    assert sum(len(m._forward_hooks) for m in net.modules()) == 0
+    with torch.no_grad():
+        assert torch.allclose(t.output, net[0](x))
 
 
-def test_deephook_trace_on_compiled_model_raises():
+def test_deephook_trace_on_compiled_model_matches_eager():
     net = mlp()
+    x = torch.randn(1, 4)
     compiled = torch.compile(net, backend="eager")
-    compiled(torch.randn(1, 4))
-    with pytest.raises(CompiledModelError):
-        DeepTrace(net, "0").close()
+    compiled(x)
+    with DeepTrace(compiled, "0") as t:
+        compiled(x)
+    with torch.no_grad():
+        assert torch.allclose(t.output, net[0](x))

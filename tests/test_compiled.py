@@ -1,0 +1,512 @@
+"""Every tool on compiled models (issue 13), with dynamo's default settings.
+
+Each test compares a compiled run against the same tool on the eager model (or a hand-written
+reference). Graph-break counts come from ``torch._dynamo.explain`` on a small ``GPT2Model``
+(4 blocks) and must equal the count without hooks; recompilations are counted with
+``torch._dynamo.utils.counters["stats"]["unique_graphs"]``. Most tests compile with
+``backend="eager"`` (dynamo's tracing, guards and graph breaks, without inductor's compile time).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch import nn
+from torch._dynamo.utils import counters
+
+import pyhook
+from pyhook import Trace, TraceDict, TraceMultiple
+from pyhook._compiled import active_entries
+from pyhook.capture import capture
+from pyhook.modules import LayerNotFoundError
+from pyhook.truncate import TruncatedModule
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+transformers = pytest.importorskip("transformers")
+
+HOWS = ["torch.compile", "module.compile"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    # the point of the issue: nothing here changes dynamo's configuration
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is True
+    yield
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is True
+    torch._dynamo.reset()
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def compiled(net: nn.Module, how: str) -> nn.Module:
+    """The callable a user runs: the wrapper, or the module itself after ``module.compile()``."""
+    if how == "torch.compile":
+        return torch.compile(net, backend="eager")
+    net.compile(backend="eager")
+    return net
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def gpt_parts():
+    cfg = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    return model, ids, mask
+
+
+BLOCKS = ["h.0", "h.1", "h.2", "h.3", "h.0.mlp"]
+
+
+def double_hidden(output):
+    """A traceable edit of a block's output (a tensor, or a tuple starting with one)."""
+    if isinstance(output, torch.Tensor):
+        return output * 2
+    return (output[0] * 2, *output[1:])
+
+
+def breaks(fn, *args, **kwargs) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args, **kwargs).graph_break_count
+
+
+# -- exact results, per tool ------------------------------------------------------------------
+@pytest.mark.parametrize("how", HOWS)
+def test_trace_on_a_compiled_model_matches_eager(how):
+    net = mlp()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        h0 = net[0](x)
+        plain = net(x)
+    runner = compiled(net, how)
+    runner(x)  # compiled before any tracer exists: the tracer must still be seen
+    with Trace(
+        runner, "0", retain_input=True, clone=True, edit_output=lambda output: output + 1
+    ) as t:
+        y = runner(x)
+    with torch.no_grad():
+        assert torch.equal(t.input, x)
+        assert torch.allclose(t.output, h0 + 1)
+        assert torch.allclose(y, net[2](torch.relu(h0 + 1)))
+        # the edit is gone after exit (never a stale compiled edit)
+        assert torch.allclose(runner(x), plain)
+    assert active_entries(net) == 0
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_tracedict_and_its_stop_on_a_compiled_model_match_eager(how):
+    net = mlp()
+    x, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    with TraceDict(net, ["0", "2"], detach=True) as ref:
+        net(x2)
+    runner = compiled(net, how)
+    runner(x)
+    with TraceDict(runner, ["0", "2"], detach=True) as td:
+        y = runner(x2)
+    assert torch.equal(td["0"].output, ref["0"].output)
+    assert torch.equal(td["2"].output, ref["2"].output) and torch.equal(y, ref["2"].output)
+    ran = []
+    with TraceDict(runner, ["0"], stop=True) as td:
+        runner(x2)
+        ran.append("after the forward")  # skipped: the stop ends the block
+    assert ran == [] and torch.equal(td["0"].output, ref["0"].output)
+    with Trace(runner, "2", stop=True) as t:
+        runner(x2)
+        ran.append("after the forward")
+    assert ran == [] and torch.equal(t.output, ref["2"].output)
+    assert active_entries(net) == 0
+
+
+def test_nested_stops_are_owned_on_a_compiled_model():
+    """An inner tracer's stop is not swallowed by an outer one, and vice versa (as in eager)."""
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    with Trace(runner, "2") as outer:
+        with Trace(runner, "0", stop=True) as inner:
+            runner(x)
+        assert outer.__dict__.get("output") is None  # layer 2 never ran
+        runner(x)
+    with torch.no_grad():
+        assert torch.allclose(inner.output, net[0](x))
+        assert torch.allclose(outer.output, net(x))
+    with pytest.raises(pyhook.StopForward), TraceDict(runner, ["2"]):
+        with Trace(runner, "0", stop=True):
+            pass
+        raise pyhook.StopForward(owner=object())  # someone else's stop passes through
+    assert active_entries(net) == 0
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_trace_multiple_on_a_compiled_model_matches_eager(how):
+    net = mlp()
+    x = torch.randn(3, 4)
+    settings = {"0": (True, True, lambda output, layer_name: output * 2), "2": (True,)}
+    with TraceMultiple(net, settings) as ref:
+        y_ref = net(x)
+    runner = compiled(net, how)
+    runner(x)
+    with TraceMultiple(runner, settings) as tm:
+        y = runner(x)
+    assert torch.equal(tm["0"].output, ref["0"].output)
+    assert torch.equal(tm["0"].input, x)
+    assert torch.equal(tm["2"].output, ref["2"].output) and torch.allclose(y, y_ref)
+    assert active_entries(net) == 0
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_flex_model_hook_functions_on_a_compiled_model_match_eager(how):
+    def double(module, x, save_ctx, modules):
+        return x * 2
+
+    net = mlp()
+    x = torch.randn(3, 4)
+    out_ref: dict = {}
+    fm = pyhook.FlexModel(net, out_ref)
+    fm.register_forward_hook(pyhook.HookFunction("0", editing_function=double))
+    y_ref = fm(x)
+    fm.restore()
+    runner = compiled(net, how)
+    runner(x)
+    out: dict = {}
+    fm = pyhook.FlexModel(runner, out)
+    fm.register_forward_hook(pyhook.HookFunction("0", editing_function=double))
+    y = fm(x)
+    assert torch.allclose(y, y_ref)
+    assert torch.equal(out["0"][0], out_ref["0"][0])
+    fm.restore()
+    with torch.no_grad():
+        assert torch.allclose(runner(x), net[2](torch.relu(net[0](x))))
+    assert active_entries(net) == 0
+
+
+@pytest.mark.parametrize(
+    "how", ["torch.compile", pytest.param("module.compile", marks=pytest.mark.slow)]
+)
+def test_truncated_module_on_a_compiled_model_matches_eager(how, gpt_parts):
+    model, ids, _ = gpt_parts
+    ref = TruncatedModule(model, "h.1")(ids)
+    runner = compiled(model, how)
+    try:
+        got = TruncatedModule(runner, "h.1")(ids)
+        assert torch.equal(got[0], ref[0])
+        got = torch.compile(TruncatedModule(model, model.h[1]), backend="eager")(ids)
+        assert torch.equal(got[0], ref[0])
+        assert active_entries(model) == 0
+    finally:
+        if how == "module.compile":
+            model._compiled_call_impl = None
+        pyhook.release_compiled(model)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"to": "device", "mask": "attention_mask"},
+        pytest.param({"positions": "last", "mask": "attention_mask"}, marks=pytest.mark.slow),
+        pytest.param({"positions": [0, 3], "dtype": torch.float16}, marks=pytest.mark.slow),
+        pytest.param({"flatten": False, "positions": slice(2, 5)}, marks=pytest.mark.slow),
+    ],
+    ids=["host", "device-mask", "last", "positions-dtype", "unflattened"],
+)
+def test_capture_on_a_compiled_model_matches_eager(options, gpt_parts):
+    model, ids, mask = gpt_parts
+    with capture(model, BLOCKS, **options) as ref:
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids[:1], attention_mask=mask[:1])
+    runner = torch.compile(model, backend="eager")
+    try:
+        with capture(runner, BLOCKS, **options) as rec:  # names as in the eager model
+            runner(input_ids=ids, attention_mask=mask)
+            runner(input_ids=ids[:1], attention_mask=mask[:1])
+        assert rec.layers == ref.layers
+        for name in BLOCKS:
+            assert [p.shape for p in rec.parts(name)] == [p.shape for p in ref.parts(name)]
+            assert torch.equal(rec[name], ref[name]), name
+        assert (rec.examples, rec.batches, rec.rows) == (ref.examples, ref.batches, ref.rows)
+        assert active_entries(model) == 0
+    finally:
+        pyhook.release_compiled(model)
+
+
+def test_capture_to_disk_on_a_compiled_model_matches_eager(tmp_path, gpt_parts):
+    model, ids, mask = gpt_parts
+    with capture(model, BLOCKS, mask="attention_mask") as ref:
+        model(input_ids=ids, attention_mask=mask)
+    runner = torch.compile(model, backend="eager")
+    try:
+        with capture(runner, BLOCKS, out=tmp_path / "c", mask="attention_mask"):
+            runner(input_ids=ids, attention_mask=mask)
+        stored = pyhook.open_capture(tmp_path / "c")
+        for name in BLOCKS:
+            assert torch.equal(stored[name].to_tensor(), ref[name])
+    finally:
+        pyhook.release_compiled(model)
+
+
+# -- no graph breaks of pyhook's making -------------------------------------------------------
+def test_graph_breaks_equal_the_hookless_count(gpt_parts):
+    model, ids, _ = gpt_parts
+    baseline = breaks(model, ids)
+    store: dict = {}
+    handles = [
+        model.get_submodule(n).register_forward_hook(
+            lambda m, a, o, n=n: store.__setitem__(n, o[0].clone())
+        )
+        for n in BLOCKS
+    ]
+    try:
+        assert breaks(model, ids) == baseline  # a plain hook keeping a clone: no break either
+    finally:
+        for h in handles:
+            h.remove()
+    runner = torch.compile(model, backend="eager")
+    try:
+        with capture(runner, BLOCKS):
+            assert breaks(model, ids) == baseline
+        with capture(runner, BLOCKS, to="device", positions="last"):
+            assert breaks(model, ids) == baseline
+        with TraceDict(runner, BLOCKS, clone=True, detach=True):
+            assert breaks(model, ids) == baseline
+        with Trace(runner, "h.1", edit_output=double_hidden):
+            assert breaks(model, ids) == baseline
+        with TraceMultiple(runner, {"h.0": (True, True), "h.2": ()}):
+            assert breaks(model, ids) == baseline
+        assert breaks(TruncatedModule(model, "h.2"), ids) == baseline
+    finally:
+        pyhook.release_compiled(model)
+
+
+def test_a_stop_inside_compiled_code_is_one_break_and_skips_the_rest():
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    runner(x)
+    compiled_graphs = torch._dynamo.testing.CompileCounter()
+    runner = torch.compile(net, backend=compiled_graphs)
+    ran = []
+    with Trace(runner, "0", stop=True) as t, Trace(runner, "2") as later:
+        runner(x)
+        ran.append("after the forward")
+    assert ran == [] and later.__dict__.get("output") is None  # layer 2 never ran
+    with torch.no_grad():
+        assert torch.allclose(t.output, net[0](x))
+    # one graph, up to the stop (the raise is the one graph break); nothing compiled after it
+    assert compiled_graphs.frame_count == 1
+    assert sum(counters["graph_break"].values()) >= 1
+
+
+# -- no recompilation on re-entry -------------------------------------------------------------
+def test_reentry_compiles_nothing_new_and_a_change_compiles_once(gpt_parts):
+    model, ids, _ = gpt_parts
+    runner = torch.compile(model, backend="eager")
+    try:
+        runner(ids)
+        for make in (
+            lambda: capture(runner, BLOCKS),
+            lambda: TraceDict(runner, BLOCKS, clone=True),
+            lambda: Trace(runner, "h.1", detach=True),
+        ):
+            with make():
+                runner(ids)
+            before = graphs()
+            for _ in range(3):
+                with make():
+                    runner(ids)
+                    runner(ids)
+            assert graphs() == before
+        runner(ids)  # no tracer (compiled once more: the dispatchers now exist)
+        before = graphs()
+        runner(ids)
+        with capture(runner, ["h.0"]):  # other layers: one new graph ...
+            runner(ids)
+        assert graphs() == before + 1
+        with capture(runner, ["h.0"]):  # ... once
+            runner(ids)
+        with Trace(runner, "h.1", detach=True):  # and the earlier entries are still cached
+            runner(ids)
+        assert graphs() == before + 1
+    finally:
+        pyhook.release_compiled(model)
+
+
+def test_an_edit_function_is_part_of_the_cache_key():
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+
+    def plus(output):
+        return output + 1
+
+    outs = []
+    for fn in (plus, plus, lambda output: output * 0):
+        with Trace(runner, "0", edit_output=fn) as t:
+            runner(x)
+        outs.append(t.output)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[2], torch.zeros_like(outs[2]))
+
+
+# -- reliability: threads, bad input, removal ---------------------------------------------------
+def test_thread_isolation_on_a_compiled_model():
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    with torch.no_grad():
+        plain = net(x)
+    results: dict = {}
+
+    def other_thread():
+        results["y"] = runner(x)  # not traced, not edited: its own compiled code
+        with Trace(runner, "0", edit_output=lambda output: output * 0) as t:
+            results["edited"] = runner(x)
+        results["t"] = t.output
+
+    with Trace(runner, "0", edit_output=lambda output: output + 1) as mine:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        y = runner(x)
+    with torch.no_grad():
+        assert torch.allclose(results["y"], plain)
+        assert torch.equal(results["t"], torch.zeros(2, 8))
+        assert torch.allclose(results["edited"], net[2](torch.zeros(2, 8)))
+        assert torch.allclose(mine.output, net[0](x) + 1)
+        assert torch.allclose(y, net[2](torch.relu(net[0](x) + 1)))
+    assert active_entries(net) == 0
+
+
+def test_bad_input_keeps_named_errors_and_registers_nothing(gpt_parts):
+    model, ids, _ = gpt_parts
+    runner = torch.compile(model, backend="eager")
+    try:
+        with pytest.raises(LayerNotFoundError, match=r"h\.9"):
+            capture(runner, ["h.0", "h.9"])
+        with pytest.raises(LayerNotFoundError):
+            Trace(runner, "_orig_mod.h.0")  # the wrapper's own name is not a layer of the model
+        with pytest.raises(TypeError, match="edit_output"):
+            Trace(runner, "h.0", edit_output=3)
+        with (
+            pytest.raises(ValueError, match=r"h\.1.*positions"),
+            capture(runner, ["h.1"], positions=[40]),
+        ):
+            runner(ids)
+        assert active_entries(model) == 0
+        with capture(runner, ["h.1"]) as rec:  # still usable afterwards
+            runner(ids)
+        assert rec["h.1"].shape == (24, 32)
+    finally:
+        pyhook.release_compiled(model)
+
+
+def test_release_removes_the_dispatchers_and_recompiles():
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    with Trace(runner, "0"):
+        runner(x)
+    assert len(net[0]._forward_hooks) == 1  # the dispatcher stays for the next tracer
+    pyhook.release_compiled(runner)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    with torch.no_grad():
+        assert torch.allclose(runner(x), net(x))
+    with Trace(runner, "0") as t:  # installed again on demand
+        runner(x)
+    with torch.no_grad():
+        assert torch.allclose(t.output, net[0](x))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_capture_under_cuda_graphs_matches_eager():  # pragma: no cover - no GPU here
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).cuda()
+    x = torch.randn(4, 10, 16, device="cuda")
+    with capture(net, ["0", "2"]) as ref:
+        net(x)
+    runner = torch.compile(net, mode="reduce-overhead")
+    for _ in range(3):
+        runner(x)
+    with capture(runner, ["0", "2"]) as rec:
+        for _ in range(3):
+            runner(x)
+    for name in ("0", "2"):
+        assert torch.equal(rec[name], torch.cat([ref[name]] * 3))
+
+
+# -- inductor -----------------------------------------------------------------------------------
+def test_capture_and_trace_with_inductor_match_eager():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), capture(net, ["0", "1", "2"], positions="last") as ref:
+        net(x)
+    runner = torch.compile(net)  # inductor
+    with torch.no_grad():
+        runner(x)
+        with capture(runner, ["0", "1", "2"], positions="last") as rec:
+            runner(x)
+        with Trace(runner, "1", edit_output=lambda output: -output) as t:
+            y = runner(x)
+        expected = net[2](-net[1](net[0](x)))
+    for name in ("0", "1", "2"):
+        torch.testing.assert_close(rec[name], ref[name])
+    torch.testing.assert_close(t.output, -net[1](net[0](x)).detach())
+    torch.testing.assert_close(y, expected)
+
+
+def test_inductor_keeps_the_native_clone_op():
+    """pyhook::clone_many has a fake kernel: inductor compiles a graph that calls it."""
+    from torch._inductor.utils import run_and_get_code
+
+    if not pyhook.native_available():
+        pytest.skip("the native core is not built")
+
+    def f(x):
+        (a,) = torch.ops.pyhook.clone_many([x * 2])
+        return a + 1
+
+    x = torch.randn(4, 3)
+    out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    assert torch.equal(out, x * 2 + 1)
+    assert any("pyhook.clone_many" in c for c in code)
+
+
+def test_a_model_with_dispatchers_can_be_copied_and_saved(tmp_path):
+    import copy
+
+    net = mlp()
+    x = torch.randn(2, 4)
+    runner = torch.compile(net, backend="eager")
+    with Trace(runner, "0"):
+        runner(x)
+    twin = copy.deepcopy(net)
+    torch.save(net, tmp_path / "net.pt")
+    loaded = torch.load(tmp_path / "net.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(twin(x), net(x)) and torch.equal(loaded(x), net(x))
+    pyhook.release_compiled(twin)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules())
