@@ -303,6 +303,28 @@ class HookSet:
         self._handles.append(handle)
         return handle
 
+    def _dispatched(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        post: bool,
+        with_kwargs: bool,
+        prepend: bool,
+    ) -> Any:
+        """The hook as an entry of ``module``'s persistent dispatcher when ``module`` belongs to
+        a compiled model (see :mod:`pyhook._compiled`), else None (a plain hook is wanted)."""
+        if "torch._dynamo" not in sys.modules:
+            return None
+        dispatch = _dispatcher_for(module)
+        if dispatch is None:
+            return None
+        return self._keep(
+            dispatch.add(
+                fn, post=post, with_kwargs=with_kwargs, prepend=prepend, any_thread=self.any_thread
+            )
+        )
+
     def forward(
         self,
         module: nn.Module,
@@ -317,18 +339,9 @@ class HookSet:
         On a module of a compiled model the hook goes into the module's persistent dispatcher
         instead (see :mod:`pyhook._compiled`), which compiled code sees without recompiling.
         """
-        if "torch._dynamo" in sys.modules:
-            dispatch = _dispatcher_for(module)
-            if dispatch is not None:
-                return self._keep(
-                    dispatch.add(
-                        fn,
-                        post=True,
-                        with_kwargs=with_kwargs,
-                        prepend=prepend,
-                        any_thread=self.any_thread,
-                    )
-                )
+        handle = self._dispatched(module, fn, post=True, with_kwargs=with_kwargs, prepend=prepend)
+        if handle is not None:
+            return handle
         return self._keep(
             module.register_forward_hook(
                 self._guard(fn), with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
@@ -345,18 +358,9 @@ class HookSet:
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set
         (dispatched on compiled models, as :meth:`forward`)."""
-        if "torch._dynamo" in sys.modules:
-            dispatch = _dispatcher_for(module)
-            if dispatch is not None:
-                return self._keep(
-                    dispatch.add(
-                        fn,
-                        post=False,
-                        with_kwargs=with_kwargs,
-                        prepend=prepend,
-                        any_thread=self.any_thread,
-                    )
-                )
+        handle = self._dispatched(module, fn, post=False, with_kwargs=with_kwargs, prepend=prepend)
+        if handle is not None:
+            return handle
         return self._keep(
             module.register_forward_pre_hook(
                 self._guard(fn), with_kwargs=with_kwargs, prepend=prepend

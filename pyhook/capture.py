@@ -587,8 +587,18 @@ class Recorder:
             self._batch_examples = int(m.shape[0])
 
     def _reduce(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        mask = self._batch_mask
+        t, mask = self._select_positions(name, t.detach(), self._batch_mask)
+        if t.dim() >= 3 and self.flatten:
+            t = t[mask] if mask is not None else t.reshape(-1, *t.shape[2:])
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def _select_positions(
+        self, name: str, t: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of ``positions`` (eager and compiled captures alike): ``t`` reduced to them
+        and the mask of the tokens kept (None once positions picked one token per example)."""
         has_tokens = t.dim() >= 3
         if has_tokens and mask is not None and tuple(t.shape[:2]) != tuple(mask.shape):
             raise ValueError(
@@ -615,15 +625,11 @@ class Recorder:
             else:
                 if not isinstance(p, slice):
                     self._check_positions(name, t, p)
-                sel = p if isinstance(p, slice) else torch.as_tensor(list(p), device=t.device)
+                sel = p if isinstance(p, slice) else torch.tensor(list(p), device=t.device)
                 t = t[:, sel]
                 if mask is not None:
                     mask = mask[:, sel]
-        if t.dim() >= 3 and self.flatten:
-            t = t[mask] if mask is not None else t.reshape(-1, *t.shape[2:])
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t
+        return t, mask
 
     def _check_positions(self, name: str, t: torch.Tensor, positions: Sequence[int]) -> None:
         tokens = int(t.shape[1])
@@ -816,36 +822,7 @@ class Recorder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_reduce` without the data-dependent step: rows selected by a mask are left
         for :meth:`_drain` (the returned mask), so the graph keeps static shapes."""
-        mask = self._cmask
-        has_tokens = t.dim() >= 3
-        if has_tokens and mask is not None and tuple(t.shape[:2]) != tuple(mask.shape):
-            raise ValueError(
-                f"layer {name!r}: output shape {tuple(t.shape)} does not start with the mask's "
-                f"[batch, tokens] {tuple(mask.shape)}"
-            )
-        if mask is not None and mask.device != t.device:
-            mask = mask.to(t.device)
-        p = self.positions
-        if has_tokens and p is not None:
-            if p == "last":
-                if mask is not None:
-                    steps = torch.arange(1, mask.shape[1] + 1, device=t.device)
-                    idx = (mask * steps).argmax(dim=1)
-                    t = t[torch.arange(t.shape[0], device=t.device), idx]
-                else:
-                    t = t[:, -1]
-                mask = None
-            elif isinstance(p, int):
-                self._check_positions(name, t, [p])
-                t = t[:, p]
-                mask = None
-            else:
-                if not isinstance(p, slice):
-                    self._check_positions(name, t, p)
-                sel = p if isinstance(p, slice) else torch.tensor(list(p), device=t.device)
-                t = t[:, sel]
-                if mask is not None:
-                    mask = mask[:, sel]
+        t, mask = self._select_positions(name, t, self._cmask)
         if t.dim() >= 3 and self.flatten:
             if mask is None:
                 t = t.reshape(-1, *t.shape[2:])
