@@ -208,6 +208,25 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return leaves[0]
 
 
+def _layer_rows(name: str, output: Any, select: Callable[[Any], Any] | None) -> torch.Tensor:
+    """The tensor capture stores for layer ``name`` (``select(output)``, or the output's first
+    tensor), checked: a dense tensor. Shared by the eager and the compiled layer hooks."""
+    if select is not None:
+        raw = select(output)
+        if not isinstance(raw, torch.Tensor):
+            raise TypeError(
+                f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
+            )
+    else:
+        raw = _first_tensor(output)
+    if raw.layout != torch.strided:
+        raise TypeError(
+            f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
+            "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
+        )
+    return raw
+
+
 class _Batch:
     """One forward's rows on a compiled model, linked to the batch before it (see _drain)."""
 
@@ -656,21 +675,7 @@ class Recorder:
         kept_min = _backend.KEPT_MIN_BYTES
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if select is not None:
-                raw = select(output)
-                if not isinstance(raw, torch.Tensor):
-                    raise TypeError(
-                        f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
-                    )
-            elif type(output) is torch.Tensor:
-                raw = output
-            else:
-                raw = _first_tensor(output)
-            if raw.layout != torch.strided:
-                raise TypeError(
-                    f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
-                    "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
-                )
+            raw = _layer_rows(name, output, select)
             if self._batch_examples is None:
                 self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
             if reduces:
@@ -793,21 +798,7 @@ class Recorder:
         )
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if select is not None:
-                raw = select(output)
-                if not isinstance(raw, torch.Tensor):
-                    raise TypeError(
-                        f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
-                    )
-            elif isinstance(output, torch.Tensor):
-                raw = output
-            else:
-                raw = _first_tensor(output)
-            if raw.layout != torch.strided:
-                raise TypeError(
-                    f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
-                    "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
-                )
+            raw = _layer_rows(name, output, select)
             t, mask = self._reduce_compiled(name, raw.detach()) if reduces else (raw.detach(), None)
             if t.dim() == 0:
                 t = t.reshape(1)
