@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -35,24 +34,13 @@ from collections.abc import Callable
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+
+# the same paired, shuffled round-robin (with one warm-up call each) as the capture benchmark
+from bench_capture import compare  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import pyhook  # noqa: E402
 from pyhook.capture import capture  # noqa: E402
-
-
-def compare(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per method and round, round-robin in a shuffled order (fixed seed)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
@@ -131,8 +119,6 @@ def main() -> None:
         "compiled": forwards(compiled),
         "compiled+capture": captured(compiled),
     }
-    for fn in fns.values():  # warm-up
-        fn()
     times = compare(fns, rounds)
     print(f"\n{rounds} paired rounds of {n} forwards; median ms per forward:")
     print(f"{'method':<18} {'ms':>8}")
