@@ -64,9 +64,6 @@ def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | 
     return lambda: fn
 
 
-_unwrap_compiled = unwrap_compiled
-
-
 def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
     if value is None or isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
@@ -162,7 +159,7 @@ class Trace(contextlib.AbstractContextManager):
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        module = _unwrap_compiled(module)
+        module = unwrap_compiled(module)
         if layer is None:
             self.layer: str | None = None
             target = module
@@ -390,7 +387,7 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        module = _unwrap_compiled(module)
+        module = unwrap_compiled(module)
         if layers is None or isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
             raise TypeError(
                 "layers must be a list of dotted layer names, e.g. ['transformer.h.0'], "
