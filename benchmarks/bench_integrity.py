@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from pyhook import store
 from pyhook.capture import capture
 from pyhook.store import ShardWriter, open_capture, verify_capture
+from pyhook.store import format as store_format
 
 med = statistics.median
 
@@ -72,11 +72,11 @@ class no_checksum:
     """Within the block the writer computes no checksum (the cost before issue 12)."""
 
     def __enter__(self) -> None:
-        store._CHECKSUM_FUNCS["none"] = lambda data, value=0: 0
-        self.saved, store.CHECKSUM = store.CHECKSUM, "none"
+        store_format._CHECKSUM_FUNCS["none"] = lambda data, value=0: 0
+        self.saved, store_format.CHECKSUM = store_format.CHECKSUM, "none"
 
     def __exit__(self, *exc: object) -> None:
-        store.CHECKSUM = self.saved
+        store_format.CHECKSUM = self.saved
 
 
 def bench_checksums(mb: int) -> None:
@@ -331,7 +331,7 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     print(
         f"pyhook integrity benchmark: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"checksum {store.CHECKSUM}, directory {base}"
+        f"checksum {store_format.CHECKSUM}, directory {base}"
     )
     if "checksums" not in args.skip:
         bench_checksums(64)

@@ -1,7 +1,7 @@
 """Fault injection on the capture store: kills at every writer step, every corruption kind.
 
 * Kills: a forked child writes a capture and SIGKILLs itself at the k-th time the writer reaches
-  a given step (``pyhook.store._fault_hook``, deterministic, no timing); the parent resumes the
+  a given step (``pyhook.store.format._fault_hook``, deterministic, no timing); the parent resumes the
   capture the way the README says (skip ``examples_done``) and the directory must be
   byte-for-byte the one an uninterrupted run writes. ``KILL_POINTS`` lists every point.
 * Corruptions: each kind of damage in ``CORRUPTIONS`` must be detected by opening (the cheap
@@ -25,9 +25,9 @@ import sys
 import pytest
 import torch
 
-from pyhook import store
 from pyhook.cli import main
 from pyhook.store import CaptureDamagedError, ShardWriter, open_capture, verify_capture
+from pyhook.store import format as store_format
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork (Linux)"
@@ -79,11 +79,11 @@ def _snapshot(out):
 
 def _count_steps(out):
     seen: collections.Counter[str] = collections.Counter()
-    store._fault_hook = lambda step: seen.update([step])
+    store_format._fault_hook = lambda step: seen.update([step])
     try:
         _capture(out)
     finally:
-        store._fault_hook = None
+        store_format._fault_hook = None
     return seen
 
 
@@ -145,7 +145,7 @@ def _kill_at(out, step, k):
                 if s == step and seen[s] == k:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            store._fault_hook = hook
+            store_format._fault_hook = hook
             _capture(out)
             code = 4  # finished without reaching the kill point
         finally:

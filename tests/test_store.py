@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from pyhook import store
-from pyhook.store import CaptureExistsError, CaptureWriteError, ShardWriter, open_capture
+from pyhook.store import CaptureExistsError, CaptureWriteError, ShardWriter, open_capture, writer
 
 
 def _batches(n: int = 5, rows: int = 3, seed: int = 0):
@@ -176,7 +176,7 @@ def test_different_settings_refused_same_settings_resume(tmp_path):
 
 def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeypatch):
     batches = _batches(4)
-    real = store._write_file  # what the writer thread calls: returns (bytes, checksum)
+    real = writer._write_file  # what the writer thread calls: returns (bytes, checksum)
     calls = {"n": 0}
 
     def flaky(path, tensors, metadata=None, *, fsync=True):
@@ -187,7 +187,7 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, tensors, metadata, fsync=fsync)
 
-    monkeypatch.setattr(store, "_write_file", flaky)
+    monkeypatch.setattr(writer, "_write_file", flaky)
     w = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1, max_pending=1)
     with pytest.raises(CaptureWriteError, match="No space left on device.*resume"):
         for b, n in batches:
@@ -199,7 +199,7 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
     assert len(r.index["shards"]) == 2
     assert torch.equal(r["a"].to_tensor(), torch.cat([b["a"] for b, _ in batches[:2]]))
     # once the disk has room again, the same settings resume after the 2 good shards
-    monkeypatch.setattr(store, "_write_file", real)
+    monkeypatch.setattr(writer, "_write_file", real)
     with ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1) as w2:
         assert w2.examples_done == batches[0][1] + batches[1][1]
         for b, n in batches[2:]:
@@ -218,13 +218,13 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
 
 def test_back_pressure_blocks_the_producer(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = store._write_file
+    real = writer._write_file
 
     def slow(*a, **k):
         gate.wait()
         return real(*a, **k)
 
-    monkeypatch.setattr(store, "_write_file", slow)
+    monkeypatch.setattr(writer, "_write_file", slow)
     w = ShardWriter(tmp_path, shard_bytes=1, max_pending=1)
     added = []
 
@@ -269,7 +269,9 @@ def test_one_writer_per_rank_and_directory(tmp_path):
     # A second writer on the same directory (a nested capture, another process) would overwrite
     # the first one's shards and index: refused while the first is open, fine after.
     first = ShardWriter(tmp_path, settings={"k": 1})
-    with pytest.raises(CaptureExistsError, match="is being written \\(rank 0\\) by another capture"):
+    with pytest.raises(
+        CaptureExistsError, match="is being written \\(rank 0\\) by another capture"
+    ):
         ShardWriter(tmp_path, settings={"k": 1})
     ShardWriter(tmp_path, settings={"k": 1}, rank=1, world_size=2).abort()  # another rank: fine
     first.add({"a": torch.ones(2, 3)}, examples=2)
@@ -293,4 +295,11 @@ def test_missing_rank_is_warned_and_index_debris_removed(tmp_path):
         w.add({"a": torch.ones(2, 3)}, examples=2)
     assert not list(tmp_path.glob("*.tmp*"))
     r = store.open_capture(tmp_path)  # complete now
-    assert r.index["missing_ranks"] == [] and r["a"].to_tensor()[:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+    assert r.index["missing_ranks"] == [] and r["a"].to_tensor()[:, 0].tolist() == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+    ]

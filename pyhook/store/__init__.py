@@ -1,0 +1,73 @@
+"""On-disk activation store: crash-safe safetensors shards, a JSON index, a memory-mapped reader.
+
+Layout of a capture directory::
+
+    out/
+      shard-r000-000000.safetensors   # rank 0, shard 0: one tensor per layer, rows along dim 0
+      shard-r000-000001.safetensors
+      shard-r001-000000.safetensors   # rank 1 (torchrun), same output directory
+      index-r000.json                 # rank 0's part of the index (source of truth, crash-consistent)
+      index-r001.json
+      index.json                      # all ranks merged, written when the capture closes
+
+* :class:`ShardWriter` buffers rows in host memory and hands full shards to a background
+  thread (a bounded queue: when the disk is slower than the model, the model waits instead of
+  memory growing). A shard is written to ``*.tmp``, fsynced and renamed, and only then listed in
+  the index (itself replaced atomically), so after a crash every listed shard is complete and
+  unlisted debris is removed on the next open. The index records each shard's size, CRC32C
+  checksum and example range. Reopening with the same settings resumes
+  (:attr:`ShardWriter.examples_done` says how many examples to skip) after checking every listed
+  shard (size, header, checksum); different settings raise :class:`CaptureExistsError`, a
+  damaged shard :class:`CaptureDamagedError` naming it.
+* :class:`CaptureReader` (:func:`open_capture`) merges the per-rank index files, checks every
+  shard's size and header against them (``verify=True``: the checksums too), maps each shard
+  into memory without reading it, and returns per-layer :class:`LayerData` (reads are copies the
+  caller owns) or iterates in sequential or shuffled row batches. :func:`verify_capture`
+  (``pyhook verify``) lists every problem of a directory.
+
+The shard files are plain safetensors (``safetensors.torch.load_file`` reads them); pyhook writes
+them itself so that the pieces of a shard go to the file without being concatenated first.
+"""
+
+from .format import (  # noqa: F401 - the helpers below stay importable from pyhook.store
+    _CHECKSUM_FUNCS,
+    CHECKSUM,
+    FORMAT_VERSION,
+    CaptureDamagedError,
+    CaptureExistsError,
+    CaptureWriteError,
+    dtype_name,
+    merged_index,
+    parse_dtype,
+    write_safetensors,
+)
+from .reader import CaptureReader, LayerData, open_capture
+from .verify import verify_capture
+from .writer import ShardWriter
+
+# The public objects say they are pyhook.store's (their documented home), not a submodule's.
+for _obj in (
+    CaptureDamagedError,
+    CaptureExistsError,
+    CaptureReader,
+    CaptureWriteError,
+    LayerData,
+    ShardWriter,
+    open_capture,
+    verify_capture,
+):
+    _obj.__module__ = __name__
+del _obj
+
+__all__ = [
+    "CHECKSUM",
+    "FORMAT_VERSION",
+    "CaptureDamagedError",
+    "CaptureExistsError",
+    "CaptureReader",
+    "CaptureWriteError",
+    "LayerData",
+    "ShardWriter",
+    "open_capture",
+    "verify_capture",
+]

@@ -1,0 +1,439 @@
+"""The capture format in one place: file names, dtypes, checksums, safetensors writing and
+header reading, the index files (per-rank parts and the merged index) and the store's errors.
+
+Everything that knows how bytes are laid out on disk lives here; :mod:`.writer`, :mod:`.reader`
+and :mod:`.verify` build on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import struct
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+
+_DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _DTYPE_TO_ST[getattr(torch, _name)] = _code
+_ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
+
+# -- checksums ---------------------------------------------------------------------------------
+# The index records each shard's size and a checksum of its bytes, "<algorithm>:<8 hex digits>".
+# CRC32C (hardware-accelerated by the ``crc32c`` package, ~14 GB/s on one core, GIL released) is
+# computed by the writer thread while the bytes are in cache; zlib's CRC32 (~3 GB/s) is the
+# fallback when the package is missing. Either is read back by :func:`verify_capture`.
+_CHECKSUM_FUNCS: dict[str, Callable[..., int]] = {"crc32": zlib.crc32}
+try:
+    import crc32c as _crc32c
+
+    _CHECKSUM_FUNCS["crc32c"] = _crc32c.crc32c
+    CHECKSUM = "crc32c"
+except ImportError:  # pragma: no cover - crc32c is a dependency; the fallback still verifies
+    CHECKSUM = "crc32"
+
+#: Called with the name of each step of the writer (``"shard.open"``, ``"index.replaced"``, ...)
+#: when set; the fault-injection tests use it to kill the process at an exact point.
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _fault(step: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(step)
+
+
+_SHARD_NAME = re.compile(r"shard-r(\d{3,})-(\d{6,})\.safetensors\Z")
+
+
+class CaptureExistsError(FileExistsError):
+    """The output directory already holds a capture made with different settings.
+
+    The message names the settings that differ; pass ``overwrite=True`` (``--overwrite``) to
+    replace it, or choose another directory.
+
+    Example::
+
+        >>> import tempfile, torch, pyhook
+        >>> net, out = torch.nn.Sequential(torch.nn.Linear(4, 3)), tempfile.mkdtemp()
+        >>> with pyhook.capture(net, "0", out=out):
+        ...     _ = net(torch.randn(2, 4))
+        >>> try:
+        ...     with pyhook.capture(net, "0", out=out, dtype="float16"):
+        ...         pass
+        ... except pyhook.CaptureExistsError:
+        ...     print("refused")
+        refused
+    """
+
+
+class CaptureDamagedError(ValueError):
+    """A capture directory does not match its index: a shard is missing, truncated, swapped,
+    listed twice, has another header or other bytes than the index records, or an index file
+    is damaged.
+
+    The message names the file and what differs. Reading, :func:`verify_capture` and resuming
+    raise it instead of returning wrong rows; restore the file, or start the capture again with
+    ``overwrite=True`` (``--overwrite``). ``path`` is the damaged file.
+
+    Example::
+
+        >>> import os, tempfile, torch, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> os.remove(os.path.join(out, "shard-r000-000000.safetensors"))
+        >>> try:
+        ...     store.open_capture(out)
+        ... except store.CaptureDamagedError as e:
+        ...     print(os.path.basename(e.path))
+        shard-r000-000000.safetensors
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CaptureWriteError(OSError):
+    """Writing a shard or the index failed (disk full, permission denied, ...).
+
+    Shards written before the failure are intact and listed in the index; the shard being
+    written is removed, so the directory can be resumed once the cause is fixed.
+
+    Example::
+
+        >>> import os, tempfile, torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> not_a_dir = tempfile.NamedTemporaryFile(delete=False).name  # a file, not a folder
+        >>> try:
+        ...     with pyhook.capture(net, "0", out=os.path.join(not_a_dir, "sub")):
+        ...         _ = net(torch.randn(2, 4))
+        ... except pyhook.CaptureWriteError as e:
+        ...     print("cannot write" in str(e))
+        True
+    """
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``'float32'``."""
+    return str(dtype).replace("torch.", "")
+
+
+_STORABLE = ", ".join(dtype_name(d) for d in _DTYPE_TO_ST)  # for messages
+
+
+def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """``'bf16'``/``'bfloat16'``/``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` passes."""
+    if name is None:
+        return None
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPE_TO_ST:
+            raise ValueError(f"{what} must be a dtype the store can hold ({_STORABLE}), got {name}")
+        return name
+    aliases = {
+        "fp32": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+        "float": "float32",
+        "double": "float64",
+        "fp64": "float64",
+    }
+    key = str(name).lower().removeprefix("torch.")
+    key = aliases.get(key, key)
+    dtype = getattr(torch, key, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_TO_ST:
+        raise ValueError(
+            f"{what} must be one of {_STORABLE} "
+            f"(a name such as 'bf16', or a torch.dtype), got {name!r}"
+        )
+    return dtype
+
+
+# -- safetensors, written piecewise --------------------------------------------------------------
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def write_safetensors(
+    path: str,
+    tensors: Mapping[str, Sequence[torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> int:
+    """Write a safetensors file whose tensor ``name`` is the row-concatenation of its pieces.
+
+    The pieces are streamed to the file one after another (no concatenated copy is made).
+    Returns the number of bytes written.
+
+    Example::
+
+        >>> import torch, tempfile, os, safetensors.torch
+        >>> from pyhook.store import write_safetensors
+        >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+        >>> _ = write_safetensors(p, {"a": [torch.ones(2, 3), torch.zeros(1, 3)]})
+        >>> safetensors.torch.load_file(p)["a"].tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+    return _write_file(path, tensors, metadata, fsync=fsync)[0]
+
+
+def _write_file(
+    path: str,
+    tensors: Mapping[str, Sequence[torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> tuple[int, str]:
+    """:func:`write_safetensors`, returning ``(bytes, checksum)`` of the whole file."""
+    crc = _CHECKSUM_FUNCS[CHECKSUM]
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    order: list[tuple[str, Sequence[torch.Tensor]]] = []
+    for name, pieces in tensors.items():
+        if not pieces:
+            raise ValueError(f"tensor {name!r} has no pieces")
+        first = pieces[0]
+        tail = tuple(first.shape[1:])
+        for p in pieces:
+            if tuple(p.shape[1:]) != tail or p.dtype != first.dtype:
+                raise ValueError(
+                    f"pieces of {name!r} disagree: {tuple(p.shape)} {p.dtype} vs (*, {tail}) {first.dtype}"
+                )
+        rows = sum(int(p.shape[0]) for p in pieces)
+        nbytes = sum(p.numel() for p in pieces) * first.element_size()
+        header[name] = {
+            "dtype": _DTYPE_TO_ST[first.dtype],
+            "shape": [rows, *tail],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        order.append((name, pieces))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+    with open(path, "wb") as f:
+        _fault("shard.open")
+        head = struct.pack("<Q", len(raw)) + raw
+        f.write(head)
+        value = crc(head)
+        _fault("shard.header")
+        for _name, pieces in order:
+            for p in pieces:
+                data = _as_bytes(p)
+                f.write(data)
+                value = crc(data, value)  # while the bytes are still in cache
+                _fault("shard.data")
+        f.flush()
+        _fault("shard.written")
+        if fsync:
+            os.fsync(f.fileno())
+    _fault("shard.fsynced")
+    return 8 + len(raw) + offset, f"{CHECKSUM}:{value & 0xFFFFFFFF:08x}"
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    """``(header, data_start)`` of a safetensors file; :class:`CaptureDamagedError` naming the
+    file when it is not one (too short, a directory, unreadable, a header that is not JSON)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CaptureDamagedError(
+                    f"{path}: only {size} bytes, shorter than a safetensors header", path
+                )
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise CaptureDamagedError(
+                    f"{path}: header length {n} exceeds the file's {size} bytes", path
+                )
+            header = json.loads(f.read(n))
+    except IsADirectoryError:
+        raise CaptureDamagedError(f"{path}: is a directory, not a shard file", path) from None
+    except FileNotFoundError:
+        raise CaptureDamagedError(f"{path}: missing", path) from None
+    except OSError as e:
+        raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CaptureDamagedError(f"{path}: the header is not valid JSON ({e})", path) from None
+    if not isinstance(header, dict):
+        raise CaptureDamagedError(f"{path}: the header is not a JSON object", path)
+    return header, 8 + n
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):  # not supported everywhere (e.g. Windows)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write_json(path: str, obj: Any, step: str = "index") -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.flush()
+            _fault(f"{step}.tmp-written")
+            os.fsync(f.fileno())
+        _fault(f"{step}.fsynced")
+        os.replace(tmp, path)
+        _fault(f"{step}.replaced")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _load_json(path: str) -> Any:
+    """The JSON in ``path``; :class:`CaptureDamagedError` naming the file when it is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CaptureDamagedError(f"{path}: not valid JSON ({e})", path) from None
+    except IsADirectoryError:
+        raise CaptureDamagedError(f"{path}: is a directory, not an index file", path) from None
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
+
+
+def _load_part(path: str) -> dict[str, Any]:
+    """A per-rank index file, checked for the structure the reader and the writer rely on."""
+    part = _load_json(path)
+    if not isinstance(part, dict):
+        raise CaptureDamagedError(
+            f"{path}: the index is a JSON {type(part).__name__}, not an object", path
+        )
+    m = re.search(r"index-r(\d+)\.json\Z", path)
+    rank = int(m.group(1)) if m else part.get("rank")
+    for key, kind in (("layers", dict), ("shards", list), ("settings", dict)):
+        if not isinstance(part.get(key), kind):
+            raise CaptureDamagedError(
+                f"{path}: the index has no {key!r} {'list' if kind is list else 'table'}", path
+            )
+    if part.get("rank") != rank or not isinstance(part.get("world_size"), int):
+        raise CaptureDamagedError(
+            f"{path}: rank {part.get('rank')!r} / world_size {part.get('world_size')!r} do not "
+            "match the file name",
+            path,
+        )
+    seen: set[str] = set()
+    for s in part["shards"]:
+        name = s.get("file") if isinstance(s, dict) else None
+        m = _SHARD_NAME.match(name) if isinstance(name, str) else None
+        if m is None or int(m.group(1)) != rank or not isinstance(name, str):
+            raise CaptureDamagedError(
+                f"{path}: {name!r} is not a shard file name of rank {rank} "
+                "(shard-rRRR-NNNNNN.safetensors in the capture directory itself)",
+                path,
+            )
+        if name in seen:
+            raise CaptureDamagedError(
+                f"{os.path.join(os.path.dirname(path), name)}: listed twice in {path}",
+                os.path.join(os.path.dirname(path), name),
+            )
+        seen.add(name)
+        if not isinstance(s.get("rows"), dict) or not isinstance(s.get("examples"), int):
+            raise CaptureDamagedError(
+                f"{path}: the entry of {name} has no 'rows' table or 'examples' count", path
+            )
+    return part
+
+
+def _part_path(out: str, rank: int) -> str:
+    return os.path.join(out, f"index-r{rank:03d}.json")
+
+
+def _settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [
+        f"{k}: {old.get(k)!r} (stored) != {new.get(k)!r} (now)"
+        for k in keys
+        if old.get(k) != new.get(k)
+    ]
+
+
+def _directory_arg(name: str, value: Any) -> str:
+    """``os.fspath(value)``, with an error that names the argument."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{name} must be a directory path (str or os.PathLike), got {type(value).__name__}: {value!r}"
+        )
+    return os.fspath(value)
+
+
+def merged_index(out: str) -> dict[str, Any]:
+    """Merge the per-rank index files of a capture directory into one index dict."""
+    parts = [_load_part(p) for p in sorted(glob.glob(os.path.join(out, "index-r*.json")))]
+    if not parts:
+        raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
+    first = parts[0]
+    layers: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, info in part["layers"].items():
+            layers.setdefault(name, dict(info))
+    shards = [s for part in sorted(parts, key=lambda p: p["rank"]) for s in part["shards"]]
+    for name, info in layers.items():
+        info["rows"] = sum(s["rows"].get(name, 0) for s in shards)
+        info["shape"] = [info["rows"], *info["row_shape"]]
+    return {
+        "format": "pyhook-capture",
+        "format_version": FORMAT_VERSION,
+        "pyhook_version": first["pyhook_version"],
+        "torch_version": first.get("torch_version"),
+        "world_size": first["world_size"],
+        "ranks": sorted(p["rank"] for p in parts),
+        # ranks whose index is absent (crashed, interrupted before their first shard, or still
+        # running): their rows are not part of this index
+        "missing_ranks": sorted(set(range(first["world_size"])) - {p["rank"] for p in parts}),
+        "settings": first["settings"],
+        "meta": first.get("meta", {}),
+        "examples": sum(s["examples"] for s in shards),
+        # example ranges without rows (forwards that failed and were skipped), per rank
+        "skipped": [r for s in shards for r in s.get("skipped", [])],
+        "bytes": sum(s.get("bytes", 0) for s in shards),
+        "layers": layers,
+        "shards": shards,
+    }
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"

@@ -1,0 +1,333 @@
+"""Reading a capture: :func:`open_capture` / :class:`CaptureReader` merge the index, check the
+shards, map them into memory, and hand out per-layer :class:`LayerData` (copies the caller owns).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .format import (
+    _ST_TO_DTYPE,
+    CaptureDamagedError,
+    _directory_arg,
+    dtype_name,
+    merged_index,
+    parse_dtype,
+)
+from .verify import _check_shard
+
+
+class _MappedShard:
+    def __init__(self, path: str, header: dict[str, Any], data_start: int) -> None:
+        self.path = path
+        self.header, self.data_start = header, data_start
+        self._mm: mmap.mmap | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _ST_TO_DTYPE[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        if self._mm is None:
+            with open(self.path, "rb") as f:
+                # Copy-on-write mapping: pages are read lazily and the file is never modified.
+                # These views stay inside LayerData, which hands out copies.
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(
+            self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
+        )
+        return flat.view(dtype).view(shape)
+
+
+class LayerData:
+    """The rows of one layer across all shards: memory-mapped parts, indexed like a tensor.
+
+    Every read (indexing, :meth:`to_tensor`, :attr:`parts`, :meth:`CaptureReader.batches`)
+    returns tensors the caller owns: the rows are copied out of the memory map, so editing a
+    batch in place never changes what a later read returns. Nothing is read until indexed.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out, shard_bytes=1) as w:  # one shard per batch
+        ...     w.add({"h": torch.arange(4.).reshape(2, 2)}, examples=2)
+        ...     w.add({"h": torch.arange(4., 8.).reshape(2, 2)}, examples=2)
+        >>> h = open_capture(out)["h"]
+        >>> len(h), len(h.parts), h[1:3].tolist()
+        (4, 2, [[2.0, 3.0], [4.0, 5.0]])
+        >>> h[0].zero_().tolist(), h[0].tolist()  # a copy: the stored rows are unchanged
+        ([0.0, 0.0], [0.0, 1.0])
+    """
+
+    def __init__(
+        self, name: str, parts: list[torch.Tensor], row_shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        self.name = name
+        self._parts = parts  # views of the memory maps: never handed out
+        self.dtype = dtype
+        self.row_shape = tuple(row_shape)
+        sizes = [int(p.shape[0]) for p in parts]
+        self._starts = [0]
+        for s in sizes:
+            self._starts.append(self._starts[-1] + s)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([len(self), *self.row_shape])
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The rows of each shard, one tensor per shard (copies, made on each access)."""
+        return [p.clone() for p in self._parts]
+
+    def to_tensor(self) -> torch.Tensor:
+        """All rows as one tensor (a copy the caller owns)."""
+        if len(self._parts) == 1:
+            return self._parts[0].clone()
+        if not self._parts:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.cat(self._parts)
+
+    def __getitem__(self, index: int | slice | torch.Tensor | Sequence[int]) -> torch.Tensor:
+        n = len(self)
+        if not isinstance(index, (int, slice)):
+            if (
+                not isinstance(index, torch.Tensor)
+                and not hasattr(index, "__len__")
+                and hasattr(index, "__index__")
+            ):
+                index = int(index.__index__())  # numpy integers
+            else:
+                idx = torch.as_tensor(index)
+                if idx.numel() == 0 and idx.dtype != torch.bool:
+                    idx = idx.long()  # [] is a float tensor: no rows, not a float index
+                if idx.dim() == 0 and not idx.is_floating_point() and idx.dtype != torch.bool:
+                    index = int(idx)
+                elif idx.dtype == torch.bool:
+                    if idx.shape != (n,):
+                        raise IndexError(
+                            f"a boolean mask over layer {self.name!r} must have shape ({n},), "
+                            f"got {tuple(idx.shape)}"
+                        )
+                    return self._gather(idx.nonzero().squeeze(1))
+                elif idx.is_floating_point() or idx.is_complex():
+                    raise IndexError(
+                        f"rows of layer {self.name!r} are indexed by ints, slices, int sequences "
+                        f"or boolean masks, got a {idx.dtype} index"
+                    )
+        if isinstance(index, int):
+            if index < 0:
+                index += n
+            if not 0 <= index < n:
+                raise IndexError(f"row {index} out of range for layer {self.name!r} with {n} rows")
+            import bisect
+
+            i = bisect.bisect_right(self._starts, index) - 1
+            return self._parts[i][index - self._starts[i]].clone()
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step == 1:
+                out = []
+                for i, p in enumerate(self._parts):
+                    lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+                    if lo < hi:
+                        out.append(p[lo - self._starts[i] : hi - self._starts[i]])
+                if len(out) == 1:
+                    return out[0].clone()
+                return (
+                    torch.cat(out) if out else torch.empty((0, *self.row_shape), dtype=self.dtype)
+                )
+            if not range(start, stop, step):  # e.g. [22:6:2]: no rows
+                return torch.empty((0, *self.row_shape), dtype=self.dtype)
+            index = torch.arange(start, stop, step)
+        return self._gather(torch.as_tensor(index, dtype=torch.long))
+
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        idx = torch.where(idx < 0, idx + n, idx)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"row index out of range for layer {self.name!r} with {n} rows")
+        out = torch.empty((idx.numel(), *self.row_shape), dtype=self.dtype)
+        starts = torch.tensor(self._starts)
+        part_of = torch.bucketize(idx, starts[1:], right=True)
+        for i in part_of.unique().tolist():
+            sel = (part_of == i).nonzero().squeeze(1)
+            out[sel] = self._parts[i][idx[sel] - self._starts[i]]
+        return out
+
+    def __repr__(self) -> str:
+        return f"<LayerData {self.name!r} shape={tuple(self.shape)} dtype={dtype_name(self.dtype)} parts={len(self._parts)}>"
+
+
+class CaptureReader:
+    """Read a capture directory: the merged index, memory-mapped per-layer rows, row batches.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, CaptureReader
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"a": torch.arange(10.).reshape(5, 2), "b": torch.zeros(5, 1)}, examples=5)
+        >>> r = CaptureReader(out)
+        >>> r.layers, r.rows("a")
+        (['a', 'b'], 5)
+        >>> [b["a"].shape[0] for b in r.batches(2)]
+        [2, 2, 1]
+
+    The per-rank index files are merged on open (so a capture is readable even if it was
+    interrupted before ``index.json`` was written); shards are ordered by rank, then by number,
+    which under torchrun with contiguous per-rank shares is the original data order.
+
+    Opening checks every listed shard against the index (present, a regular file of the
+    recorded size, a header with the recorded dtypes and shapes, naming this shard): one stat
+    and one small read per shard. ``verify=True`` also compares each shard's checksum (reads
+    every byte). A mismatch raises :class:`CaptureDamagedError` naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+        self.path = _directory_arg("path", path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
+        self.index = merged_index(self.path)
+        if self.index["missing_ranks"]:
+            warnings.warn(
+                f"capture {self.path!r} has no index for rank(s) {self.index['missing_ranks']} of "
+                f"{self.index['world_size']} (crashed, interrupted or still running): their rows "
+                "are not read; rerun the same command with the same number of processes to "
+                "complete it",
+                stacklevel=2,
+            )
+        self._shards = []
+        for s in self.index["shards"]:
+            try:
+                header, start = _check_shard(self.path, s, self.index["layers"], checksum=verify)
+            except CaptureDamagedError as e:
+                raise CaptureDamagedError(
+                    f"capture {self.path!r} is damaged: {e} (pyhook verify lists every problem)",
+                    e.path,
+                ) from None
+            self._shards.append(_MappedShard(os.path.join(self.path, s["file"]), header, start))
+        self._cache: dict[str, LayerData] = {}
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer names, in capture order."""
+        return list(self.index["layers"])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.index["settings"]
+
+    @property
+    def examples(self) -> int:
+        return self.index["examples"]
+
+    def rows(self, layer: str) -> int:
+        return self._info(layer)["rows"]
+
+    def _info(self, layer: str) -> dict[str, Any]:
+        try:
+            return self.index["layers"][layer]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer!r} is not in this capture; it holds {self.layers}"
+            ) from None
+
+    def layer(self, name: str) -> LayerData:
+        """The rows of layer ``name`` (memory-mapped, nothing read until indexed)."""
+        if name not in self._cache:
+            info = self._info(name)
+            dtype = parse_dtype(info["dtype"])
+            assert dtype is not None
+            parts = [m.tensor(name) for m in self._shards if name in m.header]
+            self._cache[name] = LayerData(name, parts, info["row_shape"], dtype)
+        return self._cache[name]
+
+    __getitem__ = layer
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index["layers"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        layers: Sequence[str] | None = None,
+        shuffle: bool = False,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield ``{layer: rows}`` batches of ``batch_size`` rows, in order or shuffled.
+
+        Every requested layer must have the same number of rows (the same row ``i`` of each layer
+        comes from the same token or example). Shuffling is a permutation of all rows drawn from
+        ``seed`` (reproducible), gathered shard by shard from the memory maps.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        names = list(layers) if layers is not None else self.layers
+        if isinstance(layers, str):
+            names = [layers]
+        data = [self.layer(n) for n in names]
+        counts = {n: len(d) for n, d in zip(names, data)}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                f"layers have different row counts {counts}; ask for them separately (layers=[...])"
+            )
+        n = next(iter(counts.values()), 0)
+        if shuffle:
+            # Without a seed: a fresh one that leaves torch's global generator alone.
+            gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+            order: torch.Tensor | None = torch.randperm(n, generator=gen)
+        else:
+            order = None
+        stop = (n // batch_size) * batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
+            end = min(start + batch_size, n)
+            if order is None:
+                yield {name: d[start:end] for name, d in zip(names, data)}
+            else:
+                idx = order[start:end]
+                yield {name: d[idx] for name, d in zip(names, data)}
+
+    def __repr__(self) -> str:
+        return f"<CaptureReader {self.path!r} layers={len(self.layers)} examples={self.examples}>"
+
+
+def open_capture(path: str | os.PathLike[str], *, verify: bool = False) -> CaptureReader:
+    """Open a capture directory for reading (see :class:`CaptureReader`).
+
+    Every shard's size and header are checked against the index; ``verify=True`` also checks
+    every shard's checksum (reads all the data once).
+
+    Example::
+
+        >>> import torch, tempfile, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> store.open_capture(out, verify=True)["x"].shape
+        torch.Size([3, 4])
+    """
+    return CaptureReader(path, verify=verify)

@@ -1,0 +1,473 @@
+"""The crash-safe writer: :class:`ShardWriter` streams batches into shards from a background
+thread, lists each completed shard in its rank's index file, and resumes an interrupted capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import queue
+import re
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from .format import (
+    _DTYPE_TO_ST,
+    _STORABLE,
+    FORMAT_VERSION,
+    CaptureDamagedError,
+    CaptureExistsError,
+    CaptureWriteError,
+    _atomic_write_json,
+    _directory_arg,
+    _fault,
+    _fsync_dir,
+    _load_json,
+    _load_part,
+    _part_path,
+    _settings_diff,
+    _write_file,
+    dtype_name,
+    merged_index,
+)
+from .verify import _check_shard
+
+
+class ShardWriter:
+    """Streams rows of several layers into safetensors shards from a background thread.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out, settings={"layers": ["a"]}) as w:
+        ...     w.add({"a": torch.arange(6.).reshape(3, 2)}, examples=3)
+        ...     w.add({"a": torch.ones(1, 2)}, examples=1)
+        >>> open_capture(out)["a"].to_tensor().shape
+        torch.Size([4, 2])
+
+    ``add`` takes one batch: a dict layer -> host tensor whose dim 0 are rows (every layer of a
+    batch may have its own row count) and the number of ``examples`` the batch covers (what a
+    resumed capture skips). Batches are packed into shards of about ``shard_bytes``; a batch is
+    never split across shards, so a shard always covers whole examples. ``max_pending`` bounds
+    the number of shards waiting for the disk (back-pressure). ``on_release(batch)`` is called
+    once a batch has been written (used to give pooled buffers back).
+
+    ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
+    settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
+    ``overwrite=True``, which deletes the previous capture's files).
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        settings: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+        shard_bytes: int = 256 << 20,
+        max_pending: int = 2,
+        rank: int = 0,
+        world_size: int = 1,
+        overwrite: bool = False,
+        fsync: bool = True,
+        on_release: Any = None,
+    ) -> None:
+        if not isinstance(shard_bytes, int) or shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.out = _directory_arg("out", out)
+        self.settings = json.loads(json.dumps(settings or {}))  # normalise (tuples -> lists)
+        self.meta = dict(meta or {})
+        self.shard_bytes = shard_bytes
+        self.rank = rank
+        self.world_size = world_size
+        self.fsync = fsync
+        self.on_release = on_release
+        self._part = _part_path(self.out, rank)
+        self._open_dir(overwrite)
+        # State that the writer thread owns after start; the main thread only reads it.
+        self._buffer: list[tuple[dict[str, torch.Tensor], int, Any, bool]] = []
+        self._buffer_bytes = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+        self._thread = threading.Thread(
+            target=self._run, name=f"pyhook-writer-r{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- opening, resuming -----------------------------------------------------------------
+    def _open_dir(self, overwrite: bool) -> None:
+        try:
+            os.makedirs(self.out, exist_ok=True)
+            probe = os.path.join(self.out, f".pyhook-probe-{os.getpid()}-{self.rank}")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.remove(probe)
+        except OSError as e:
+            raise CaptureWriteError(
+                e.errno, f"cannot write to the capture directory {self.out!r}: {e.strerror or e}"
+            ) from e
+        self._lock_fd = self._take_lock()
+        try:
+            self._open_locked(overwrite)
+        except BaseException:
+            self._drop_lock()
+            raise
+
+    def _take_lock(self) -> int | None:
+        """One writer per rank and directory: a second one (a nested capture, another process)
+        would overwrite the first one's shards and index."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no lock
+            return None
+        fd = os.open(os.path.join(self.out, f".lock-r{self.rank:03d}"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise CaptureExistsError(
+                f"{self.out!r} is being written (rank {self.rank}) by another capture that is "
+                "still open; close it first, or use another output directory"
+            ) from None
+        return fd
+
+    def _drop_lock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+    def _open_locked(self, overwrite: bool) -> None:
+        own = f"r{self.rank:03d}"
+        merged = os.path.join(self.out, "index.json")
+        self._check_foreign_index(merged)
+        doomed: list[str] = []
+        if overwrite:
+            # Each rank deletes only its own files (another rank may already be writing its
+            # new ones); rank 0 also the merged index and the files of ranks beyond this
+            # world (a previous run with more processes).
+            doomed += [f"shard-{own}-*.safetensors*", f"index-{own}.json*"]
+            if self.rank == 0:
+                doomed.append("index.json*")
+                for p in glob.glob(os.path.join(self.out, "index-r*.json*")) + glob.glob(
+                    os.path.join(self.out, "shard-r*.safetensors*")
+                ):
+                    m = re.match(r"(?:index|shard)-r(\d+)", os.path.basename(p))
+                    if m and int(m.group(1)) >= self.world_size:
+                        doomed.append(os.path.basename(p))
+        # Debris of a crash in the middle of a shard or index write: never listed, removable.
+        doomed += [f"shard-{own}-*.tmp*", f"index-{own}.json.tmp*"]
+        if self.rank == 0:
+            doomed.append("index.json.tmp*")
+        for pattern in doomed:
+            for p in glob.glob(os.path.join(self.out, pattern)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(p)
+        # The settings to compare with: this rank's index, another rank's, else the merged one
+        # (the per-rank files are the source of truth; a damaged merged index is rewritten).
+        # (With overwrite this rank's files are gone; the others' are not compared.)
+        part = _load_part(self._part) if os.path.exists(self._part) else None
+        existing: dict[str, Any] | None = part
+        if existing is None and not overwrite:
+            for p in sorted(glob.glob(os.path.join(self.out, "index-r*.json"))):
+                existing = _load_part(p)
+                break
+        if existing is None and not overwrite and os.path.exists(merged):
+            with contextlib.suppress(CaptureDamagedError):
+                existing = _load_json(merged)
+        if (
+            existing is not None
+            and not existing.get("shards")
+            and not existing.get("examples")
+            and not glob.glob(os.path.join(self.out, "shard-r*.safetensors"))
+        ):
+            existing = None  # an index of a capture that stored nothing: nothing to protect
+        if existing is not None and not overwrite:
+            diff = _settings_diff(existing.get("settings", {}), self.settings)
+            old_world = existing.get("world_size", 1)
+            if old_world != self.world_size:
+                diff.append(f"world_size: {old_world} (stored) != {self.world_size} (now)")
+            if diff:
+                raise CaptureExistsError(
+                    f"{self.out!r} already holds a different capture; differences: "
+                    + "; ".join(diff)
+                    + ". Use another output directory, or overwrite=True (--overwrite) to replace it."
+                )
+        self.shards: list[dict[str, Any]] = []
+        self.layers: dict[str, dict[str, Any]] = {}
+        if part is not None and not overwrite:
+            # A resume builds on every listed shard: each must be there, complete and
+            # unchanged (size, header and checksum as recorded). Never recount from the
+            # survivors: the caller's data position (examples_done) would shift.
+            for s in part["shards"]:
+                try:
+                    _check_shard(self.out, s, part["layers"], checksum=True)
+                except CaptureDamagedError as e:
+                    raise CaptureDamagedError(
+                        f"cannot resume the capture in {self.out!r}: {e}. Restore the file, or "
+                        "start again with overwrite=True (--overwrite)",
+                        e.path,
+                    ) from None
+            self.shards = list(part["shards"])
+            self.layers = part["layers"]
+        listed = {s["file"] for s in self.shards}
+        for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.safetensors")):
+            if os.path.basename(p) not in listed:  # renamed but not yet indexed when it crashed
+                os.remove(p)
+        self._next_index = 1 + max(
+            (int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1
+        )
+        self.examples_done = sum(s["examples"] for s in self.shards)
+        self._examples_written = self.examples_done  # the writer thread's position
+        self.resumed = bool(self.shards)
+
+    def _check_foreign_index(self, merged: str) -> None:
+        """Refuse (even with ``overwrite``) to replace an ``index.json`` that pyhook did not write."""
+        if not os.path.exists(merged):
+            return
+        try:
+            obj = _load_json(merged)
+        except CaptureDamagedError as e:
+            if glob.glob(os.path.join(self.out, "index-r*.json")):
+                return  # our own merged index, damaged: the per-rank files rebuild it on close
+            raise CaptureExistsError(
+                f"{merged!r} is not a pyhook capture index ({e}); pyhook will not overwrite it. "
+                "Choose another output directory, or move the file away."
+            ) from None
+        if not isinstance(obj, dict) or obj.get("format") != "pyhook-capture":
+            what = (
+                "has no 'format': 'pyhook-capture'"
+                if isinstance(obj, dict)
+                else (f"is a JSON {type(obj).__name__}")
+            )
+            raise CaptureExistsError(
+                f"{merged!r} is not a pyhook capture index (it {what}); pyhook will not "
+                "overwrite it. Choose another output directory, or move the file away."
+            )
+
+    # -- feeding ---------------------------------------------------------------------------
+    def _check_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise CaptureWriteError(
+                getattr(err, "errno", None) or 0,
+                f"writing the capture to {self.out!r} failed: {err}. Shards written before the "
+                "failure are intact and indexed; fix the cause and run again to resume.",
+            ) from err
+
+    def add(
+        self,
+        batch: dict[str, torch.Tensor],
+        examples: int,
+        *,
+        wait: Any = None,
+        skipped: bool = False,
+    ) -> None:
+        """Queue one batch (layer -> rows); blocks only when ``max_pending`` shards are waiting.
+
+        ``wait``, if given, is called on the writer thread before the batch is read (e.g. to
+        wait for the asynchronous device-to-host copies that fill its tensors). ``skipped=True``
+        records ``examples`` that have no rows (a batch whose forward failed and was skipped):
+        they count toward :attr:`examples_done`, and the index lists their range under
+        ``"skipped"``.
+        """
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        self._check_error()
+        for name, t in batch.items():
+            if t.dtype not in _DTYPE_TO_ST:
+                raise ValueError(
+                    f"layer {name!r}: rows of dtype {dtype_name(t.dtype)} cannot be stored in "
+                    f"safetensors shards; supported: {_STORABLE} "
+                    "(pass dtype= to cast when capturing)"
+                )
+            info = {"dtype": dtype_name(t.dtype), "row_shape": list(t.shape[1:])}
+            known = self.layers.get(name)
+            if known is None:
+                self.layers[name] = info
+            elif known != info:
+                raise ValueError(
+                    f"layer {name!r}: rows of shape {info['row_shape']} {info['dtype']} do not match "
+                    f"the earlier {known['row_shape']} {known['dtype']}; rows of one layer must share "
+                    "their shape (flatten tokens, or pad to a fixed max_length)"
+                )
+        if skipped and batch:
+            raise ValueError("a skipped batch has no rows: pass batch={}")
+        self._buffer.append((batch, int(examples), wait, skipped))
+        self._buffer_bytes += sum(t.numel() * t.element_size() for t in batch.values())
+        if self._buffer_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffered batches to the writer thread as one shard (no-op when empty)."""
+        if not self._buffer:
+            return
+        batches, self._buffer, self._buffer_bytes = self._buffer, [], 0
+        index = self._next_index
+        self._next_index += 1
+        while True:  # bounded queue: wait for the disk, but notice a dead writer
+            self._check_error()
+            try:
+                self._queue.put((index, batches), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    # -- the writer thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self._write_shard(*item)
+            except BaseException as e:  # reported to the main thread on its next call
+                self._error = e
+            finally:
+                if item is not None and self.on_release is not None:
+                    for batch, *_ in item[1]:
+                        with contextlib.suppress(Exception):
+                            self.on_release(batch)
+                self._queue.task_done()
+
+    def _write_shard(
+        self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]
+    ) -> None:
+        for _, _, wait, _ in batches:
+            if wait is not None:
+                wait()
+        t0 = time.perf_counter()
+        name = f"shard-r{self.rank:03d}-{index:06d}.safetensors"
+        path = os.path.join(self.out, name)
+        tmp = f"{path}.tmp"
+        pieces: dict[str, list[torch.Tensor]] = {}
+        first = self._examples_written
+        skipped: list[list[int]] = []
+        at = first
+        for batch, n, _, skip in batches:
+            for layer, t in batch.items():
+                pieces.setdefault(layer, []).append(t)
+            if skip and n:
+                if skipped and skipped[-1][1] == at:
+                    skipped[-1][1] = at + n
+                else:
+                    skipped.append([at, at + n])
+            at += n
+        rows = {layer: sum(int(p.shape[0]) for p in ps) for layer, ps in pieces.items()}
+        examples = at - first
+        meta = {"format": "pyhook", "rank": str(self.rank), "shard": name}
+        meta["first_example"] = str(first)
+        try:
+            nbytes, checksum = _write_file(tmp, pieces, meta, fsync=self.fsync)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        _fault("shard.renamed")
+        if self.fsync:
+            _fsync_dir(self.out)
+        _fault("shard.dir-synced")
+        entry: dict[str, Any] = {
+            "file": name,
+            "rank": self.rank,
+            "first_example": first,
+            "examples": examples,
+            "rows": rows,
+            "bytes": nbytes,
+            "checksum": checksum,
+        }
+        if skipped:
+            entry["skipped"] = skipped
+        self.shards.append(entry)
+        self._examples_written = at
+        self._write_part()
+        self.bytes_written += nbytes
+        self.write_seconds += time.perf_counter() - t0
+
+    def _part_dict(self) -> dict[str, Any]:
+        return {
+            "format": "pyhook-capture",
+            "format_version": FORMAT_VERSION,
+            "pyhook_version": __version__,
+            "torch_version": torch.__version__,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "settings": self.settings,
+            "meta": self.meta,
+            "layers": self.layers,
+            "shards": self.shards,
+        }
+
+    def _write_part(self) -> None:
+        _atomic_write_json(self._part, self._part_dict())
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self, *, merge: bool = True, barrier: Any = None) -> None:
+        """Write what is buffered, wait for the disk, and write the index.
+
+        With several ranks, ``barrier`` (e.g. ``torch.distributed.barrier``) is called before
+        rank 0 merges the per-rank index files into ``index.json``.
+        """
+        if self._closed:
+            return
+        try:
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._queue.put(None)
+                self._thread.join()
+            self._check_error()
+            try:
+                self._write_part()
+                _fault("close.part-written")
+                if barrier is not None:
+                    barrier()
+                if merge and self.rank == 0:
+                    _atomic_write_json(
+                        os.path.join(self.out, "index.json"), merged_index(self.out), "merged"
+                    )
+            except OSError as e:
+                raise CaptureWriteError(
+                    e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
+                ) from e
+        finally:
+            self._drop_lock()
+
+    def abort(self) -> None:
+        """Stop without writing the buffered rows (what a crash leaves: listed shards only)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = []
+        self._queue.put(None)
+        self._thread.join()
+        self._drop_lock()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Keep every complete shard (the capture can be resumed) but do not hide the error.
+            try:
+                self.close(merge=False)
+            except Exception:
+                pass
