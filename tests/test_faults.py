@@ -106,10 +106,13 @@ WRITER_STEPS = [
     "shard.fsynced",  # fsynced, not renamed
     "shard.renamed",  # renamed to its final name, not listed in the index
     "shard.dir-synced",  # directory fsynced, not listed
-    "index.tmp-written",  # per-rank index written to its temp file
+    "index.tmp-written",  # per-rank index written to its temp file (first shard, and closing)
     "index.fsynced",
     "index.replaced",  # the index lists the shard; directory not yet fsynced
-    "close.part-written",  # closing: the last per-rank index written, merged index not
+    "journal.written",  # later shards: one line appended to the journal, not fsynced
+    "journal.fsynced",  # the journal lists the shard
+    "close.part-written",  # closing: the journal compacted into the per-rank index ...
+    "close.journal-removed",  # ... and the journal removed; the merged index not written
     "merged.tmp-written",
     "merged.fsynced",
     "merged.replaced",
@@ -239,6 +242,26 @@ def _header_garbage(out):
         f.write(b"\xff\xfe{{")
 
 
+def _fifo(out):
+    os.remove(_shard(out, 1))
+    os.mkfifo(_shard(out, 1))
+
+
+def _reversed(idx):
+    idx["shards"].reverse()
+    return idx
+
+
+def _examples_edited(idx):
+    idx["shards"][1]["examples"] = 54
+    return idx
+
+
+def _size_nan(idx):
+    idx["shards"][1]["bytes"] = float("nan")
+    return idx
+
+
 def _write_text(path, text):
     with open(path, "w") as f:
         f.write(text)
@@ -282,6 +305,10 @@ CORRUPTIONS = {
         True,
     ),
     "index not JSON": (lambda out: _write_text(os.path.join(out, IDX), '{"shards": ['), IDX, True),
+    "FIFO in place of a shard": (_fifo, S1, True),
+    "shard list reversed": (lambda out: _edit_index(out, _reversed), IDX, True),
+    "a shard's example count edited": (lambda out: _edit_index(out, _examples_edited), IDX, True),
+    "a shard's size NaN in the index": (lambda out: _edit_index(out, _size_nan), IDX, True),
 }
 
 

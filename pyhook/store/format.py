@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,13 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+#: Version of the index layout. 2 added the index's own checksum (``index_checksum``) and the
+#: per-rank journal (``index-rNNN.journal``); stores of version 1 still open.
+FORMAT_VERSION = 2
+
+#: Names starting with this prefix are reserved for the store's own tensors (token ids, row
+#: index, statistics): stored like layers, readable with ``reader.layer(name)``, but not listed.
+RESERVED_PREFIX = "__"
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -178,6 +185,8 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
+    if t.stride(0) != 1:  # e.g. a [1, 1, 1] view with stride 2 counts as contiguous
+        t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -260,11 +269,48 @@ def _write_file(
     return 8 + len(raw) + offset, f"{CHECKSUM}:{value & 0xFFFFFFFF:08x}"
 
 
+def _open_regular(path: str, *, missing: type[Exception] | None = None) -> Any:
+    """``open(path, "rb")`` that never blocks: a FIFO, a device or a directory in place of a
+    shard is :class:`CaptureDamagedError`, checked on the opened file itself."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except IsADirectoryError:
+        raise CaptureDamagedError(f"{path}: is a directory, not a shard file", path) from None
+    except FileNotFoundError:
+        if missing is not None:
+            raise
+        raise CaptureDamagedError(f"{path}: missing", path) from None
+    except OSError as e:
+        raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CaptureDamagedError(f"{path}: {_file_kind(mode)}, not a shard file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISDIR, "is a directory"),
+        (stat.S_ISFIFO, "is a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "is a socket"),
+        (stat.S_ISCHR, "is a character device"),
+        (stat.S_ISBLK, "is a block device"),
+    ):
+        if test(mode):
+            return what
+    return "is not a regular file"
+
+
 def _read_header(path: str) -> tuple[dict[str, Any], int]:
     """``(header, data_start)`` of a safetensors file; :class:`CaptureDamagedError` naming the
     file when it is not one (too short, a directory, unreadable, a header that is not JSON)."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise CaptureDamagedError(
@@ -298,6 +344,41 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+def _checksum_of(obj: dict[str, Any], key: str = "index_checksum", algorithm: str = "") -> str:
+    """Checksum of a JSON-able dict: its canonical form without ``key``."""
+    algorithm = algorithm or CHECKSUM
+    body = {k: v for k, v in obj.items() if k != key}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{algorithm}:{_CHECKSUM_FUNCS[algorithm](raw) & 0xFFFFFFFF:08x}"
+
+
+def _check_checksum(path: str, obj: dict[str, Any], what: str = "the index") -> None:
+    """:class:`CaptureDamagedError` when ``obj``'s recorded ``index_checksum`` does not match its
+    body; a missing one is an error from format version 2 on."""
+    recorded = obj.get("index_checksum")
+    if recorded is None:
+        version = obj.get("format_version", 1)
+        if isinstance(version, int) and version >= 2:
+            raise CaptureDamagedError(f"{path}: {what} has no 'index_checksum' (edited?)", path)
+        return
+    algorithm = str(recorded).partition(":")[0]
+    if algorithm not in _CHECKSUM_FUNCS:
+        raise CaptureDamagedError(
+            f"{path}: {what}'s checksum {recorded!r} uses an unknown algorithm", path
+        )
+    got = _checksum_of(obj, "index_checksum", algorithm)  # (an edited NaN changes it too)
+    if got != recorded:
+        raise CaptureDamagedError(
+            f"{path}: {what}'s checksum {got} differs from the recorded {recorded} "
+            "(the file was edited or damaged)",
+            path,
+        )
+
+
+def _with_checksum(obj: dict[str, Any]) -> dict[str, Any]:
+    return {**obj, "index_checksum": _checksum_of(obj)}
+
+
 def _atomic_write_json(path: str, obj: Any, step: str = "index") -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -319,8 +400,8 @@ def _atomic_write_json(path: str, obj: Any, step: str = "index") -> None:
 def _load_json(path: str) -> Any:
     """The JSON in ``path``; :class:`CaptureDamagedError` naming the file when it is not JSON."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with _open_regular(path, missing=FileNotFoundError) as f:
+            return json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CaptureDamagedError(f"{path}: not valid JSON ({e})", path) from None
     except IsADirectoryError:
@@ -331,8 +412,55 @@ def _load_json(path: str) -> Any:
         raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _journal_path(part_path: str) -> str:
+    return part_path[: -len(".json")] + ".journal"
+
+
+def journal_line(entry: dict[str, Any], layers: dict[str, Any] | None) -> bytes:
+    """One line of a per-rank journal: a shard's index entry (and the layer table when it
+    changed), with its own checksum; appended when the shard is complete."""
+    obj: dict[str, Any] = {"entry": entry}
+    if layers is not None:
+        obj["layers"] = layers
+    obj["checksum"] = _checksum_of(obj, "checksum")
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _read_journal(path: str) -> list[dict[str, Any]]:
+    """The complete lines of a journal (a torn last line, without its newline, is ignored:
+    its shard was never listed); a complete line that is damaged is :class:`CaptureDamagedError`."""
+    try:
+        with _open_regular(path, missing=FileNotFoundError) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")[:-1]  # what follows the last newline is torn
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CaptureDamagedError(f"{path}: line {i} is not valid JSON ({e})", path) from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("entry"), dict):
+            raise CaptureDamagedError(f"{path}: line {i} holds no shard entry", path)
+        algorithm = str(obj.get("checksum")).partition(":")[0]
+        if algorithm not in _CHECKSUM_FUNCS or obj["checksum"] != _checksum_of(
+            obj, "checksum", algorithm
+        ):
+            raise CaptureDamagedError(
+                f"{path}: line {i} does not match its checksum (edited or damaged)", path
+            )
+        out.append(obj)
+    return out
+
+
 def _load_part(path: str) -> dict[str, Any]:
-    """A per-rank index file, checked for the structure the reader and the writer rely on."""
+    """A per-rank index file with its journal replayed, checked for the structure the reader
+    and the writer rely on, for internal consistency and against its own checksum."""
     part = _load_json(path)
     if not isinstance(part, dict):
         raise CaptureDamagedError(
@@ -345,14 +473,44 @@ def _load_part(path: str) -> dict[str, Any]:
             raise CaptureDamagedError(
                 f"{path}: the index has no {key!r} {'list' if kind is list else 'table'}", path
             )
-    if part.get("rank") != rank or not isinstance(part.get("world_size"), int):
+    if part.get("rank") != rank or not _is_int(part.get("world_size")) or part["world_size"] < 1:
         raise CaptureDamagedError(
             f"{path}: rank {part.get('rank')!r} / world_size {part.get('world_size')!r} do not "
             "match the file name",
             path,
         )
+    _check_entries(path, part["shards"], rank, part.get("format_version", 1))
+    _check_checksum(path, part)
+    # Shards completed after the index was last written: one journal line each.
+    journal = _journal_path(path)
+    listed = {s["file"]: s for s in part["shards"]}
+    shards, layers = list(part["shards"]), dict(part["layers"])
+    for obj in _read_journal(journal):
+        entry = obj["entry"]
+        name = entry.get("file")
+        if name in listed:
+            if listed[name] != entry:
+                raise CaptureDamagedError(
+                    f"{journal}: the entry of {name} differs from the one in {path}", journal
+                )
+            continue  # compacted into the index already (a crash before the journal was removed)
+        if isinstance(obj.get("layers"), dict):
+            layers = dict(obj["layers"])
+        listed[str(name)] = entry
+        shards.append(entry)
+    if len(shards) > len(part["shards"]):
+        _check_entries(journal, shards, rank, part.get("format_version", 1))
+        part = {**part, "shards": shards, "layers": layers}
+    return part
+
+
+def _check_entries(path: str, shards: list[Any], rank: Any, version: Any) -> None:
+    """Each entry's types, and the list's bookkeeping: shard numbers increasing, examples
+    contiguous from 0 in the order listed (``first_example``), row counts that are integers."""
     seen: set[str] = set()
-    for s in part["shards"]:
+    next_example = 0
+    last_number = -1
+    for s in shards:
         name = s.get("file") if isinstance(s, dict) else None
         m = _SHARD_NAME.match(name) if isinstance(name, str) else None
         if m is None or int(m.group(1)) != rank or not isinstance(name, str):
@@ -367,11 +525,47 @@ def _load_part(path: str) -> dict[str, Any]:
                 os.path.join(os.path.dirname(path), name),
             )
         seen.add(name)
-        if not isinstance(s.get("rows"), dict) or not isinstance(s.get("examples"), int):
+        rows, examples = s.get("rows"), s.get("examples")
+        if not isinstance(rows, dict) or not _is_int(examples):
             raise CaptureDamagedError(
                 f"{path}: the entry of {name} has no 'rows' table or 'examples' count", path
             )
-    return part
+        if examples < 0 or not all(_is_int(r) and r >= 0 for r in rows.values()):
+            raise CaptureDamagedError(
+                f"{path}: the entry of {name} has counts that are not non-negative integers "
+                f"(examples {examples!r}, rows {rows})",
+                path,
+            )
+        size = s.get("bytes")
+        if (size is not None or (isinstance(version, int) and version >= 2)) and (
+            not _is_int(size) or size < 8
+        ):
+            raise CaptureDamagedError(
+                f"{path}: the entry of {name} records a size of {size!r} bytes, not an integer",
+                path,
+            )
+        number = int(m.group(2))
+        if number <= last_number:
+            raise CaptureDamagedError(
+                f"{path}: {name} is listed after shard {last_number} (the shard list is out of "
+                "order)",
+                path,
+            )
+        last_number = number
+        if "first_example" in s and s["first_example"] != next_example:
+            raise CaptureDamagedError(
+                f"{path}: {name} starts at example {s['first_example']!r}, but the shards "
+                f"before it end at example {next_example} (the shard list is not "
+                "contiguous: reordered, edited, or an entry removed)",
+                path,
+            )
+        next_example += examples
+
+
+def _glob(out: str, pattern: str) -> list[str]:
+    """The files of directory ``out`` matching ``pattern`` (``out`` taken literally: a path
+    such as ``runs/lr[0.1]`` holds glob characters)."""
+    return glob.glob(os.path.join(glob.escape(out), pattern))
 
 
 def _part_path(out: str, rank: int) -> str:
@@ -398,7 +592,7 @@ def _directory_arg(name: str, value: Any) -> str:
 
 def merged_index(out: str) -> dict[str, Any]:
     """Merge the per-rank index files of a capture directory into one index dict."""
-    parts = [_load_part(p) for p in sorted(glob.glob(os.path.join(out, "index-r*.json")))]
+    parts = [_load_part(p) for p in sorted(_glob(out, "index-r*.json"))]
     if not parts:
         raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
     first = parts[0]

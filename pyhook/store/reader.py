@@ -8,13 +8,14 @@ import mmap
 import os
 import secrets
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from .format import (
     _ST_TO_DTYPE,
+    RESERVED_PREFIX,
     CaptureDamagedError,
     _directory_arg,
     dtype_name,
@@ -25,27 +26,123 @@ from .verify import _check_shard
 
 
 class _MappedShard:
-    def __init__(self, path: str, header: dict[str, Any], data_start: int) -> None:
+    """One shard file, memory-mapped on first use; every access checks that the file still has
+    the size it had when it was checked (a shard truncated while mapped would otherwise kill the
+    process with SIGBUS on the next read of a page past its new end).
+
+    ``fetch`` (remote captures) returns the local path of the shard, downloading and checking it
+    first; ``release`` drops the mapping (the remote cache evicts the file).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        entry: dict[str, Any],
+        header: dict[str, Any] | None = None,
+        data_start: int = 0,
+        *,
+        size: int | None = None,
+        fetch: Callable[[_MappedShard], tuple[str, dict[str, Any], int]] | None = None,
+    ) -> None:
         self.path = path
+        self.entry = entry
         self.header, self.data_start = header, data_start
+        self.size = size
+        self.fetch = fetch
         self._mm: mmap.mmap | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    def names(self) -> list[str]:
+        return list(self.entry["rows"])
+
+    def _open(self) -> mmap.mmap:
+        if self.fetch is not None:
+            self.path, self.header, self.data_start = self.fetch(self)
+            self.size = os.path.getsize(self.path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if self.size is None:
+                    self.size = size
+                elif size < self.size:
+                    raise self._truncated(size)
+                # Copy-on-write mapping: pages are read lazily and the file is never modified.
+                # The views stay inside LayerData, which hands out copies.
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise CaptureDamagedError(
+                f"{self.path}: cannot be read: {e.strerror or e}", self.path
+            ) from e
+        return self._mm
+
+    def _truncated(self, now: int) -> CaptureDamagedError:
+        return CaptureDamagedError(
+            f"{self.path}: now {now} bytes, {self.size} when the capture was opened (truncated "
+            "or rewritten while being read); reopen the capture (pyhook verify lists every "
+            "problem)",
+            self.path,
+        )
+
+    def check(self) -> None:
+        """Raise :class:`CaptureDamagedError` if the mapped file became shorter (one fstat)."""
+        mm = self._mm
+        if mm is not None:
+            try:
+                now = mm.size()
+            except (OSError, ValueError) as e:
+                raise CaptureDamagedError(f"{self.path}: cannot be read: {e}", self.path) from e
+            if self.size is not None and now < self.size:
+                raise self._truncated(now)
 
     def tensor(self, name: str) -> torch.Tensor:
+        """A view of tensor ``name`` (checked: the file still has its size)."""
+        view = self._views.get(name)
+        if view is not None:
+            self.check()
+            return view
+        if self._mm is None:
+            self._open()
+        self.check()
+        assert self.header is not None and self._mm is not None
         info = self.header[name]
         dtype = _ST_TO_DTYPE[info["dtype"]]
         begin, end = info["data_offsets"]
         shape = info["shape"]
         if end == begin:
-            return torch.empty(shape, dtype=dtype)
-        if self._mm is None:
-            with open(self.path, "rb") as f:
-                # Copy-on-write mapping: pages are read lazily and the file is never modified.
-                # These views stay inside LayerData, which hands out copies.
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(
-            self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
-        )
-        return flat.view(dtype).view(shape)
+            view = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(
+                self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
+            )
+            view = flat.view(dtype).view(shape)
+        self._views[name] = view
+        return view
+
+    def release(self) -> None:
+        """Drop the mapping (it is made again on the next access)."""
+        self._views.clear()
+        self._mm = None  # unmapped once no view of it is left
+
+
+def _gather_rows(
+    parts: Sequence[torch.Tensor | None], starts: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``idx`` (int64, in range) of the row-concatenation of ``parts`` into a new tensor.
+
+    ``starts[i]`` is the first row of part ``i`` (``len(parts) + 1`` entries, the last is the
+    total). Parts that ``idx`` does not touch may be ``None``. Every row read of
+    :class:`LayerData` that is not a contiguous slice goes through this one function, so a
+    faster gather (the native core's, on all cores) plugs in here.
+    """
+    first = next(p for p in parts if p is not None)
+    out = torch.empty((idx.numel(), *first.shape[1:]), dtype=first.dtype)
+    part_of = torch.bucketize(idx, starts[1:], right=True)
+    for i in part_of.unique().tolist():
+        sel = (part_of == i).nonzero().squeeze(1)
+        part = parts[i]
+        assert part is not None
+        out[sel] = part[idx[sel] - int(starts[i])]
+    return out
 
 
 class LayerData:
@@ -71,16 +168,36 @@ class LayerData:
     """
 
     def __init__(
-        self, name: str, parts: list[torch.Tensor], row_shape: Sequence[int], dtype: torch.dtype
+        self,
+        name: str,
+        parts: Sequence[torch.Tensor | _MappedShard],
+        row_shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        rows: Sequence[int] | None = None,
     ) -> None:
         self.name = name
-        self._parts = parts  # views of the memory maps: never handed out
+        # Tensors, or the shards that hold this layer (views made, and the file's size checked,
+        # on each read); neither is ever handed out.
+        self._sources = list(parts)
         self.dtype = dtype
         self.row_shape = tuple(row_shape)
-        sizes = [int(p.shape[0]) for p in parts]
+        if rows is None:
+            rows = [int(p.shape[0]) for p in parts]  # type: ignore[union-attr]
         self._starts = [0]
-        for s in sizes:
-            self._starts.append(self._starts[-1] + s)
+        for s in rows:
+            self._starts.append(self._starts[-1] + int(s))
+        self._starts_t = torch.tensor(self._starts, dtype=torch.long)
+
+    def _part(self, i: int) -> torch.Tensor:
+        src = self._sources[i]
+        if isinstance(src, torch.Tensor):
+            return src
+        return src.tensor(self.name)
+
+    @property
+    def _parts(self) -> list[torch.Tensor]:
+        return [self._part(i) for i in range(len(self._sources))]
 
     @property
     def shape(self) -> torch.Size:
@@ -96,9 +213,9 @@ class LayerData:
 
     def to_tensor(self) -> torch.Tensor:
         """All rows as one tensor (a copy the caller owns)."""
-        if len(self._parts) == 1:
-            return self._parts[0].clone()
-        if not self._parts:
+        if len(self._sources) == 1:
+            return self._part(0).clone()
+        if not self._sources:
             return torch.empty(self.shape, dtype=self.dtype)
         return torch.cat(self._parts)
 
@@ -137,14 +254,15 @@ class LayerData:
             import bisect
 
             i = bisect.bisect_right(self._starts, index) - 1
-            return self._parts[i][index - self._starts[i]].clone()
+            return self._part(i)[index - self._starts[i]].clone()
         if isinstance(index, slice):
             start, stop, step = index.indices(n)
             if step == 1:
                 out = []
-                for i, p in enumerate(self._parts):
+                for i in range(len(self._sources)):
                     lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
                     if lo < hi:
+                        p = self._part(i)
                         out.append(p[lo - self._starts[i] : hi - self._starts[i]])
                 if len(out) == 1:
                     return out[0].clone()
@@ -161,16 +279,16 @@ class LayerData:
         idx = torch.where(idx < 0, idx + n, idx)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise IndexError(f"row index out of range for layer {self.name!r} with {n} rows")
-        out = torch.empty((idx.numel(), *self.row_shape), dtype=self.dtype)
-        starts = torch.tensor(self._starts)
-        part_of = torch.bucketize(idx, starts[1:], right=True)
-        for i in part_of.unique().tolist():
-            sel = (part_of == i).nonzero().squeeze(1)
-            out[sel] = self._parts[i][idx[sel] - self._starts[i]]
-        return out
+        if not idx.numel():
+            return torch.empty((0, *self.row_shape), dtype=self.dtype)
+        touched = torch.bucketize(idx, self._starts_t[1:], right=True).unique().tolist()
+        parts: list[torch.Tensor | None] = [None] * len(self._sources)
+        for i in touched:
+            parts[i] = self._part(i)
+        return _gather_rows(parts, self._starts_t, idx)
 
     def __repr__(self) -> str:
-        return f"<LayerData {self.name!r} shape={tuple(self.shape)} dtype={dtype_name(self.dtype)} parts={len(self._parts)}>"
+        return f"<LayerData {self.name!r} shape={tuple(self.shape)} dtype={dtype_name(self.dtype)} parts={len(self._sources)}>"
 
 
 class CaptureReader:
@@ -221,13 +339,18 @@ class CaptureReader:
                     f"capture {self.path!r} is damaged: {e} (pyhook verify lists every problem)",
                     e.path,
                 ) from None
-            self._shards.append(_MappedShard(os.path.join(self.path, s["file"]), header, start))
+            self._shards.append(
+                _MappedShard(
+                    os.path.join(self.path, s["file"]), s, header, start, size=s.get("bytes")
+                )
+            )
         self._cache: dict[str, LayerData] = {}
 
     @property
     def layers(self) -> list[str]:
-        """Layer names, in capture order."""
-        return list(self.index["layers"])
+        """Layer names, in capture order (names starting with ``"__"``, the store's own
+        tensors such as token ids, are not listed; :meth:`layer` reads them)."""
+        return [n for n in self.index["layers"] if not n.startswith(RESERVED_PREFIX)]
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -254,8 +377,9 @@ class CaptureReader:
             info = self._info(name)
             dtype = parse_dtype(info["dtype"])
             assert dtype is not None
-            parts = [m.tensor(name) for m in self._shards if name in m.header]
-            self._cache[name] = LayerData(name, parts, info["row_shape"], dtype)
+            shards = [m for m in self._shards if name in m.entry["rows"]]
+            rows = [int(m.entry["rows"][name]) for m in shards]
+            self._cache[name] = LayerData(name, shards, info["row_shape"], dtype, rows=rows)
         return self._cache[name]
 
     __getitem__ = layer

@@ -4,8 +4,8 @@ the writer's resume and ``pyhook verify``) or a whole directory (:func:`verify_c
 
 from __future__ import annotations
 
-import glob
 import os
+import stat
 from typing import Any
 
 import torch
@@ -15,8 +15,14 @@ from .format import (
     _DTYPE_TO_ST,
     _ST_TO_DTYPE,
     CaptureDamagedError,
+    _check_checksum,
     _directory_arg,
+    _file_kind,
+    _glob,
+    _is_int,
+    _load_json,
     _load_part,
+    _open_regular,
     _read_header,
 )
 
@@ -24,7 +30,7 @@ from .format import (
 def _file_checksum(path: str, algorithm: str) -> str:
     crc = _CHECKSUM_FUNCS[algorithm]
     value = 0
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         buf = bytearray(8 << 20)
         view = memoryview(buf)
         while True:
@@ -58,10 +64,14 @@ def _check_shard(
         raise CaptureDamagedError(f"{path}: missing (listed in the index)", path) from None
     except OSError as e:
         raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
-    if os.path.isdir(path):
-        raise CaptureDamagedError(f"{path}: is a directory, not a shard file", path)
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read below forever
+        raise CaptureDamagedError(f"{path}: {_file_kind(st.st_mode)}, not a shard file", path)
     want = entry.get("bytes")
-    if isinstance(want, int) and st.st_size != want:
+    if want is not None and not _is_int(want):
+        raise CaptureDamagedError(
+            f"{path}: the index records a size of {want!r} bytes, not an integer", path
+        )
+    if want is not None and st.st_size != want:
         raise CaptureDamagedError(
             f"{path}: size {st.st_size} bytes, the index records {want} (truncated or replaced)",
             path,
@@ -179,7 +189,7 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         return [f"{out}: no such capture directory"], []
     problems: list[str] = []
     notes: list[str] = []
-    parts = sorted(glob.glob(os.path.join(out, "index-r*.json")))
+    parts = sorted(_glob(out, "index-r*.json"))
     if not parts:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
     seen: set[str] = set()
@@ -195,7 +205,16 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
                 _check_shard(out, s, part["layers"], checksum=True, notes=notes)
             except CaptureDamagedError as e:
                 problems.append(str(e))
-    for p in sorted(glob.glob(os.path.join(out, "shard-r*.safetensors"))):
+    merged = os.path.join(out, "index.json")
+    if os.path.exists(merged):
+        try:
+            obj = _load_json(merged)
+            if not isinstance(obj, dict):
+                raise CaptureDamagedError(f"{merged}: the index is not a JSON object", merged)
+            _check_checksum(merged, obj, "the merged index")
+        except CaptureDamagedError as e:
+            problems.append(f"{e} (rewritten from the per-rank index files on the next close)")
+    for p in sorted(_glob(out, "shard-r*.safetensors")):
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
     return problems, notes

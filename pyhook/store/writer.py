@@ -5,7 +5,6 @@ thread, lists each completed shard in its rank's index file, and resumes an inte
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import queue
@@ -28,15 +27,34 @@ from .format import (
     _directory_arg,
     _fault,
     _fsync_dir,
+    _glob,
+    _is_int,
+    _journal_path,
     _load_json,
     _load_part,
     _part_path,
     _settings_diff,
+    _with_checksum,
     _write_file,
     dtype_name,
+    journal_line,
     merged_index,
 )
 from .verify import _check_shard
+
+
+def _json_arg(name: str, value: Any) -> Any:
+    """``value`` through JSON (tuples become lists), or a TypeError naming the argument: the
+    index stores it, and a failure there would come after shards were written."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}: {value!r}")
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must hold only JSON values (str, int, float, bool, None, lists, dicts with "
+            f"str keys): {e}"
+        ) from None
 
 
 class ShardWriter:
@@ -83,17 +101,26 @@ class ShardWriter:
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
-        if not (0 <= rank < world_size):
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not _is_int(rank) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        if not isinstance(overwrite, bool):
+            raise TypeError(
+                f"overwrite must be a bool (True replaces the previous capture), got "
+                f"{type(overwrite).__name__}: {overwrite!r}"
+            )
         self.out = _directory_arg("out", out)
-        self.settings = json.loads(json.dumps(settings or {}))  # normalise (tuples -> lists)
-        self.meta = dict(meta or {})
+        self.settings = _json_arg("settings", settings or {})  # normalise (tuples -> lists)
+        self.meta = _json_arg("meta", dict(meta or {}))
         self.shard_bytes = shard_bytes
         self.rank = rank
         self.world_size = world_size
         self.fsync = fsync
         self.on_release = on_release
         self._part = _part_path(self.out, rank)
+        self._journal = _journal_path(self._part)
+        self._journal_fd: int | None = None
         self._open_dir(overwrite)
         # State that the writer thread owns after start; the main thread only reads it.
         self._buffer: list[tuple[dict[str, torch.Tensor], int, Any, bool]] = []
@@ -159,12 +186,10 @@ class ShardWriter:
             # Each rank deletes only its own files (another rank may already be writing its
             # new ones); rank 0 also the merged index and the files of ranks beyond this
             # world (a previous run with more processes).
-            doomed += [f"shard-{own}-*.safetensors*", f"index-{own}.json*"]
+            doomed += [f"shard-{own}-*.safetensors*", f"index-{own}.json*", f"index-{own}.journal"]
             if self.rank == 0:
                 doomed.append("index.json*")
-                for p in glob.glob(os.path.join(self.out, "index-r*.json*")) + glob.glob(
-                    os.path.join(self.out, "shard-r*.safetensors*")
-                ):
+                for p in _glob(self.out, "index-r*.j*") + _glob(self.out, "shard-r*.safetensors*"):
                     m = re.match(r"(?:index|shard)-r(\d+)", os.path.basename(p))
                     if m and int(m.group(1)) >= self.world_size:
                         doomed.append(os.path.basename(p))
@@ -173,7 +198,7 @@ class ShardWriter:
         if self.rank == 0:
             doomed.append("index.json.tmp*")
         for pattern in doomed:
-            for p in glob.glob(os.path.join(self.out, pattern)):
+            for p in _glob(self.out, pattern):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(p)
         # The settings to compare with: this rank's index, another rank's, else the merged one
@@ -182,7 +207,7 @@ class ShardWriter:
         part = _load_part(self._part) if os.path.exists(self._part) else None
         existing: dict[str, Any] | None = part
         if existing is None and not overwrite:
-            for p in sorted(glob.glob(os.path.join(self.out, "index-r*.json"))):
+            for p in sorted(_glob(self.out, "index-r*.json")):
                 existing = _load_part(p)
                 break
         if existing is None and not overwrite and os.path.exists(merged):
@@ -192,7 +217,7 @@ class ShardWriter:
             existing is not None
             and not existing.get("shards")
             and not existing.get("examples")
-            and not glob.glob(os.path.join(self.out, "shard-r*.safetensors"))
+            and not _glob(self.out, "shard-r*.safetensors")
         ):
             existing = None  # an index of a capture that stored nothing: nothing to protect
         if existing is not None and not overwrite:
@@ -224,13 +249,15 @@ class ShardWriter:
             self.shards = list(part["shards"])
             self.layers = part["layers"]
         listed = {s["file"] for s in self.shards}
-        for p in glob.glob(os.path.join(self.out, f"shard-r{self.rank:03d}-*.safetensors")):
+        for p in _glob(self.out, f"shard-r{self.rank:03d}-*.safetensors"):
             if os.path.basename(p) not in listed:  # renamed but not yet indexed when it crashed
                 os.remove(p)
         self._next_index = 1 + max(
             (int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1
         )
         self.examples_done = sum(s["examples"] for s in self.shards)
+        self._part_on_disk = part is not None and not overwrite
+        self._journal_layers = json.loads(json.dumps(self.layers))
         self._examples_written = self.examples_done  # the writer thread's position
         self.resumed = bool(self.shards)
 
@@ -241,7 +268,7 @@ class ShardWriter:
         try:
             obj = _load_json(merged)
         except CaptureDamagedError as e:
-            if glob.glob(os.path.join(self.out, "index-r*.json")):
+            if _glob(self.out, "index-r*.json"):
                 return  # our own merged index, damaged: the per-rank files rebuild it on close
             raise CaptureExistsError(
                 f"{merged!r} is not a pyhook capture index ({e}); pyhook will not overwrite it. "
@@ -395,7 +422,14 @@ class ShardWriter:
             entry["skipped"] = skipped
         self.shards.append(entry)
         self._examples_written = at
-        self._write_part()
+        if self._part_on_disk:
+            # O(1) in the number of shards: one line appended to the journal, not a new index
+            changed = self.layers != self._journal_layers
+            self._append_journal(journal_line(entry, dict(self.layers) if changed else None))
+            if changed:
+                self._journal_layers = json.loads(json.dumps(self.layers))
+        else:
+            self._write_part()
         self.bytes_written += nbytes
         self.write_seconds += time.perf_counter() - t0
 
@@ -414,7 +448,33 @@ class ShardWriter:
         }
 
     def _write_part(self) -> None:
-        _atomic_write_json(self._part, self._part_dict())
+        _atomic_write_json(self._part, _with_checksum(self._part_dict()))
+        self._part_on_disk = True
+        self._journal_layers = json.loads(json.dumps(self.layers))
+
+    def _append_journal(self, line: bytes) -> None:
+        if self._journal_fd is None:
+            new = not os.path.exists(self._journal)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self._journal_fd = os.open(self._journal, flags, 0o644)
+            if new and self.fsync:
+                _fsync_dir(self.out)
+        os.write(self._journal_fd, line)
+        _fault("journal.written")
+        if self.fsync:
+            os.fsync(self._journal_fd)
+        _fault("journal.fsynced")
+
+    def _close_journal(self) -> None:
+        fd, self._journal_fd = self._journal_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def wait(self) -> None:
+        """Block until every shard handed to the writer thread (by :meth:`flush` or a full
+        buffer) is on disk and listed; raises :class:`CaptureWriteError` if writing failed."""
+        self._queue.join()
+        self._check_error()
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, *, merge: bool = True, barrier: Any = None) -> None:
@@ -434,19 +494,28 @@ class ShardWriter:
                 self._thread.join()
             self._check_error()
             try:
-                self._write_part()
+                self._write_part()  # the journal compacted into the index
                 _fault("close.part-written")
+                self._close_journal()
+                if os.path.exists(self._journal):
+                    os.remove(self._journal)
+                    if self.fsync:
+                        _fsync_dir(self.out)
+                    _fault("close.journal-removed")
                 if barrier is not None:
                     barrier()
                 if merge and self.rank == 0:
                     _atomic_write_json(
-                        os.path.join(self.out, "index.json"), merged_index(self.out), "merged"
+                        os.path.join(self.out, "index.json"),
+                        _with_checksum(merged_index(self.out)),
+                        "merged",
                     )
             except OSError as e:
                 raise CaptureWriteError(
                     e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
                 ) from e
         finally:
+            self._close_journal()
             self._drop_lock()
 
     def abort(self) -> None:
@@ -457,6 +526,7 @@ class ShardWriter:
         self._buffer = []
         self._queue.put(None)
         self._thread.join()
+        self._close_journal()
         self._drop_lock()
 
     def __enter__(self) -> ShardWriter:
