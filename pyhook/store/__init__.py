@@ -42,6 +42,7 @@ from .format import (  # noqa: F401 - the helpers below stay importable from pyh
     write_safetensors,
 )
 from .reader import CaptureReader, LayerData, open_capture
+from .remote import RemoteStorageError, is_url
 from .verify import verify_capture
 from .writer import ShardWriter
 
@@ -52,7 +53,9 @@ for _obj in (
     CaptureReader,
     CaptureWriteError,
     LayerData,
+    RemoteStorageError,
     ShardWriter,
+    is_url,
     open_capture,
     verify_capture,
 ):
@@ -67,7 +70,9 @@ __all__ = [
     "CaptureReader",
     "CaptureWriteError",
     "LayerData",
+    "RemoteStorageError",
     "ShardWriter",
     "open_capture",
     "verify_capture",
+    "is_url",
 ]

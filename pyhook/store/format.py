@@ -591,7 +591,17 @@ def _directory_arg(name: str, value: Any) -> str:
 
 
 def merged_index(out: str) -> dict[str, Any]:
-    """Merge the per-rank index files of a capture directory into one index dict."""
+    """Merge the per-rank index files of a capture directory (or URL) into one index dict."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(out)):
+        import shutil
+
+        from .remote import open_remote_index
+
+        _, local, _ = open_remote_index(str(out))
+        try:
+            return merged_index(local)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
     parts = [_load_part(p) for p in sorted(_glob(out, "index-r*.json"))]
     if not parts:
         raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")

@@ -18,10 +18,12 @@ from .format import (
     RESERVED_PREFIX,
     CaptureDamagedError,
     _directory_arg,
+    _is_int,
     dtype_name,
     merged_index,
     parse_dtype,
 )
+from .remote import ShardCache, is_url, open_remote_index
 from .verify import _check_shard
 
 
@@ -317,7 +319,18 @@ class CaptureReader:
     every byte). A mismatch raises :class:`CaptureDamagedError` naming the file.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        cache_bytes: int = 4 << 30,
+        prefetch: int = 2,
+    ) -> None:
+        self._remote_cache: ShardCache | None = None
+        if is_url(path):
+            self._open_remote(str(path), verify, cache_bytes, prefetch)
+            return
         self.path = _directory_arg("path", path)
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"capture directory {self.path!r} does not exist")
@@ -345,6 +358,57 @@ class CaptureReader:
                 )
             )
         self._cache: dict[str, LayerData] = {}
+
+    def _open_remote(self, url: str, verify: bool, cache_bytes: int, prefetch: int) -> None:
+        """A capture on object storage: the index now, each shard when first read (prefetching
+        the next ``prefetch``), into a local cache of at most ``cache_bytes``."""
+        if not _is_int(cache_bytes) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if not _is_int(prefetch) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        remote, local, listing = open_remote_index(url)
+        self.path = remote.url
+        try:
+            if not any(n.startswith("index-r") and "/" not in n for n in listing):
+                raise FileNotFoundError(f"{url!r} holds no pyhook capture (no index-r*.json)")
+            self.index = merged_index(local)
+            for s in self.index["shards"]:
+                if s["file"] not in listing:
+                    u = remote.url_of(s["file"])
+                    raise CaptureDamagedError(
+                        f"capture {url!r} is damaged: {u}: missing (listed in the index)", u
+                    )
+                if s.get("bytes") is not None and listing[s["file"]] != s["bytes"]:
+                    u = remote.url_of(s["file"])
+                    raise CaptureDamagedError(
+                        f"capture {url!r} is damaged: {u}: size {listing[s['file']]} bytes, the "
+                        f"index records {s['bytes']}",
+                        u,
+                    )
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+        cache = ShardCache(
+            remote, local, self.index["layers"], cache_bytes=cache_bytes, prefetch=prefetch
+        )
+        self._remote_cache = cache
+        self._shards = [
+            _MappedShard(remote.url_of(s["file"]), s, size=s.get("bytes"), fetch=cache.fetch)
+            for s in self.index["shards"]
+        ]
+        cache.register(self._shards)
+        self._cache: dict[str, LayerData] = {}
+        if verify:  # every shard downloaded and checked now (evicted again past cache_bytes)
+            for m in self._shards:
+                if m.entry["rows"]:
+                    m.tensor(next(iter(m.entry["rows"])))
+
+    def close(self) -> None:
+        """Drop the local cache of a remote capture (no-op for a local one)."""
+        if self._remote_cache is not None:
+            self._remote_cache.close()
 
     @property
     def layers(self) -> list[str]:
@@ -439,11 +503,20 @@ class CaptureReader:
         return f"<CaptureReader {self.path!r} layers={len(self.layers)} examples={self.examples}>"
 
 
-def open_capture(path: str | os.PathLike[str], *, verify: bool = False) -> CaptureReader:
-    """Open a capture directory for reading (see :class:`CaptureReader`).
+def open_capture(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = False,
+    cache_bytes: int = 4 << 30,
+    prefetch: int = 2,
+) -> CaptureReader:
+    """Open a capture directory, or a capture on object storage (any fsspec URL such as
+    ``s3://bucket/prefix``), for reading (see :class:`CaptureReader`).
 
     Every shard's size and header are checked against the index; ``verify=True`` also checks
-    every shard's checksum (reads all the data once).
+    every shard's checksum (reads all the data once). For a URL, shards are downloaded when
+    first read, ``prefetch`` ahead, into a local cache of at most ``cache_bytes``, each checked
+    against its checksum before use.
 
     Example::
 
@@ -454,4 +527,4 @@ def open_capture(path: str | os.PathLike[str], *, verify: bool = False) -> Captu
         >>> store.open_capture(out, verify=True)["x"].shape
         torch.Size([3, 4])
     """
-    return CaptureReader(path, verify=verify)
+    return CaptureReader(path, verify=verify, cache_bytes=cache_bytes, prefetch=prefetch)

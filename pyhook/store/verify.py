@@ -25,6 +25,7 @@ from .format import (
     _open_regular,
     _read_header,
 )
+from .remote import is_url
 
 
 def _file_checksum(path: str, algorithm: str) -> str:
@@ -184,6 +185,10 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         >>> store.verify_capture(out)
         ([], [])
     """
+    if is_url(path):
+        from .remote import verify_remote
+
+        return verify_remote(str(path))
     out = _directory_arg("path", path)
     if not os.path.isdir(out):
         return [f"{out}: no such capture directory"], []

@@ -9,6 +9,8 @@ import json
 import os
 import queue
 import re
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any
@@ -40,6 +42,7 @@ from .format import (
     journal_line,
     merged_index,
 )
+from .remote import Remote, Uploader, is_url
 from .verify import _check_shard
 
 
@@ -110,9 +113,20 @@ class ShardWriter:
                 f"overwrite must be a bool (True replaces the previous capture), got "
                 f"{type(overwrite).__name__}: {overwrite!r}"
             )
-        self.out = _directory_arg("out", out)
         self.settings = _json_arg("settings", settings or {})  # normalise (tuples -> lists)
         self.meta = _json_arg("meta", dict(meta or {}))
+        self.url: str | None = None
+        self._remote: Remote | None = None
+        self._uploader: Uploader | None = None
+        self._listing: dict[str, int] = {}
+        if is_url(out):
+            # Object storage: the writer works in a local staging directory; each completed
+            # shard is uploaded by a background thread, then deleted locally.
+            self.url = str(out).rstrip("/")
+            self._remote = Remote(self.url)
+            self._remote.check_bucket()
+            out = tempfile.mkdtemp(prefix="pyhook-stage-")
+        self.out = _directory_arg("out", out)
         self.shard_bytes = shard_bytes
         self.rank = rank
         self.world_size = world_size
@@ -121,7 +135,16 @@ class ShardWriter:
         self._part = _part_path(self.out, rank)
         self._journal = _journal_path(self._part)
         self._journal_fd: int | None = None
-        self._open_dir(overwrite)
+        try:
+            if self._remote is not None:
+                self._listing = self._remote.listing()
+                self._remote.pull_indexes(self.out, self._listing, None)
+            self._open_dir(overwrite)
+            if self._remote is not None:
+                self._open_remote(overwrite)
+        except BaseException:
+            self._drop_staging()
+            raise
         # State that the writer thread owns after start; the main thread only reads it.
         self._buffer: list[tuple[dict[str, torch.Tensor], int, Any, bool]] = []
         self._buffer_bytes = 0
@@ -239,7 +262,7 @@ class ShardWriter:
             # survivors: the caller's data position (examples_done) would shift.
             for s in part["shards"]:
                 try:
-                    _check_shard(self.out, s, part["layers"], checksum=True)
+                    self._check_listed(s, part["layers"])
                 except CaptureDamagedError as e:
                     raise CaptureDamagedError(
                         f"cannot resume the capture in {self.out!r}: {e}. Restore the file, or "
@@ -260,6 +283,51 @@ class ShardWriter:
         self._journal_layers = json.loads(json.dumps(self.layers))
         self._examples_written = self.examples_done  # the writer thread's position
         self.resumed = bool(self.shards)
+
+    def _check_listed(self, entry: dict[str, Any], layers: dict[str, Any]) -> None:
+        """A shard the index lists, checked before a resume builds on it: the whole file
+        (size, header, checksum); on object storage its size in the bucket (its checksum is
+        checked whenever it is read)."""
+        if self._remote is None:
+            _check_shard(self.out, entry, layers, checksum=True)
+            return
+        url = self._remote.url_of(entry["file"])
+        size = self._listing.get(entry["file"])
+        if size is None:
+            raise CaptureDamagedError(f"{url}: missing (listed in the index)", url)
+        if size != entry.get("bytes"):
+            raise CaptureDamagedError(
+                f"{url}: size {size} bytes, the index records {entry.get('bytes')} (truncated "
+                "or replaced)",
+                url,
+            )
+
+    def _open_remote(self, overwrite: bool) -> None:
+        """Make the bucket match the opened state: remove this rank's previous capture
+        (``overwrite``) or its unlisted shards (debris), then start the uploader."""
+        assert self._remote is not None
+        own = f"r{self.rank:03d}"
+        listed = {s["file"] for s in self.shards}
+        doomed = []
+        for name in self._listing:
+            m = re.match(r"(?:index|shard)-r(\d+)", name)
+            mine = name.startswith((f"shard-{own}-", f"index-{own}."))
+            if overwrite and (
+                mine
+                or (self.rank == 0 and name == "index.json")
+                or (self.rank == 0 and m is not None and int(m.group(1)) >= self.world_size)
+            ):
+                doomed.append(name)
+            elif name.startswith(f"shard-{own}-") and name not in listed:
+                doomed.append(name)  # uploaded, never listed (killed in between)
+        self._remote.rm(sorted(doomed))
+        self._uploader = Uploader(self._remote, self.rank)
+
+    def _drop_staging(self) -> None:
+        if self._remote is not None:
+            if self._uploader is not None:
+                self._uploader.stop()
+            shutil.rmtree(self.out, ignore_errors=True)
 
     def _check_foreign_index(self, merged: str) -> None:
         """Refuse (even with ``overwrite``) to replace an ``index.json`` that pyhook did not write."""
@@ -422,14 +490,18 @@ class ShardWriter:
             entry["skipped"] = skipped
         self.shards.append(entry)
         self._examples_written = at
+        line = None
         if self._part_on_disk:
             # O(1) in the number of shards: one line appended to the journal, not a new index
             changed = self.layers != self._journal_layers
-            self._append_journal(journal_line(entry, dict(self.layers) if changed else None))
+            line = journal_line(entry, dict(self.layers) if changed else None)
+            self._append_journal(line)
             if changed:
                 self._journal_layers = json.loads(json.dumps(self.layers))
         else:
             self._write_part()
+        if self._uploader is not None:
+            self._uploader.shard_done(self.out, name, line, self._part)
         self.bytes_written += nbytes
         self.write_seconds += time.perf_counter() - t0
 
@@ -502,14 +574,19 @@ class ShardWriter:
                     if self.fsync:
                         _fsync_dir(self.out)
                     _fault("close.journal-removed")
+                if self._uploader is not None:
+                    self._finish_remote()
                 if barrier is not None:
                     barrier()
                 if merge and self.rank == 0:
-                    _atomic_write_json(
-                        os.path.join(self.out, "index.json"),
-                        _with_checksum(merged_index(self.out)),
-                        "merged",
-                    )
+                    if self._remote is not None:
+                        self._merge_remote()
+                    else:
+                        _atomic_write_json(
+                            os.path.join(self.out, "index.json"),
+                            _with_checksum(merged_index(self.out)),
+                            "merged",
+                        )
             except OSError as e:
                 raise CaptureWriteError(
                     e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
@@ -517,6 +594,32 @@ class ShardWriter:
         finally:
             self._close_journal()
             self._drop_lock()
+            self._drop_staging()
+
+    def _finish_remote(self) -> None:
+        """Closing on object storage: every upload done, the compacted index uploaded, then
+        the per-shard entry objects removed."""
+        assert self._remote is not None and self._uploader is not None
+        self._uploader.drain()
+        own = f"index-r{self.rank:03d}"
+        self._remote.put(self._part, f"{own}.json")
+        _fault("upload.index")
+        entries = f"{own}.d/"
+        self._remote.rm(sorted(n for n in self._remote.listing() if n.startswith(entries)))
+
+    def _merge_remote(self) -> None:
+        """Rank 0 merges every rank's index as the bucket holds it, and writes index.json last."""
+        assert self._remote is not None
+        tmp = tempfile.mkdtemp(prefix="pyhook-merge-")
+        try:
+            self._remote.pull_indexes(tmp, self._remote.listing(), None)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(tmp, "index.json"))
+            path = os.path.join(tmp, "index.json")
+            _atomic_write_json(path, _with_checksum(merged_index(tmp)), "merged")
+            self._remote.put(path, "index.json")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def abort(self) -> None:
         """Stop without writing the buffered rows (what a crash leaves: listed shards only)."""
@@ -528,6 +631,7 @@ class ShardWriter:
         self._thread.join()
         self._close_journal()
         self._drop_lock()
+        self._drop_staging()
 
     def __enter__(self) -> ShardWriter:
         return self
