@@ -165,7 +165,7 @@ def test_index_bookkeeping_is_checked(tmp_path, edit, keep_checksum):
 def test_index_gap_is_caught_by_contiguity_alone(tmp_path):
     _write(tmp_path, _data())
     _edit_index(tmp_path, _gap, keep_checksum=False)
-    with pytest.raises(CaptureDamagedError, match="example 8.*example 12|contiguous"):
+    with pytest.raises(CaptureDamagedError, match=r"example 8.*example 12|contiguous"):
         open_capture(tmp_path)
 
 
@@ -322,9 +322,9 @@ def test_damaged_journal_line_is_named(tmp_path):
     lines[1] = lines[1].replace(b'"examples":4', b'"examples":5')
     with open(journal, "wb") as f:
         f.write(b"\n".join(lines))
-    with pytest.raises(CaptureDamagedError, match="index-r000.journal"):
+    with pytest.raises(CaptureDamagedError, match=r"index-r000\.journal"):
         open_capture(tmp_path)
-    with pytest.raises(CaptureDamagedError, match="index-r000.journal"):
+    with pytest.raises(CaptureDamagedError, match=r"index-r000\.journal"):
         ShardWriter(tmp_path, settings=SETTINGS)
 
 
@@ -355,10 +355,10 @@ def test_disk_capture_of_a_strided_single_element_output(tmp_path):
 
 # -- the writer's arguments ---------------------------------------------------------------------------
 def test_non_json_meta_fails_before_any_shard(tmp_path):
-    with pytest.raises(TypeError, match="meta.*JSON"):
+    with pytest.raises(TypeError, match=r"meta.*JSON"):
         ShardWriter(tmp_path, meta={"when": object()})
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("shard", "index"))]
-    with pytest.raises(TypeError, match="settings.*JSON"):
+    with pytest.raises(TypeError, match=r"settings.*JSON"):
         ShardWriter(tmp_path, settings={"f": lambda: 1})
 
 

@@ -192,10 +192,17 @@ class Remote:
                 os.remove(tmp)
             raise _wrap(self.url_of(name), "downloading", e) from e
 
+    def _parent(self, name: str) -> None:
+        # object stores have no directories; a local (file://) target needs them made
+        if getattr(self.fs, "local_file", False):
+            self.fs.makedirs(self.path(name).rsplit("/", 1)[0], exist_ok=True)
+
     def put(self, local: str, name: str) -> None:
+        self._parent(name)
         self.call(f"uploading {name}", self.fs.put_file, local, self.path(name))
 
     def put_bytes(self, data: bytes, name: str) -> None:
+        self._parent(name)
         self.call(f"uploading {name}", self.fs.pipe_file, self.path(name), data)
 
     def rm(self, names: list[str]) -> None:
