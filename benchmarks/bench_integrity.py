@@ -11,7 +11,14 @@ Prints tables of ratios measured in one run (paired rounds, medians):
 (d) reads: ``CaptureReader.batches`` returning copies (what the reader does) against handing
     out views of the memory map (what it did before issue 12);
 (e) opening a capture (cheap checks: one stat and one header read per shard), resuming it
-    (checks every shard's checksum), and ``verify_capture``, per GB.
+    (checks every shard's checksum), and ``verify_capture``, per GB;
+(f) the writer's host-memory bound (issue 19 item 5): wall time of adding every batch and
+    closing, and the most bytes the writer held, with the default ``max_buffer_bytes`` (256 MiB)
+    against an unbounded writer (256 MB shards, two waiting: what capture() did before);
+(g) the cost of adding a shard as the shard count grows (one batch per shard, 2,000 shards,
+    fsync off so that the disk's noise does not hide the bookkeeping): ms per batch over the
+    first and the last 200 shards (the index is no longer rewritten for every shard);
+(h) the size check each read makes (the SIGBUS guard): one ``mmap.size()`` per shard touched.
 """
 
 from __future__ import annotations
@@ -154,6 +161,119 @@ def bench_writer(base: str, mb: int, rounds: int) -> None:
     print(
         f"target: writer >= 70% of dd: {'met' if ratio >= 0.7 else 'NOT met'} ({ratio * 100:.0f}%)"
     )
+
+
+def bench_bounded(base: str, mb: int, rounds: int) -> None:
+    rows_per = 4096
+    n = max(1, (mb << 20) // (rows_per * 256 * 4))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(rows_per, 256, generator=g) for _ in range(n)]
+    out = os.path.join(base, "bounded")
+
+    def write(limit: int) -> tuple[float, int]:
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        with ShardWriter(out, shard_bytes=256 << 20, max_buffer_bytes=limit) as w:
+            for b in batches:
+                w.add({"x": b}, examples=len(b))
+        dt = time.perf_counter() - t0
+        shutil.rmtree(out, ignore_errors=True)
+        return w.bytes_written / dt / 1e6, w.peak_buffer_bytes
+
+    bounded, unbounded, peaks = [], [], {"bounded": 0, "unbounded": 0}
+    write(256 << 20)  # warm-up
+    for r in range(rounds):
+        for what in ("bounded", "unbounded") if r % 2 == 0 else ("unbounded", "bounded"):
+            rate, peak = write(256 << 20 if what == "bounded" else 1 << 40)
+            (bounded if what == "bounded" else unbounded).append(rate)
+            peaks[what] = max(peaks[what], peak)
+    print(
+        f"\n(f) ShardWriter end to end (add every batch + close), {n * rows_per * 256 * 4 / 1e6:.0f} MB, "
+        f"shard_bytes=256 MB, fsync on; medians of {rounds} paired rounds"
+    )
+    print(
+        table(
+            [
+                [
+                    "unbounded (before)",
+                    f"{med(unbounded):.0f}",
+                    "1.00",
+                    f"{peaks['unbounded'] / 2**20:.0f}",
+                ],
+                [
+                    "max_buffer_bytes=256 MiB (now)",
+                    f"{med(bounded):.0f}",
+                    f"{med(b / u for b, u in zip(bounded, unbounded)):.2f}",
+                    f"{peaks['bounded'] / 2**20:.0f}",
+                ],
+            ],
+            ["writer", "MB/s wall", "vs before (paired)", "peak MiB held"],
+        )
+    )
+
+
+def bench_many_shards(base: str, shards: int = 2000) -> None:
+    out = os.path.join(base, "many")
+    shutil.rmtree(out, ignore_errors=True)
+    x = torch.randn(16, 64)
+    times = []
+    with ShardWriter(out, shard_bytes=1, fsync=False) as w:
+        for _ in range(shards):
+            t0 = time.perf_counter()
+            w.add({"x": x}, examples=16)
+            w.wait()
+            times.append(time.perf_counter() - t0)
+    shutil.rmtree(out, ignore_errors=True)
+    first, last = med(times[:200]) * 1e3, med(times[-200:]) * 1e3
+    print(f"\n(g) adding a shard (one 4 KB batch each, fsync off), {shards} shards")
+    print(
+        table(
+            [
+                ["shards 1-200", f"{first:.2f}"],
+                [f"shards {shards - 199}-{shards}", f"{last:.2f}"],
+                ["ratio last/first", f"{last / first:.2f}"],
+            ],
+            ["when", "ms per batch (median)"],
+        )
+    )
+
+
+def bench_size_check(base: str) -> None:
+    out = os.path.join(base, "sizecheck")
+    shutil.rmtree(out, ignore_errors=True)
+    with ShardWriter(out, shard_bytes=1) as w:
+        for _ in range(64):
+            w.add({"x": torch.randn(256, 256)}, examples=256)
+    r = open_capture(out)
+    h = r["x"]
+    h[0]
+    shard = r._shards[0]
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        shard.check()
+    per_check = (time.perf_counter() - t0) / n * 1e6
+    idx = torch.randperm(len(h), generator=torch.Generator().manual_seed(0))[:4096]
+    h[idx]
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        h[idx]
+    per_batch = (time.perf_counter() - t0) / reps * 1e3
+    print("\n(h) the size check of each read (SIGBUS guard)")
+    print(
+        table(
+            [
+                ["one check (mmap.size(): one fstat)", f"{per_check:.2f} us"],
+                [
+                    "shuffled batch of 4096 rows x 256 f32 over 64 shards",
+                    f"{per_batch:.2f} ms (of which checks {64 * per_check / 1e3:.3f} ms)",
+                ],
+            ],
+            ["what", "time"],
+        )
+    )
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def bench_loop(base: str, rounds: int) -> None:
@@ -323,7 +443,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
-        "--skip", nargs="*", default=[], choices=["checksums", "writer", "loop", "reads"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["checksums", "writer", "loop", "reads", "bounded", "shards", "sizecheck"],
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -337,6 +460,12 @@ def main() -> None:
         bench_checksums(64)
     if "writer" not in args.skip:
         bench_writer(base, args.mb, args.rounds)
+    if "bounded" not in args.skip:
+        bench_bounded(base, max(args.mb, 1024), args.rounds)
+    if "shards" not in args.skip:
+        bench_many_shards(base)
+    if "sizecheck" not in args.skip:
+        bench_size_check(base)
     if "loop" not in args.skip:
         bench_loop(base, args.rounds)
     if "reads" not in args.skip:

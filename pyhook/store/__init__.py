@@ -29,6 +29,7 @@ The shard files are plain safetensors (``safetensors.torch.load_file`` reads the
 them itself so that the pieces of a shard go to the file without being concatenated first.
 """
 
+from . import format, reader, remote, verify, writer  # noqa: F401 - the pipeline's modules
 from .format import (  # noqa: F401 - the helpers below stay importable from pyhook.store
     _CHECKSUM_FUNCS,
     CHECKSUM,

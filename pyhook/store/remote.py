@@ -336,9 +336,8 @@ class ShardCache:
         self.layers = layers
         self.cache_bytes = cache_bytes
         self.prefetch = prefetch
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(prefetch, 4)), thread_name_prefix="pyhook-fetch"
-        )
+        # downloads run on daemon threads (never keep the interpreter alive), a few at a time
+        self._slots = threading.BoundedSemaphore(max(1, min(prefetch, 4)))
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[str]] = {}
         self._lru: OrderedDict[str, int] = OrderedDict()  # name -> bytes, on disk and checked
@@ -346,7 +345,7 @@ class ShardCache:
         self._shards: dict[str, Any] = {}
         self.downloads = 0
         # the directory goes when the cache does (the reader, or the last LayerData, is gone)
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, directory)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
 
     def register(self, shards: list[Any]) -> None:
         self._order = [m.entry["file"] for m in shards]
@@ -393,7 +392,19 @@ class ShardCache:
     def _submit(self, name: str) -> concurrent.futures.Future[str]:
         fut = self._futures.get(name)
         if fut is None:
-            fut = self._pool.submit(self._download, self._shards[name].entry)
+            fut = concurrent.futures.Future()
+            entry = self._shards[name].entry
+
+            def run() -> None:
+                with self._slots:
+                    if not fut.set_running_or_notify_cancel():
+                        return
+                    try:
+                        fut.set_result(self._download(entry))
+                    except BaseException as e:
+                        fut.set_exception(e)
+
+            threading.Thread(target=run, name="pyhook-fetch", daemon=True).start()
             self._futures[name] = fut
         return fut
 
@@ -437,12 +448,10 @@ class ShardCache:
                 os.remove(os.path.join(self.dir, name))
 
     def close(self) -> None:
+        with self._lock:
+            for fut in self._futures.values():
+                fut.cancel()
         self._finalizer()
-
-
-def _cleanup(pool: concurrent.futures.ThreadPoolExecutor, directory: str) -> None:
-    pool.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def open_remote_index(

@@ -76,8 +76,11 @@ class ShardWriter:
 
     ``add`` takes one batch: a dict layer -> host tensor whose dim 0 are rows (every layer of a
     batch may have its own row count) and the number of ``examples`` the batch covers (what a
-    resumed capture skips). Batches are packed into shards of about ``shard_bytes``; a batch is
-    never split across shards, so a shard always covers whole examples. ``max_pending`` bounds
+    resumed capture skips). Batches are packed into shards of about ``shard_bytes`` (at most
+    half of ``max_buffer_bytes``); a batch is never split across shards, so a shard always
+    covers whole examples. ``max_buffer_bytes`` (default 256 MiB) bounds the host memory the
+    writer holds: the rows buffered, waiting for the disk and being written; ``add`` waits for
+    the disk beyond it (raise it for speed on a fast disk). ``max_pending`` bounds
     the number of shards waiting for the disk (back-pressure). ``on_release(batch)`` is called
     once a batch has been written (used to give pooled buffers back).
 
@@ -94,6 +97,7 @@ class ShardWriter:
         meta: dict[str, Any] | None = None,
         shard_bytes: int = 256 << 20,
         max_pending: int = 2,
+        max_buffer_bytes: int = 256 << 20,
         rank: int = 0,
         world_size: int = 1,
         overwrite: bool = False,
@@ -104,6 +108,8 @@ class ShardWriter:
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        if not _is_int(max_buffer_bytes) or max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes must be an int >= 1, got {max_buffer_bytes!r}")
         if not _is_int(world_size) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not _is_int(rank) or not 0 <= rank < world_size:
@@ -128,6 +134,12 @@ class ShardWriter:
             out = tempfile.mkdtemp(prefix="pyhook-stage-")
         self.out = _directory_arg("out", out)
         self.shard_bytes = shard_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        # A shard fills while the one before it is written: each at most half the budget.
+        self._shard_limit = max(1, min(shard_bytes, max_buffer_bytes // 2))
+        self._pending_bytes = 0  # handed to the writer thread, not yet written
+        self._room = threading.Condition()
+        self.peak_buffer_bytes = 0  # the most bytes of rows the writer held at once
         self.rank = rank
         self.world_size = world_size
         self.fsync = fsync
@@ -401,22 +413,42 @@ class ShardWriter:
                 )
         if skipped and batch:
             raise ValueError("a skipped batch has no rows: pass batch={}")
+        nbytes = sum(t.numel() * t.element_size() for t in batch.values())
+        self._wait_for_room(nbytes)
         self._buffer.append((batch, int(examples), wait, skipped))
-        self._buffer_bytes += sum(t.numel() * t.element_size() for t in batch.values())
-        if self._buffer_bytes >= self.shard_bytes:
+        self._buffer_bytes += nbytes
+        with self._room:
+            held = self._pending_bytes + self._buffer_bytes
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
+        if self._buffer_bytes >= self._shard_limit:
             self.flush()
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Block while the rows held (buffered + waiting for the disk + being written) would
+        exceed ``max_buffer_bytes`` and the disk still has some to write (host memory stays
+        bounded whatever the capture's size; a single larger batch is still taken)."""
+        with self._room:
+            while (
+                self._pending_bytes
+                and self._pending_bytes + self._buffer_bytes + nbytes > self.max_buffer_bytes
+            ):
+                self._check_error()
+                self._room.wait(0.1)
 
     def flush(self) -> None:
         """Hand the buffered batches to the writer thread as one shard (no-op when empty)."""
         if not self._buffer:
             return
-        batches, self._buffer, self._buffer_bytes = self._buffer, [], 0
+        batches, nbytes = self._buffer, self._buffer_bytes
+        self._buffer, self._buffer_bytes = [], 0
         index = self._next_index
         self._next_index += 1
+        with self._room:
+            self._pending_bytes += nbytes
         while True:  # bounded queue: wait for the disk, but notice a dead writer
             self._check_error()
             try:
-                self._queue.put((index, batches), timeout=0.1)
+                self._queue.put((index, batches, nbytes), timeout=0.1)
                 return
             except queue.Full:
                 continue
@@ -429,14 +461,18 @@ class ShardWriter:
                 if item is None:
                     return
                 if self._error is None:
-                    self._write_shard(*item)
+                    self._write_shard(item[0], item[1])
             except BaseException as e:  # reported to the main thread on its next call
                 self._error = e
             finally:
-                if item is not None and self.on_release is not None:
-                    for batch, *_ in item[1]:
-                        with contextlib.suppress(Exception):
-                            self.on_release(batch)
+                if item is not None:
+                    if self.on_release is not None:
+                        for batch, *_ in item[1]:
+                            with contextlib.suppress(Exception):
+                                self.on_release(batch)
+                    with self._room:
+                        self._pending_bytes -= item[2]
+                        self._room.notify_all()
                 self._queue.task_done()
 
     def _write_shard(
