@@ -396,3 +396,38 @@ def test_meta_error_does_not_claim_indexed_shards(tmp_path):
     else:  # pragma: no cover - the test above already fails
         pytest.fail("non-JSON meta accepted")
 
+
+def test_capture_passes_the_writer_checks_through(tmp_path):
+    import pyhook
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with pyhook.capture(net, "0", out=tmp_path):
+        net(torch.randn(2, 4))
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n[0] != "."}
+    for kwargs, match in (
+        ({"overwrite": "no", "dtype": "float16"}, "overwrite must be a bool"),
+        ({"meta": {"when": object()}}, "meta"),
+    ):
+        with (
+            pytest.raises(TypeError, match=match),
+            pyhook.capture(net, "0", out=tmp_path, **kwargs),
+        ):
+            net(torch.randn(2, 4))
+        assert all(not m._forward_hooks for m in net.modules())
+    after = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n[0] != "."}
+    assert after == before  # nothing deleted, nothing written
+
+
+# -- reserved names -------------------------------------------------------------------------------------
+def test_reserved_names_are_stored_but_not_listed(tmp_path):
+    ids = torch.arange(5)
+    x = torch.randn(5, 3)
+    with ShardWriter(tmp_path, shard_bytes=1) as w:
+        w.add({"h": x[:3], "__token_ids__": ids[:3]}, examples=1)
+        w.add({"h": x[3:], "__token_ids__": ids[3:]}, examples=1)
+    r = open_capture(tmp_path, verify=True)
+    assert r.layers == ["h"] and list(r) == ["h"] and len(r) == 1
+    assert [sorted(b) for b in r.batches(2)] == [["h"]] * 3
+    assert torch.equal(r.layer("__token_ids__")[:], ids)  # readable by name
+    assert "__token_ids__" in r and r.rows("__token_ids__") == 5
+    assert verify_capture(tmp_path) == ([], [])

@@ -399,7 +399,7 @@ class CaptureReader:
             for s in self.index["shards"]
         ]
         cache.register(self._shards)
-        self._cache: dict[str, LayerData] = {}
+        self._cache = {}
         if verify:  # every shard downloaded and checked now (evicted again past cache_bytes)
             for m in self._shards:
                 if m.entry["rows"]:
