@@ -7,15 +7,21 @@ Layout of a capture directory::
       shard-r000-000001.safetensors
       shard-r001-000000.safetensors   # rank 1 (torchrun), same output directory
       index-r000.json                 # rank 0's part of the index (source of truth, crash-consistent)
+      index-r000.journal              # shards listed since (one line each; compacted at close)
       index-r001.json
       index.json                      # all ranks merged, written when the capture closes
 
-* :class:`ShardWriter` buffers rows in host memory and hands full shards to a background
-  thread (a bounded queue: when the disk is slower than the model, the model waits instead of
-  memory growing). A shard is written to ``*.tmp``, fsynced and renamed, and only then listed in
-  the index (itself replaced atomically), so after a crash every listed shard is complete and
+The package is laid out as the pipeline: :mod:`.format` (bytes on disk, index schema, errors),
+:mod:`.verify` (checks), :mod:`.writer`, :mod:`.reader` and :mod:`.remote` (fsspec URLs such as
+``s3://bucket/prefix``, accepted wherever a directory is).
+
+* :class:`ShardWriter` buffers rows in host memory (at most ``max_buffer_bytes``, 256 MiB by
+  default) and hands full shards to a background thread (when the disk is slower than the
+  model, the model waits instead of memory growing). A shard is written to ``*.tmp``, fsynced
+  and renamed, and only then listed (in the index for the first shard of a run, then by one
+  fsynced journal line: O(1) per shard), so after a crash every listed shard is complete and
   unlisted debris is removed on the next open. The index records each shard's size, CRC32C
-  checksum and example range. Reopening with the same settings resumes
+  checksum and example range, and its own checksum. Reopening with the same settings resumes
   (:attr:`ShardWriter.examples_done` says how many examples to skip) after checking every listed
   shard (size, header, checksum); different settings raise :class:`CaptureExistsError`, a
   damaged shard :class:`CaptureDamagedError` naming it.
