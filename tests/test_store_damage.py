@@ -303,8 +303,16 @@ def test_torn_journal_line_is_debris(tmp_path):
     with open(journal, "rb+") as f:
         data = f.read()
         f.truncate(len(data) - 9)  # the last entry was being appended when the power went
-    w2 = _write(tmp_path, x)
+    # resume, list one more shard, and crash again: the new line must not join the torn one
+    w2 = ShardWriter(tmp_path, settings=SETTINGS, shard_bytes=1)
     assert w2.examples_done == 16  # the shard of the torn entry is not listed: written again
+    w2.add({"a": x[16:20]}, examples=4)
+    w2.flush()
+    w2.wait()
+    w2.abort()
+    assert torch.equal(open_capture(tmp_path)["a"][:], x[:20])
+    w3 = _write(tmp_path, x)
+    assert w3.examples_done == 20
     assert torch.equal(open_capture(tmp_path, verify=True)["a"][:], x)
 
 

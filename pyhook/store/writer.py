@@ -295,6 +295,7 @@ class ShardWriter:
         self._journal_layers = json.loads(json.dumps(self.layers))
         self._examples_written = self.examples_done  # the writer thread's position
         self.resumed = bool(self.shards)
+        self._trim_journal()
 
     def _check_listed(self, entry: dict[str, Any], layers: dict[str, Any]) -> None:
         """A shard the index lists, checked before a resume builds on it: the whole file
@@ -572,6 +573,20 @@ class ShardWriter:
         if self.fsync:
             os.fsync(self._journal_fd)
         _fault("journal.fsynced")
+
+    def _trim_journal(self) -> None:
+        """Cut a torn last line (a crash in the middle of an append) off the journal, so that
+        the next line starts on a line of its own."""
+        try:
+            with open(self._journal, "rb+") as f:
+                data = f.read()
+                end = data.rfind(b"\n") + 1
+                if end < len(data):
+                    f.truncate(end)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except FileNotFoundError:
+            pass
 
     def _close_journal(self) -> None:
         fd, self._journal_fd = self._journal_fd, None
