@@ -91,10 +91,12 @@ def test_layerdata_indexing_across_shards(tmp_path):
 def test_reader_is_memory_mapped_and_never_writes(tmp_path):
     _write(tmp_path, _batches(1))
     f = glob.glob(str(tmp_path / "*.safetensors"))[0]
-    before = open(f, "rb").read()
+    with open(f, "rb") as fh:
+        before = fh.read()
     t = open_capture(tmp_path)["a"].to_tensor()
     t += 1  # copy-on-write mapping: the file stays as it was
-    assert open(f, "rb").read() == before
+    with open(f, "rb") as fh:
+        assert fh.read() == before
 
 
 def test_batches_sequential_and_shuffled(tmp_path):
@@ -133,7 +135,7 @@ def test_batches_refuses_layers_with_different_row_counts(tmp_path):
 def test_row_shape_change_is_a_clear_error(tmp_path):
     with ShardWriter(tmp_path) as w:
         w.add({"a": torch.zeros(2, 3)}, examples=2)
-        with pytest.raises(ValueError, match="'a'.*rows of shape \\[4\\]"):
+        with pytest.raises(ValueError, match=r"'a'.*rows of shape \[4\]"):
             w.add({"a": torch.zeros(2, 4)}, examples=2)
 
 
@@ -189,7 +191,7 @@ def test_full_disk_leaves_complete_shards_and_consistent_index(tmp_path, monkeyp
 
     monkeypatch.setattr(writer, "_write_file", flaky)
     w = ShardWriter(tmp_path, settings={"k": 1}, shard_bytes=1, max_pending=1)
-    with pytest.raises(CaptureWriteError, match="No space left on device.*resume"):
+    with pytest.raises(CaptureWriteError, match=r"No space left on device.*resume"):
         for b, n in batches:
             w.add(b, examples=n)
         w.close()

@@ -294,6 +294,9 @@ class Uploader:
         """Upload shard ``name`` (then drop the local copy), then list it: its journal line as
         an entry object, or (the first shard of a run) the rank's index file."""
         own = f"index-r{self.rank:03d}"
+        if line is None:  # the index as it is now: closing rewrites the file before uploading
+            with open(part, "rb") as f:
+                index = f.read()
 
         def task() -> None:
             path = os.path.join(local_dir, name)
@@ -303,7 +306,7 @@ class Uploader:
             if line is not None:
                 self.remote.put_bytes(line, f"{own}.d/{name}.json")
             else:
-                self.remote.put(part, f"{own}.json")
+                self.remote.put_bytes(index, f"{own}.json")
             _fault("upload.listed")
 
         self.submit(task)
