@@ -45,8 +45,8 @@ from ._hooks import HookSet, check_not_compiled, compiled_path
 from ._tree import tensor_leaves
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
-from .points import all_points, module_path, resolve_targets
 from .offload import Offloader, PendingCopy, check_byte_count
+from .points import all_points, module_path, resolve_targets
 from .store import ShardWriter, dtype_name, parse_dtype
 
 __all__ = [

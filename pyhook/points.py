@@ -116,7 +116,9 @@ class Architecture:
 
 
 A = Architecture
-_LLAMA_LIKE = dict(blocks="layers", attn="self_attn", mlp="mlp", mid="post_attention_layernorm", final="norm")
+_LLAMA_LIKE = dict(
+    blocks="layers", attn="self_attn", mlp="mlp", mid="post_attention_layernorm", final="norm"
+)
 _BERT_LIKE = dict(
     blocks="encoder.layer",
     attn="attention.output.dropout",
@@ -133,40 +135,142 @@ ARCHITECTURES: list[Architecture] = [
     A("gpt_bigcode", "h", "attn", "mlp", "ln_2", "ln_f"),
     A("gptj", "h", "attn", "mlp", None, "ln_f"),
     A("codegen", "h", "attn", "mlp", None, "ln_f"),
-    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm",
-      when="use_parallel_residual"),
-    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm",
-      "final_layer_norm"),
-    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", "decoder.final_layer_norm",
-      when="not do_layer_norm_before", note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]"),
-    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm",
-      note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them"),
-    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f",
-      note="the attention and MLP modules add the residual themselves: their inner projections are used"),
-    A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn"),
+    A(
+        "gpt_neox",
+        "layers",
+        "post_attention_dropout",
+        "post_mlp_dropout",
+        None,
+        "final_layer_norm",
+        when="use_parallel_residual",
+    ),
+    A(
+        "gpt_neox",
+        "layers",
+        "post_attention_dropout",
+        "post_mlp_dropout",
+        "post_attention_layernorm",
+        "final_layer_norm",
+    ),
+    A(
+        "opt",
+        "decoder.layers",
+        "self_attn",
+        "fc2",
+        "self_attn_layer_norm:out",
+        "decoder.final_layer_norm",
+        when="not do_layer_norm_before",
+        note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]",
+    ),
+    A(
+        "opt",
+        "decoder.layers",
+        "self_attn",
+        "fc2",
+        "final_layer_norm",
+        "decoder.final_layer_norm",
+        note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them",
+    ),
+    A(
+        "bloom",
+        "h",
+        "self_attention.dense",
+        "mlp.dense_4h_to_h",
+        "post_attention_layernorm",
+        "ln_f",
+        note="the attention and MLP modules add the residual themselves: their inner projections are used",
+    ),
+    A(
+        "falcon",
+        "h",
+        "self_attention",
+        "mlp!",
+        None,
+        "ln_f",
+        when="new_decoder_architecture or parallel_attn",
+    ),
     A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f"),
-    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f",
-      note="the MLP module adds the residual itself: its down projection is used"),
+    A(
+        "mpt",
+        "blocks",
+        "resid_attn_dropout",
+        "ffn.down_proj",
+        "norm_2",
+        "norm_f",
+        note="the MLP module adds the residual itself: its down projection is used",
+    ),
     A("phi", "layers", "self_attn", "mlp", None, "final_layernorm"),
     A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual"),
     A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm"),
     A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm"),
     A("cohere", "layers", "self_attn", "mlp", None, "norm"),
-    *(A(t, **_LLAMA_LIKE) for t in (  # type: ignore[arg-type]
-        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3",
-        "olmo", "starcoder2", "helium", "glm", "smollm3", "granite", "granitemoe",
-    )),
-    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm",
-      "norm", note="attn_out/mlp_out are taken after the post-branch norms"),
-    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm",
-      "pre_feedforward_layernorm", "norm", note="attn_out/mlp_out are taken after the post-branch norms"),
-    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm",
-      note="attn_out/mlp_out are taken after the post-branch norms"),
-    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm",
-      note="attn_out/mlp_out are taken after the post-branch norms"),
+    *(
+        A(t, **_LLAMA_LIKE)
+        for t in (  # type: ignore[arg-type]
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "gemma",
+            "phi3",
+            "olmo",
+            "starcoder2",
+            "helium",
+            "glm",
+            "smollm3",
+            "granite",
+            "granitemoe",
+        )
+    ),
+    A(
+        "gemma2",
+        "layers",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "pre_feedforward_layernorm",
+        "norm",
+        note="attn_out/mlp_out are taken after the post-branch norms",
+    ),
+    A(
+        "gemma3_text",
+        "layers",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "pre_feedforward_layernorm",
+        "norm",
+        note="attn_out/mlp_out are taken after the post-branch norms",
+    ),
+    A(
+        "olmo2",
+        "layers",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "mlp",
+        "norm",
+        note="attn_out/mlp_out are taken after the post-branch norms",
+    ),
+    A(
+        "olmo3",
+        "layers",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "mlp",
+        "norm",
+        note="attn_out/mlp_out are taken after the post-branch norms",
+    ),
     *(A(t, **_BERT_LIKE) for t in ("bert", "roberta", "xlm-roberta", "electra", "camembert")),  # type: ignore[arg-type]
-    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None,
-      note="post-norm: no final norm, `final` is the last block's output"),
+    A(
+        "distilbert",
+        "transformer.layer",
+        "attention",
+        "ffn",
+        "ffn",
+        None,
+        note="post-norm: no final norm, `final` is the last block's output",
+    ),
 ]
 del A
 
@@ -248,8 +352,8 @@ class UnknownArchitectureError(LayerNotFoundError):
         >>> try:
         ...     pyhook.Trace(net, "resid_post.0")
         ... except pyhook.points.UnknownArchitectureError as e:
-        ...     print(str(e)[:60])
-        no standard hook points for Sequential (no config.model_typ
+        ...     print(str(e).split(":")[0])
+        no standard hook points for Sequential (no config.model_type)
     """
 
 
@@ -317,10 +421,7 @@ class Point:
         inplace = self.inplace
 
         def on_input(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if args:
-                value = args[0]
-            else:
-                value = kwargs.get("hidden_states")
+            value = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"standard point {point.name!r}: {point.module_name!r} was called without a "
@@ -699,7 +800,9 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
     else:
         tl = _is_tl_style(pattern)
         # a negative layer in a glob (``*.-1``) counts from the end
-        pattern = re.sub(r"(?<=\.)-(\d+)(?=\.|\Z)", lambda m: str(layout.n - int(m.group(1))), pattern)
+        pattern = re.sub(
+            r"(?<=\.)-(\d+)(?=\.|\Z)", lambda m: str(layout.n - int(m.group(1))), pattern
+        )
         rx = _glob_regex(pattern)
         hits = []
         for n in point_names(model, tl=tl):
@@ -801,4 +904,3 @@ def architecture_table(rows: Sequence[Architecture] | None = None) -> str:
             f"{_cell(r.mlp, 'output')} | {_cell(r.mid, 'input')} | {_cell(r.final, 'output')} | {note} |"
         )
     return "\n".join(lines)
-

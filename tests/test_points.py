@@ -16,11 +16,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-import transformers as T  # noqa: E402
+import transformers as T
 
-import pyhook  # noqa: E402
-from pyhook import points  # noqa: E402
-from pyhook.capture import capture, resolve_layers  # noqa: E402
+import pyhook
+from pyhook import points
+from pyhook.capture import capture, resolve_layers
 
 H = 16
 KW = dict(
@@ -87,7 +87,11 @@ CONFIGS = {
         hidden_size=H, num_hidden_layers=2, num_attention_heads=2, vocab_size=64
     ),
     "falcon_sequential": lambda: T.FalconConfig(
-        hidden_size=H, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, parallel_attn=False
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=64,
+        parallel_attn=False,
     ),
     "llama": lambda: T.LlamaConfig(**KW),
     "mistral": lambda: T.MistralConfig(**KW),
@@ -142,12 +146,20 @@ HAND = {
     "gpt_neo": ("attn", "mlp", "ln_2"),
     "gptj": ("attn", "mlp", None),
     "gpt_neox": ("post_attention_dropout", "post_mlp_dropout", None),
-    "gpt_neox_sequential": ("post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm"),
+    "gpt_neox_sequential": (
+        "post_attention_dropout",
+        "post_mlp_dropout",
+        "post_attention_layernorm",
+    ),
     "opt": ("self_attn", "fc2", "final_layer_norm"),
     "bloom": ("self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm"),
     "falcon": ("self_attention", "mlp", None),
     "falcon_sequential": ("self_attention", "mlp", "post_attention_layernorm"),
-    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+    "gemma2": (
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "pre_feedforward_layernorm",
+    ),
     "gemma3_text": (
         "post_attention_layernorm",
         "post_feedforward_layernorm",
@@ -175,7 +187,7 @@ ARCHS = sorted(CONFIGS)
 DECODERS = [a for a in ARCHS if a not in ENCODERS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = CONFIGS[name]()
@@ -217,7 +229,10 @@ def test_resid_points_are_hf_hidden_states(arch):
     hidden_states[L+1], except the last: HF's last entry has the final norm applied, which is
     the ``final`` point (the last block's output on post-norm models without a final norm)."""
     model = build(arch)
-    with torch.no_grad(), pyhook.TraceDict(model, ["resid_pre.*", "resid_post.*", "final", "embed"]) as ret:
+    with (
+        torch.no_grad(),
+        pyhook.TraceDict(model, ["resid_pre.*", "resid_post.*", "final", "embed"]) as ret,
+    ):
         hs = model(ids(), output_hidden_states=True).hidden_states
     n = len(hs) - 1
     assert n == 2
@@ -437,7 +452,10 @@ def test_block_outputs_as_tuple_keep_the_rest_untouched():
     outs: list = []
     handle = block.register_forward_hook(lambda m, a, o: outs.append(o))
     try:
-        with torch.no_grad(), pyhook.Trace(model, "resid_post.1", edit_output=lambda output: output * 0):
+        with (
+            torch.no_grad(),
+            pyhook.Trace(model, "resid_post.1", edit_output=lambda output: output * 0),
+        ):
             model(ids())
     finally:
         handle.remove()
@@ -531,7 +549,9 @@ def test_point_on_hookset_forward_pre_is_refused():
 def test_docs_table_is_generated_from_the_mapping():
     page = Path(__file__).resolve().parents[1] / "docs" / "points.md"
     text = page.read_text()
-    m = re.search(r"<!-- architecture-table:start -->\n(.*?)\n<!-- architecture-table:end -->", text, re.S)
+    m = re.search(
+        r"<!-- architecture-table:start -->\n(.*?)\n<!-- architecture-table:end -->", text, re.S
+    )
     assert m, "docs/points.md lost its generated-table markers"
     assert m.group(1) == points.architecture_table(), (
         "docs/points.md is out of date: paste "
