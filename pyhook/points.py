@@ -358,7 +358,7 @@ class UnknownArchitectureError(LayerNotFoundError):
 
 
 # -- resolving --------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass
 class Point:
     """A standard point resolved on one model: which module, which side, which tensor.
 
@@ -504,16 +504,23 @@ def _keys_of(model: nn.Module) -> list[str]:
     return keys
 
 
+def _lookup(model: nn.Module, path: str) -> nn.Module | None:
+    """``get_module`` without the error (and its costly list of close names)."""
+    module: nn.Module | None = model
+    for part in path.split(".") if path else ():
+        module = module._modules.get(part)  # type: ignore[union-attr]
+        if module is None:
+            return None
+    return module
+
+
 def _find_blocks(model: nn.Module, rel: str) -> str | None:
     """The prefix under which ``rel`` is a ModuleList in ``model`` ('' first, then the shortest)."""
     base = getattr(model, "base_model_prefix", None)
     tries = [""] + ([base + "."] if isinstance(base, str) and base else [])
     for prefix in tries:
-        try:
-            if isinstance(get_module(model, prefix + rel), nn.ModuleList):
-                return prefix
-        except LookupError:
-            pass
+        if isinstance(_lookup(model, prefix + rel), nn.ModuleList):
+            return prefix
     suffix = "." + rel
     hits = [
         n[: -len(rel)]
@@ -541,12 +548,9 @@ def architecture_of(model: nn.Module) -> Architecture:
 
 def _layout(model: nn.Module) -> _Layout:
     layout = _CACHE.get(model)
-    if layout is not None:
-        try:
-            if get_module(model, layout.path(layout.arch.blocks)) is layout.blocks:  # type: ignore[arg-type]
-                return layout
-        except LookupError:
-            pass
+    if layout is not None and _lookup(model, layout.prefix + layout.arch.blocks) is layout.blocks:
+        layout.n = len(layout.blocks)  # blocks may have been added or removed since
+        return layout
     keys = _keys_of(model)
     config = getattr(model, "config", None)
     for key in keys:
@@ -592,9 +596,9 @@ def _unknown(model: nn.Module, keys: list[str]) -> UnknownArchitectureError:
 
 # -- names ------------------------------------------------------------------------------------
 _ALIAS_KINDS = "|".join(LAYER_KINDS)
-_CANON_RX = re.compile(rf"(?:(embed|final)|({_ALIAS_KINDS})\.(-?\d+|-?\d*:-?\d*))\Z")
+_CANON_RX = re.compile(rf"(?:(embed|final)|({_ALIAS_KINDS})\.(-?\d+|-?\d*:-?\d*|\*))\Z")
 _TL_RX = re.compile(
-    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*)\.hook_({_ALIAS_KINDS}))\Z"
+    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*|\*)\.hook_({_ALIAS_KINDS}))\Z"
 )
 _GLOB = re.compile(r"[*?\[]")
 _HEADS = frozenset(KINDS)
@@ -651,6 +655,8 @@ def _index(layout: _Layout, text: str, name: str) -> int:
 
 
 def _range(layout: _Layout, text: str) -> list[int]:
+    if text == "*":
+        return list(range(layout.n))
     start, _, stop = text.partition(":")
     return list(range(layout.n))[slice(int(start) if start else None, int(stop) if stop else None)]
 
@@ -762,7 +768,7 @@ def resolve_point(model: nn.Module, name: str) -> Point:
         ('attn_out.1', 'model.layers.1.self_attn', 'output')
     """
     parts = _split(name) if isinstance(name, str) else None
-    if parts is None or (parts[1] is not None and ":" in parts[1]):
+    if parts is None or (parts[1] is not None and (":" in parts[1] or parts[1] == "*")):
         raise LayerNotFoundError(
             str(name), f"{name!r} is not a single standard point (e.g. 'resid_post.3', 'embed')"
         )
@@ -791,7 +797,7 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
     parts = _split(pattern)
     if parts is not None:
         kind, text, tl = parts
-        if text is None or ":" not in text:
+        if text is None or (":" not in text and text != "*"):
             return [(pattern, resolve_point(model, pattern))]
         layers = _range(layout, text)
         if kind == "resid_mid" and layout.arch.parallel:
