@@ -49,7 +49,7 @@ import fnmatch
 import re
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -467,6 +467,9 @@ class _Layout:
     prefix: str  # "" or "model." ...: where the base model sits in the model given
     blocks: nn.ModuleList
     n: int
+    # resolved points, reused while their module is still in place (fewer allocations: a
+    # TraceDict over hundreds of points stays as cheap as one over module names)
+    made: dict[tuple[str, int | None, int], Point] = field(default_factory=dict)
 
     def path(self, rel: str | None) -> str | None:
         return None if rel is None else self.prefix + rel
@@ -697,6 +700,15 @@ def _side(spec: str, default: str) -> tuple[str, str, bool]:
 
 
 def _make(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
+    point = layout.made.get((kind, layer, layout.n))
+    if point is not None and _lookup(model, point.module_name) is point.module:
+        return point
+    point = _make_new(model, layout, kind, layer, name)
+    layout.made[kind, layer, layout.n] = point
+    return point
+
+
+def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
     arch = layout.arch
     blocks = layout.path(arch.blocks)
     if kind in ("embed", "resid_pre"):
