@@ -164,12 +164,12 @@ def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
     assert main(capture_args(tiny_checkpoint, "--positions", "last", "--out", str(out), "--quiet")) == 0
     r = open_capture(out)
-    assert r.layers == ["transformer.h.0", "transformer.h.1"]  # default: every block
-    assert r["transformer.h.0"].shape == (5, 32)  # one row per example
+    assert r.layers == ["resid_post.0", "resid_post.1"]  # default: every block's output
+    assert r["resid_post.0"].shape == (5, 32)  # one row per example
     png = tmp_path / "stats.png"
     code = main(["inspect", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
-    assert "transformer.h.1" in text and "mean |row|" in text
+    assert "resid_post.1" in text and "mean |row|" in text
     if importlib.util.find_spec("matplotlib") is None:
         assert code == 2
     else:

@@ -322,7 +322,6 @@ def test_edit_at_resid_pre_is_a_pre_hook_edit_of_that_block_only(arch):
     model = build(arch)
     block = model.get_submodule(blocks_of(model))[1]
     delta = torch.randn(H if arch != "codegen" else 32, generator=torch.Generator().manual_seed(1))
-    before = (len(block._forward_pre_hooks), len(block._forward_hooks))
 
     def by_hand(_m, args, kwargs):
         if args:
@@ -331,6 +330,8 @@ def test_edit_at_resid_pre_is_a_pre_hook_edit_of_that_block_only(arch):
 
     with torch.no_grad():
         plain = model(ids(), output_hidden_states=True)
+        # transformers adds its own hooks on a first output_hidden_states forward
+        before = (len(block._forward_pre_hooks), len(block._forward_hooks))
         handle = block.register_forward_pre_hook(by_hand, with_kwargs=True)
         try:
             expected = model(ids())
