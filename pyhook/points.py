@@ -116,168 +116,60 @@ class Architecture:
 
 
 A = Architecture
-_LLAMA_LIKE = dict(
-    blocks="layers", attn="self_attn", mlp="mlp", mid="post_attention_layernorm", final="norm"
-)
-_BERT_LIKE = dict(
-    blocks="encoder.layer",
-    attn="attention.output.dropout",
-    mlp="output.dropout",
-    mid="intermediate",
-    final=None,
-    note="post-norm: no final norm, `final` is the last block's output",
-)
+_POST_NORM = "post-norm: no final norm, `final` is the last block's output"
+_POST_BRANCH = "attn_out/mlp_out are taken after the post-branch norms"
+_MULTIPLIER = "`attn_out`/`mlp_out` are taken before the residual multiplier"
 
 #: The mapping, one row (or a few, with conditions) per architecture. Generates docs/points.md.
+# fmt: off
 ARCHITECTURES: list[Architecture] = [
     A("gpt2", "h", "attn", "mlp", "ln_2", "ln_f"),
     A("gpt_neo", "h", "attn", "mlp", "ln_2", "ln_f"),
     A("gpt_bigcode", "h", "attn", "mlp", "ln_2", "ln_f"),
     A("gptj", "h", "attn", "mlp", None, "ln_f"),
     A("codegen", "h", "attn", "mlp", None, "ln_f"),
-    A(
-        "gpt_neox",
-        "layers",
-        "post_attention_dropout",
-        "post_mlp_dropout",
-        None,
-        "final_layer_norm",
-        when="use_parallel_residual",
-    ),
-    A(
-        "gpt_neox",
-        "layers",
-        "post_attention_dropout",
-        "post_mlp_dropout",
-        "post_attention_layernorm",
-        "final_layer_norm",
-    ),
-    A(
-        "opt",
-        "decoder.layers",
-        "self_attn",
-        "fc2",
-        "self_attn_layer_norm:out",
-        "decoder.final_layer_norm",
-        when="not do_layer_norm_before",
-        note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]",
-    ),
-    A(
-        "opt",
-        "decoder.layers",
-        "self_attn",
-        "fc2",
-        "final_layer_norm",
-        "decoder.final_layer_norm",
-        note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them",
-    ),
-    A(
-        "bloom",
-        "h",
-        "self_attention.dense",
-        "mlp.dense_4h_to_h",
-        "post_attention_layernorm",
-        "ln_f",
-        note="the attention and MLP modules add the residual themselves: their inner projections are used",
-    ),
-    A(
-        "falcon",
-        "h",
-        "self_attention",
-        "mlp!",
-        None,
-        "ln_f",
-        when="new_decoder_architecture or parallel_attn",
-    ),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual"),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm"),
+    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", "decoder.final_layer_norm", when="not do_layer_norm_before", note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]"),
+    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them"),
+    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used"),
+    A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn"),
     A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f"),
-    A(
-        "mpt",
-        "blocks",
-        "resid_attn_dropout",
-        "ffn.down_proj",
-        "norm_2",
-        "norm_f",
-        note="the MLP module adds the residual itself: its down projection is used",
-    ),
+    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used"),
     A("phi", "layers", "self_attn", "mlp", None, "final_layernorm"),
     A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual"),
     A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm"),
     A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm"),
     A("cohere", "layers", "self_attn", "mlp", None, "norm"),
-    *(
-        A(t, **_LLAMA_LIKE)
-        for t in (  # type: ignore[arg-type]
-            "llama",
-            "mistral",
-            "mixtral",
-            "qwen2",
-            "qwen2_moe",
-            "qwen3",
-            "qwen3_moe",
-            "gemma",
-            "phi3",
-            "olmo",
-            "starcoder2",
-            "helium",
-            "glm",
-            "smollm3",
-            "granite",
-            "granitemoe",
-        )
-    ),
-    A(
-        "gemma2",
-        "layers",
-        "post_attention_layernorm",
-        "post_feedforward_layernorm",
-        "pre_feedforward_layernorm",
-        "norm",
-        note="attn_out/mlp_out are taken after the post-branch norms",
-    ),
-    A(
-        "gemma3_text",
-        "layers",
-        "post_attention_layernorm",
-        "post_feedforward_layernorm",
-        "pre_feedforward_layernorm",
-        "norm",
-        note="attn_out/mlp_out are taken after the post-branch norms",
-    ),
-    A(
-        "olmo2",
-        "layers",
-        "post_attention_layernorm",
-        "post_feedforward_layernorm",
-        "mlp",
-        "norm",
-        note="attn_out/mlp_out are taken after the post-branch norms",
-    ),
-    A(
-        "olmo3",
-        "layers",
-        "post_attention_layernorm",
-        "post_feedforward_layernorm",
-        "mlp",
-        "norm",
-        note="attn_out/mlp_out are taken after the post-branch norms",
-    ),
-    *(A(t, **_BERT_LIKE) for t in ("bert", "roberta", "xlm-roberta", "electra", "camembert")),  # type: ignore[arg-type]
-    A(
-        "distilbert",
-        "transformer.layer",
-        "attention",
-        "ffn",
-        "ffn",
-        None,
-        note="post-norm: no final norm, `final` is the last block's output",
-    ),
+    A("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("mistral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("mixtral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen2_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen3_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("gemma", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("phi3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("olmo", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("starcoder2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("helium", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("glm", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("smollm3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("granite", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
+    A("granitemoe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
+    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
+    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
+    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
+    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
+    A("bert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("xlm-roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("electra", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("camembert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM),
 ]
+# fmt: on
 del A
-
-_NOTES = {
-    "granite": "`attn_out`/`mlp_out` are taken before the residual multiplier",
-    "granitemoe": "`attn_out`/`mlp_out` are taken before the residual multiplier",
-}
 
 
 def register_architecture(
@@ -916,7 +808,7 @@ def architecture_table(rows: Sequence[Architecture] | None = None) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        note = r.note or _NOTES.get(r.key, "")
+        note = r.note
         lines.append(
             f"| `{r.key}` | {r.when or ''} | `{r.blocks}` | {_cell(r.attn, 'output')} | "
             f"{_cell(r.mlp, 'output')} | {_cell(r.mid, 'input')} | {_cell(r.final, 'output')} | {note} |"
