@@ -397,6 +397,10 @@ def test_generate_with_kv_cache_captures_each_step(arch):
 
 def test_capture_standard_points_matches_tracedict():
     model = build("llama")
+    with torch.no_grad(), capture(model, ["resid_pre.1", "resid_mid.1"], to="host") as rec:
+        hs = model(ids(), output_hidden_states=True).hidden_states
+    assert torch.equal(rec["resid_pre.1"], hs[1].reshape(-1, H))  # input points too
+    assert rec["resid_mid.1"].shape == (10, H)
     with torch.no_grad(), capture(model, "resid_post.*", to="host") as rec:
         model(ids())
     with torch.no_grad(), pyhook.TraceDict(model, ["resid_post.0", "resid_post.1"]) as ret:
