@@ -57,6 +57,29 @@ def _list_public_names(app, docname, source):
         source[0] = source[0].replace("PYHOOK_ALL", names)
 
 
+def _real_module_ids(app, doctree):
+    """Give each object on the top-level API page an id under its defining module too.
+
+    viewcode's source pages link an object to ``#<module>.<name>``, where ``<module>`` is the
+    prefix its module was first documented under: ``pyhook.deephook`` for ``TraceMultiple``,
+    whose description lives on the API page as ``pyhook.TraceMultiple``. The extra id makes
+    those links land on it.
+    """
+    if app.env.docname != "api/pyhook":
+        return
+    from sphinx import addnodes
+
+    for sig in doctree.findall(addnodes.desc_signature):
+        module, fullname = sig.get("module"), sig.get("fullname")
+        if not module or not fullname:
+            continue
+        real = getattr(getattr(pyhook, fullname.split(".")[0], None), "__module__", None)
+        anchor = f"{real}.{fullname}"
+        if isinstance(real, str) and real != module and anchor not in sig["ids"]:
+            sig["ids"].append(anchor)
+
+
 def setup(app):
+    app.connect("doctree-read", _real_module_ids)
     app.connect("source-read", _list_public_names)
     app.connect("autodoc-skip-member", _skip_reexported)

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .points import Point
+
 __all__ = [
     "CompiledModelError",
     "HookSet",
@@ -339,6 +341,10 @@ class HookSet:
         On a module of a compiled model the hook goes into the module's persistent dispatcher
         instead (see :mod:`pyhook._compiled`), which compiled code sees without recompiling.
         """
+        if type(module) is Point:  # a standard hook point (pyhook.points) registers itself
+            return module.register(
+                self, fn, with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
+            )
         handle = self._dispatched(module, fn, post=True, with_kwargs=with_kwargs, prepend=prepend)
         if handle is not None:
             return handle
@@ -358,6 +364,11 @@ class HookSet:
     ) -> RemovableHandle:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set
         (dispatched on compiled models, as :meth:`forward`)."""
+        if type(module) is Point:
+            raise TypeError(
+                f"standard point {module.name!r} takes forward hooks only (a point that is a "
+                "module's input is hooked with a pre-hook by pyhook itself)"
+            )
         handle = self._dispatched(module, fn, post=False, with_kwargs=with_kwargs, prepend=prepend)
         if handle is not None:
             return handle

@@ -46,6 +46,7 @@ from ._tree import tensor_leaves
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
 from .offload import Offloader, PendingCopy, check_byte_count
+from .points import all_points, module_path, resolve_targets
 from .store import ShardWriter, dtype_name, parse_dtype
 
 __all__ = [
@@ -142,7 +143,11 @@ def resolve_layers(
     named: dict[str, nn.Module] | None = None
     found: dict[str, nn.Module] = {}
     for entry in entries:
-        if isinstance(entry, str) and _GLOB_CHARS.search(entry):
+        points = resolve_targets(model, entry)  # standard points (resid_post.*, ...), or None
+        if points is not None:
+            for n, point in points:
+                found.setdefault(n, point)
+        elif isinstance(entry, str) and _GLOB_CHARS.search(entry):
             if named is None:
                 named = dict(model.named_modules())
             all_names = [n for n in named if n]
@@ -163,12 +168,13 @@ def resolve_layers(
             raise TypeError(
                 f"layers must hold names, globs or submodules, got {type(entry).__name__}: {entry!r}"
             )
-    if len(found) < 2:
-        return list(found.items())
+    if len(found) < 2 or all_points(found.values()):
+        return list(found.items())  # standard points come in forward order
     if named is None:
         named = dict(model.named_modules())
     order = {n: i for i, n in enumerate(named)}  # dicts keep named_modules' order
-    return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
+    # a standard point sorts with the module it hooks
+    return sorted(found.items(), key=lambda kv: order.get(module_path(*kv), -1))
 
 
 def _check_mask_name(model: nn.Module, mask: str) -> bool:
@@ -394,7 +400,9 @@ class Recorder:
         self.layers = [n for n, _ in self._modules]
         # A compiled model (or one with compiled layers): hooks go through dispatchers, and the
         # batches are built in code dynamo traces, then finished lazily (see _drain).
-        self._compiled = any(compiled_path(model, n) is not None for n in self.layers)
+        self._compiled = any(
+            compiled_path(model, module_path(n, m)) is not None for n, m in self._modules
+        )
         self._chead: _Batch = _Batch(None, {}, None, None)
         self._cbatch: dict[str, Any] = {}
         self._cfirst: torch.Tensor | None = None
@@ -478,8 +486,8 @@ class Recorder:
         try:
             with self._hooks.registering():
                 if self._compiled:
-                    for name in self.layers:
-                        check_not_compiled(self.model, name, who="capture")
+                    for name, module in self._modules:
+                        check_not_compiled(self.model, module_path(name, module), who="capture")
                     self._chead = _Batch(None, {}, None, None)
                     self._hooks.forward_pre(
                         self.model, self._begin_compiled, with_kwargs=True, prepend=True

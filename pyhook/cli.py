@@ -125,9 +125,18 @@ def load_model(spec: str | None, *, device: str = "cpu", dtype: Any = None) -> t
 
 
 def default_layers(model: Any) -> str:
-    """A glob for the model's blocks: the children of its longest ``nn.ModuleList``."""
+    """``resid_post.*`` (every block's output, a standard point) when the model's architecture
+    has a mapping (see :mod:`pyhook.points`), else a glob for the children of its longest
+    ``nn.ModuleList``."""
     from torch import nn
 
+    from .points import architecture_of
+
+    try:
+        architecture_of(model)
+        return "resid_post.*"
+    except LookupError:
+        pass
     best, size = None, 0
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > size:
@@ -392,14 +401,28 @@ def cmd_layers(args: argparse.Namespace) -> int:
             model(**{k: v.to(args.device) for k, v in enc.items()})
     finally:
         hooks.remove()
+    from .points import points_by_module
+
+    try:
+        at = points_by_module(model)  # standard points, beside the modules they hook
+    except LookupError as e:
+        at, note = {}, f"\nno standard points: {e}"
+    else:
+        note = "\nstandard points (--layers takes them: 'resid_post.*', 'attn_out.3', ...) are listed beside their modules; '(input)': the module's input"
     rows = [
-        [name or "(root)", type(mod).__name__, shapes.get(name, "(not called)")]
+        [
+            name or "(root)",
+            ", ".join(at.get(name, ())),
+            type(mod).__name__,
+            shapes.get(name, "(not called)"),
+        ]
         for name, mod in model.named_modules()
     ]
     print(
         f"{path}: {type(model).__name__}; output shapes for one example of {enc['input_ids'].shape[1]} tokens"
     )
-    print(_table(rows, ["name", "type", "output shape"]))
+    print(_table(rows, ["name", "standard points", "type", "output shape"]))
+    print(note)
     print(f"\ndefault --layers for this model: {default_layers(model)!r}")
     return 0
 

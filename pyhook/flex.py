@@ -33,6 +33,7 @@ from ._compiled import unwrap_compiled
 from ._hooks import HookSet, check_not_compiled
 from .distributed import ParallelState, gather_activation, is_dtensor
 from .modules import _not_found, get_module, get_parameter
+from .points import module_path, resolve_targets
 
 __all__ = ["HOOK_TYPES", "DummyModule", "FlexModel", "HookFunction", "default_editing_function"]
 
@@ -504,8 +505,15 @@ class FlexModel(nn.Module):
             target: Any = get_parameter(self.module, hf.module_name)
         else:
             root = unwrap_compiled(self.module)  # names resolve as in the eager model
-            target = get_module(root, hf.module_name)
-            check_not_compiled(root, hf.module_name, who="FlexModel")  # compiled: dispatched
+            hits = resolve_targets(root, hf.module_name)  # a standard point, or None
+            if hits is not None and (len(hits) != 1 or hook_type != "forward"):
+                raise ValueError(
+                    f"HookFunction {hf.module_name!r}: a standard point takes one forward hook "
+                    f"(register_forward_hook); it names {len(hits)} point(s) here"
+                )
+            target = hits[0][1] if hits else get_module(root, hf.module_name)
+            path = module_path(hf.module_name, target)
+            check_not_compiled(root, path, who="FlexModel")  # compiled: dispatched
         hooks = HookSet(any_thread=True)
         with hooks.registering():
             fn = hf._make_hook(hook_type)

@@ -29,6 +29,7 @@ from ._copy import recursive_copy
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from ._invoke import accepts_argument, invoke_with_optional_args
 from .modules import resolve_module
+from .points import module_path, resolve_targets
 
 __all__ = ["CallRecord", "Trace", "TraceDict"]
 
@@ -164,13 +165,22 @@ class Trace(contextlib.AbstractContextManager):
             self.layer: str | None = None
             target = module
         elif isinstance(layer, (str, nn.Module)):
-            self.layer, target = resolve_module(module, layer)
+            hits = resolve_targets(module, layer)  # a standard point (pyhook.points), or None
+            if hits is None:
+                self.layer, target = resolve_module(module, layer)
+            elif len(hits) == 1:
+                self.layer, target = hits[0]
+            else:
+                raise ValueError(
+                    f"layer {layer!r} names {len(hits)} standard points; Trace takes one "
+                    "(use TraceDict for several)"
+                )
         else:
             raise TypeError(
                 f"layer must be a dotted module name (str), a submodule or None, "
                 f"got {type(layer).__name__}: {layer!r}"
             )
-        check_not_compiled(module, self.layer, who="Trace")
+        check_not_compiled(module, module_path(self.layer, target), who="Trace")
         if edit_output is not None and not callable(edit_output):
             where = f" for layer {self.layer!r}" if self.layer is not None else ""
             raise TypeError(
@@ -399,11 +409,16 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 raise TypeError(
                     f"layers must hold layer names (str), got {type(layer).__name__}: {layer!r}"
                 )
-            name, target = resolve_module(module, layer)
-            unique.setdefault(name, target)
+            hits = resolve_targets(module, layer)  # standard points (pyhook.points), or None
+            if hits is None:
+                name, target = resolve_module(module, layer)
+                unique.setdefault(name, target)
+            else:
+                for name, target in hits:
+                    unique.setdefault(name, target)
         names = list(unique)
         for name in names:
-            check_not_compiled(module, name, who="TraceDict")
+            check_not_compiled(module, module_path(name, unique[name]), who="TraceDict")
         self.stop = _check_flag("stop", stop)
         flag_options = {
             "retain_output": retain_output,

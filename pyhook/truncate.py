@@ -24,6 +24,7 @@ from torch import nn
 from ._compiled import dispatcher_of, raise_outside, unwrap_compiled
 from ._hooks import HookSet, StopForward, check_not_compiled, compiled_path, is_own_stop
 from .modules import module_name_of, resolve_module
+from .points import module_path, resolve_targets
 
 __all__ = ["HookNotCalledError", "TruncatedModule", "TruncationExecutionFinished"]
 
@@ -219,7 +220,10 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
             point = truncation_point
         elif isinstance(truncation_point, str):
             try:
-                name, point = resolve_module(inner, truncation_point)
+                hits = resolve_targets(inner, truncation_point)  # a standard point, or None
+                if hits is not None and len(hits) != 1:
+                    raise LookupError(f"it names {len(hits)} standard points, not one")
+                name, point = hits[0] if hits else resolve_module(inner, truncation_point)
             except LookupError as e:
                 raise ValueError(
                     f"truncation_point {truncation_point!r} is not a submodule: {e}"
@@ -238,8 +242,8 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
         # Compiled model: the stop goes through the point's dispatcher (see _forward_compiled).
         self.__dict__["_inner"] = inner
         self.__dict__["_compiled_run"] = None
-        if compiled_path(inner, name) is not None:
-            check_not_compiled(inner, name, who="TruncatedModule")
+        if compiled_path(inner, module_path(name, point)) is not None:
+            check_not_compiled(inner, module_path(name, point), who="TruncatedModule")
             if inner is not module:  # torch.compile(model): our call compiles with its settings
                 ctx: Any = module.dynamo_ctx
                 self.__dict__["_compiled_run"] = ctx(self._forward_compiled)

@@ -153,22 +153,23 @@ def test_layers_command(tiny_checkpoint, capsys):
     assert main(["layers", "--model", str(tiny_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "transformer.h.0.mlp" in out and "GPT2MLP" in out
-    assert "default --layers for this model: 'transformer.h.*'" in out
+    assert "default --layers for this model: 'resid_post.*'" in out  # a standard point (points.py)
     row = next(ln for ln in out.splitlines() if ln.startswith("transformer.h.0 "))
     n_words = len(["Once", "upon", "a", "time", "there", "was", "a", "model."])  # WordLevel + whitespace split
     assert row.split()[-1] == f"1x{n_words}x32"
+    assert "resid_pre.0 (input), resid_post.0" in row  # standard points beside their modules
 
 
 def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
     assert main(capture_args(tiny_checkpoint, "--positions", "last", "--out", str(out), "--quiet")) == 0
     r = open_capture(out)
-    assert r.layers == ["transformer.h.0", "transformer.h.1"]  # default: every block
-    assert r["transformer.h.0"].shape == (5, 32)  # one row per example
+    assert r.layers == ["resid_post.0", "resid_post.1"]  # default: every block's output
+    assert r["resid_post.0"].shape == (5, 32)  # one row per example
     png = tmp_path / "stats.png"
     code = main(["inspect", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
-    assert "transformer.h.1" in text and "mean |row|" in text
+    assert "resid_post.1" in text and "mean |row|" in text
     if importlib.util.find_spec("matplotlib") is None:
         assert code == 2
     else:
@@ -247,8 +248,8 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["--limit", "3"]) == 0  # no command, no model: the default MiniLM capture
     r = open_capture(tmp_path / "pyhook-activations")
-    assert r.layers == [f"encoder.layer.{i}" for i in range(6)] and r.examples == 3
-    assert r["encoder.layer.5"].shape[1] == 384
+    assert r.layers == [f"resid_post.{i}" for i in range(6)] and r.examples == 3
+    assert r["resid_post.5"].shape[1] == 384
     model, tok, _ = cli.load_model(None)
     enc = tok(
         open(cli.default_corpus()).read().splitlines()[:3],
@@ -259,9 +260,9 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     )
     with torch.no_grad():
         want = model(**enc).last_hidden_state[enc["attention_mask"].bool()]
-    assert torch.equal(r["encoder.layer.5"].to_tensor(), want)
+    assert torch.equal(r["resid_post.5"].to_tensor(), want)
     assert all_hooks(model) == 0
-    assert "encoder.layer.5" in capsys.readouterr().out
+    assert "resid_post.5" in capsys.readouterr().out
 
 
 def _cli_rank_worker(rank: int, world: int, port: int, args: list[str], report: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +49,18 @@ def test_docs_build_without_warnings(tmp_path):
     # The API reference really was generated from the docstrings.
     api = (out / "api" / "pyhook.html").read_text(encoding="utf-8")
     assert 'id="pyhook.TraceDict"' in api and 'id="pyhook.capture"' in api
+    # Every in-site link to an anchor lands on an id (viewcode's source pages included: their
+    # links to re-exported objects such as pyhook.deephook.TraceMultiple used to miss).
+    ids: dict[Path, set[str]] = {}
+    broken = []
+    for page in out.rglob("*.html"):
+        for target, anchor in re.findall(
+            r'href="([^"#:]*\.html)#([^"]+)"', page.read_text("utf-8")
+        ):
+            dest = (page.parent / target).resolve()
+            if dest not in ids:
+                text = dest.read_text("utf-8") if dest.exists() else ""
+                ids[dest] = set(re.findall(r'id="([^"]+)"', text))
+            if html.unescape(anchor) not in ids[dest]:
+                broken.append(f"{page.relative_to(out)} -> {target}#{anchor}")
+    assert not broken, broken

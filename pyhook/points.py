@@ -1,0 +1,816 @@
+"""Standard hook points: one name for each place in every transformer.
+
+Every ``transformers`` architecture names its insides differently (``transformer.h.3`` on GPT-2,
+``model.layers.3`` on Llama, ``gpt_neox.layers.3`` on Pythia). The standard points name the same
+places on all of them, and every pyhook tool takes them where it takes a module name
+(:class:`~pyhook.Trace`, :class:`~pyhook.TraceDict`, :func:`~pyhook.capture.capture`,
+:class:`~pyhook.TruncatedModule`, :class:`~pyhook.FlexModel` hook functions, ``pyhook capture
+--layers``):
+
+=================  ===========================================================================
+``embed``          the hidden state entering block 0 (token + position embeddings, any scaling)
+``resid_pre.L``    the input of block ``L`` (a pre-hook on the block)
+``attn_out.L``     the attention branch's output, as it is added to the residual stream
+``resid_mid.L``    the residual stream after attention, before the MLP (absent on parallel
+                   attention architectures: GPT-J, Pythia, Falcon, Phi, ...)
+``mlp_out.L``      the MLP branch's output, as it is added to the residual stream
+``resid_post.L``   the output of block ``L``
+``final``          the output of the final norm (the last block's output where there is none)
+=================  ===========================================================================
+
+``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
+a glob (``resid_post.*``, ``*.3``); TransformerLens' spellings are aliases
+(``blocks.3.hook_resid_post``, ``hook_embed``, ``ln_final.hook_normalized``). A point resolves
+to a :class:`Point`: a module, whether the tensor is its input (a forward pre-hook) or its
+output, and where the tensor sits in the arguments or the output tuple. Tools hand users the
+hidden-state tensor itself, and an edit replaces exactly that tensor (an edit at
+``resid_pre.L`` is seen by block ``L`` only; the rest of a block's output tuple, caches
+included, passes through untouched).
+
+The mapping from points to modules is data: :data:`ARCHITECTURES`, one :class:`Architecture`
+row per ``config.model_type`` (or model class), which also generates the docs' table. Add your
+own with :func:`register_architecture`.
+
+Example::
+
+    >>> import torch, transformers, pyhook
+    >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)
+    >>> model = transformers.GPT2LMHeadModel(cfg).eval()
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> with pyhook.TraceDict(model, ["resid_pre.1", "resid_post.0"]) as ret:
+    ...     out = model(ids, output_hidden_states=True)
+    >>> ret["resid_pre.1"].output is out.hidden_states[1]
+    True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modules import LayerNotFoundError, get_module
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "Point",
+    "UnknownArchitectureError",
+    "architecture_of",
+    "architecture_table",
+    "expand_points",
+    "is_point_name",
+    "point_names",
+    "points_by_module",
+    "register_architecture",
+    "resolve_point",
+]
+
+#: The per-layer point kinds, in the order a block computes them.
+LAYER_KINDS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+KINDS = ("embed", *LAYER_KINDS, "final")
+
+
+# -- the data ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Architecture:
+    """One row of the mapping: where the standard points sit in one architecture.
+
+    Paths are dotted module names. ``blocks`` (the ``ModuleList`` of blocks) and ``final`` (the
+    final norm) are relative to the base model (e.g. ``LlamaModel``; the prefix of a
+    ``...ForCausalLM`` head model is found automatically); ``attn``, ``mlp`` and ``mid`` are
+    relative to one block. ``attn`` and ``mlp`` name the module whose *output* is ``attn_out`` /
+    ``mlp_out``, ``mid`` the module whose *input* is ``resid_mid`` (``None``: a parallel
+    attention block, which has no ``resid_mid``). A path may end in ``:in`` or ``:out`` to take
+    the other side of the module, and in ``!`` when the model later modifies that tensor in
+    place (users are then handed a copy). ``when`` is a condition on the config (``"attr"``,
+    ``"not attr"``, joined by ``" or "``): rows of one key are tried in order, the first whose
+    condition holds is used. ``key`` is a ``config.model_type`` or a model class name.
+
+    Example::
+
+        >>> from pyhook.points import Architecture
+        >>> Architecture("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm").parallel
+        False
+    """
+
+    key: str
+    blocks: str
+    attn: str
+    mlp: str
+    mid: str | None
+    final: str | None
+    when: str | None = None
+    note: str = ""
+
+    @property
+    def parallel(self) -> bool:
+        """Whether attention and MLP read the same input (then ``resid_mid`` does not exist)."""
+        return self.mid is None
+
+
+A = Architecture
+_POST_NORM = "post-norm: no final norm, `final` is the last block's output"
+_POST_BRANCH = "attn_out/mlp_out are taken after the post-branch norms"
+_MULTIPLIER = "`attn_out`/`mlp_out` are taken before the residual multiplier"
+
+#: The mapping, one row (or a few, with conditions) per architecture. Generates docs/points.md.
+# fmt: off
+ARCHITECTURES: list[Architecture] = [
+    A("gpt2", "h", "attn", "mlp", "ln_2", "ln_f"),
+    A("gpt_neo", "h", "attn", "mlp", "ln_2", "ln_f"),
+    A("gpt_bigcode", "h", "attn", "mlp", "ln_2", "ln_f"),
+    A("gptj", "h", "attn", "mlp", None, "ln_f"),
+    A("codegen", "h", "attn", "mlp", None, "ln_f"),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual"),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm"),
+    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", "decoder.final_layer_norm", when="not do_layer_norm_before", note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]"),
+    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them"),
+    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used"),
+    A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn"),
+    A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f"),
+    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used"),
+    A("phi", "layers", "self_attn", "mlp", None, "final_layernorm"),
+    A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual"),
+    A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm"),
+    A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm"),
+    A("cohere", "layers", "self_attn", "mlp", None, "norm"),
+    A("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("mistral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("mixtral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen2_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("qwen3_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("gemma", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("phi3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("olmo", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("starcoder2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("helium", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("glm", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("smollm3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
+    A("granite", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
+    A("granitemoe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
+    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
+    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
+    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
+    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
+    A("bert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("xlm-roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("electra", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("camembert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
+    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM),
+]
+# fmt: on
+del A
+
+
+def register_architecture(
+    key: str | type,
+    *,
+    blocks: str,
+    attn: str,
+    mlp: str,
+    mid: str | None,
+    final: str | None = None,
+    when: str | None = None,
+    note: str = "",
+) -> Architecture:
+    """Add (or override) the mapping for an architecture: a ``config.model_type`` or a class.
+
+    The new row is tried before the built-in ones. See :class:`Architecture` for the fields.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> from pyhook.points import register_architecture
+        >>> class Block(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm, self.attn, self.norm2, self.mlp = (torch.nn.Identity(), torch.nn.Linear(4, 4),
+        ...                                                       torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
+        ...     def forward(self, x):
+        ...         x = x + self.attn(self.norm(x))
+        ...         return x + self.mlp(self.norm2(x))
+        >>> class Tiny(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.blocks = torch.nn.ModuleList([Block(), Block()])
+        ...     def forward(self, x):
+        ...         for b in self.blocks:
+        ...             x = b(x)
+        ...         return x
+        >>> _ = register_architecture(Tiny, blocks="blocks", attn="attn", mlp="mlp", mid="norm2")
+        >>> net = Tiny()
+        >>> with pyhook.Trace(net, "resid_mid.1") as t:
+        ...     y = net(torch.ones(1, 4))
+        >>> t.output.shape
+        torch.Size([1, 4])
+    """
+    name = key.__name__ if isinstance(key, type) else key
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"key must be a config.model_type (str) or a model class, got {key!r}")
+    for field_name, value in (("blocks", blocks), ("attn", attn), ("mlp", mlp)):
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"{field_name} must be a dotted module path (str), got {value!r}")
+    row = Architecture(name, blocks, attn, mlp, mid, final, when, note)
+    _USER_ROWS.insert(0, row)
+    _CACHE.clear()
+    return row
+
+
+_USER_ROWS: list[Architecture] = []
+
+
+# -- errors -----------------------------------------------------------------------------------
+class UnknownArchitectureError(LayerNotFoundError):
+    """A standard point was asked of a model whose architecture has no mapping.
+
+    It is a :class:`~pyhook.modules.LayerNotFoundError` (so a ``KeyError``/``LookupError``); the
+    one-line message lists the module names found and the :func:`register_architecture` call
+    that would add a mapping.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> try:
+        ...     pyhook.Trace(net, "resid_post.0")
+        ... except pyhook.points.UnknownArchitectureError as e:
+        ...     print(str(e).split(":")[0])
+        no standard hook points for Sequential (no config.model_type)
+    """
+
+
+# -- resolving --------------------------------------------------------------------------------
+@dataclass
+class Point:
+    """A standard point resolved on one model: which module, which side, which tensor.
+
+    ``kind`` is ``"input"`` (the tensor is the module's first argument, or its ``hidden_states``
+    keyword: registered as a forward pre-hook) or ``"output"`` (the tensor is the output, or
+    element 0 of an output tuple). ``inplace``: an edit is written into the tensor in place, so
+    that every reader of it sees the edit (``resid_mid``, read by both the MLP branch and the
+    skip connection). ``copy``: the model modifies the tensor in place later, so hooks get a
+    copy. Tools register hooks on a Point as on a module (see :meth:`register`).
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import resolve_point
+        >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)
+        >>> p = resolve_point(transformers.GPT2LMHeadModel(cfg), "resid_mid.1")
+        >>> p.module_name, p.kind, p.inplace
+        ('transformer.h.1.ln_2', 'input', True)
+    """
+
+    name: str
+    module_name: str
+    module: nn.Module
+    kind: str
+    inplace: bool = False
+    copy: bool = False
+
+    def register(
+        self,
+        hooks: Any,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        prepend: bool = False,
+        always_call: bool = False,
+    ) -> Any:
+        """Register ``fn`` on this point through ``hooks`` (a :class:`~pyhook._hooks.HookSet`).
+
+        ``fn`` is called as a forward hook whose ``output`` is the point's tensor:
+        ``fn(module, args, value)`` (``fn(module, args, kwargs, value)`` with ``with_kwargs``),
+        where ``module``/``args`` are those of :attr:`module`; returning another tensor replaces
+        the value, ``None`` (or the value itself) leaves it.
+        """
+        point = self
+        if self.kind == "output":
+            copy = self.copy
+
+            def on_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+                value = output if type(output) is torch.Tensor else _output_tensor(point, output)
+                handed = value.clone() if copy else value
+                new = fn(module, args, kwargs, handed) if with_kwargs else fn(module, args, handed)
+                if new is None or new is handed:
+                    return None
+                return _replace_output(output, new)
+
+            return hooks.forward(
+                self.module, on_output, with_kwargs=True, prepend=prepend, always_call=always_call
+            )
+
+        inplace = self.inplace
+
+        def on_input(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            value = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"standard point {point.name!r}: {point.module_name!r} was called without a "
+                    "tensor as its first argument or hidden_states= keyword"
+                )
+            new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
+            if new is None or new is value:
+                return None
+            if inplace:
+                value.copy_(new)  # every reader of the tensor (the skip connection too) sees it
+                return None
+            if args:
+                return (new, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": new}
+
+        return hooks.forward_pre(self.module, on_input, with_kwargs=True, prepend=prepend)
+
+
+def _output_tensor(point: Point, output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(
+        f"standard point {point.name!r}: the output of {point.module_name!r} is a "
+        f"{type(output).__name__}, expected a tensor or a tuple starting with one"
+    )
+
+
+def _replace_output(output: Any, new: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return new
+    if type(output) is tuple:
+        return (new, *output[1:])
+    if isinstance(output, tuple):  # a namedtuple
+        return type(output)(new, *output[1:])
+    return [new, *output[1:]]
+
+
+@dataclass
+class _Layout:
+    arch: Architecture
+    prefix: str  # "" or "model." ...: where the base model sits in the model given
+    blocks: nn.ModuleList
+    n: int
+    # resolved points, reused while their module is still in place (fewer allocations: a
+    # TraceDict over hundreds of points stays as cheap as one over module names)
+    made: dict[tuple[str, int | None, int], Point] = field(default_factory=dict)
+
+    def path(self, rel: str | None) -> str | None:
+        return None if rel is None else self.prefix + rel
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _rows() -> Iterable[Architecture]:
+    yield from _USER_ROWS
+    yield from ARCHITECTURES
+
+
+def _condition_holds(when: str | None, config: Any) -> bool:
+    if not when:
+        return True
+    for term in when.split(" or "):
+        term = term.strip()
+        negate = term.startswith("not ")
+        value = bool(getattr(config, term[4:] if negate else term, False))
+        if value != negate:
+            return True
+    return False
+
+
+def _keys_of(model: nn.Module) -> list[str]:
+    config = getattr(model, "config", None)
+    keys = [c.__name__ for c in type(model).__mro__ if c not in (nn.Module, object)]
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str):
+        keys.insert(0, model_type)
+        sub = getattr(config, "text_config", None)
+        if sub is not None and isinstance(getattr(sub, "model_type", None), str):
+            keys.append(sub.model_type)
+    return keys
+
+
+def _lookup(model: nn.Module, path: str) -> nn.Module | None:
+    """``get_module`` without the error (and its costly list of close names)."""
+    module: nn.Module | None = model
+    for part in path.split(".") if path else ():
+        module = module._modules.get(part)  # type: ignore[union-attr]
+        if module is None:
+            return None
+    return module
+
+
+def _find_blocks(model: nn.Module, rel: str) -> str | None:
+    """The prefix under which ``rel`` is a ModuleList in ``model`` ('' first, then the shortest)."""
+    base = getattr(model, "base_model_prefix", None)
+    tries = [""] + ([base + "."] if isinstance(base, str) and base else [])
+    for prefix in tries:
+        if isinstance(_lookup(model, prefix + rel), nn.ModuleList):
+            return prefix
+    suffix = "." + rel
+    hits = [
+        n[: -len(rel)]
+        for n, m in model.named_modules()
+        if n.endswith(suffix) and isinstance(m, nn.ModuleList)
+    ]
+    return min(hits, key=len) if hits else None
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """The :class:`Architecture` row used for ``model`` (raises
+    :class:`UnknownArchitectureError` when there is none).
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import architecture_of
+        >>> cfg = transformers.GPTNeoXConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        ...                                  intermediate_size=32, vocab_size=64)
+        >>> architecture_of(transformers.GPTNeoXForCausalLM(cfg)).parallel  # Pythia's parallel residual
+        True
+    """
+    return _layout(model).arch
+
+
+def _layout(model: nn.Module) -> _Layout:
+    layout = _CACHE.get(model)
+    if layout is not None and _lookup(model, layout.prefix + layout.arch.blocks) is layout.blocks:
+        layout.n = len(layout.blocks)  # blocks may have been added or removed since
+        return layout
+    keys = _keys_of(model)
+    config = getattr(model, "config", None)
+    for key in keys:
+        for row in _rows():
+            if row.key != key or not _condition_holds(row.when, config):
+                continue
+            prefix = _find_blocks(model, row.blocks)
+            if prefix is None:
+                continue
+            blocks = get_module(model, prefix + row.blocks)
+            layout = _Layout(row, prefix, blocks, len(blocks))  # type: ignore[arg-type]
+            _CACHE[model] = layout
+            return layout
+    raise _unknown(model, keys)
+
+
+def _unknown(model: nn.Module, keys: list[str]) -> UnknownArchitectureError:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    what = f"model_type {model_type!r}" if model_type else "no config.model_type"
+    best, size = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > size:
+            best, size = name, len(mod)
+    if best is None:
+        names = [n for n, _ in model.named_children()]
+        found = f"no ModuleList of blocks; its children: {', '.join(names) or '(none)'}"
+        hint = "register_architecture(...)"
+    else:
+        children = [n for n, _ in model.get_submodule(best)[0].named_children()]
+        found = f"blocks {best!r} ({size} x {type(model.get_submodule(best)[0]).__name__} with {', '.join(children)})"
+        key = model_type or type(model).__name__
+        hint = (
+            f"pyhook.points.register_architecture({key!r}, blocks={best!r}, attn=..., mlp=..., "
+            "mid=... (module whose input is resid_mid, None if parallel), final=...)"
+        )
+    return UnknownArchitectureError(
+        keys[0] if keys else type(model).__name__,
+        f"no standard hook points for {type(model).__name__} ({what}): found {found}; "
+        f"add a mapping with {hint} (see docs/points.md), or use module names",
+    )
+
+
+# -- names ------------------------------------------------------------------------------------
+_ALIAS_KINDS = "|".join(LAYER_KINDS)
+_CANON_RX = re.compile(rf"(?:(embed|final)|({_ALIAS_KINDS})\.(-?\d+|-?\d*:-?\d*|\*))\Z")
+_TL_RX = re.compile(
+    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*|\*)\.hook_({_ALIAS_KINDS}))\Z"
+)
+_GLOB = re.compile(r"[*?\[]")
+_HEADS = frozenset(KINDS)
+_TL_HEADS = ("blocks.", "hook_embed", "ln_final.")
+
+
+def _is_tl_style(name: str) -> bool:
+    return name.startswith(_TL_HEADS)
+
+
+def _glob_head_matches(name: str) -> bool:
+    if _is_tl_style(name):
+        return True
+    head = name.partition(".")[0]
+    return any(c.isalpha() for c in head) and any(fnmatch.fnmatchcase(k, head) for k in KINDS)
+
+
+def is_point_name(name: Any, model: nn.Module | None = None) -> bool:
+    """Whether ``name`` is spelled as a standard point (canonical, TransformerLens alias, range
+    or glob). With ``model``, a name that is also a real module path of it is *not* a point
+    (module names win).
+
+    Example::
+
+        >>> from pyhook.points import is_point_name
+        >>> [is_point_name(n) for n in ("resid_post.3", "blocks.0.hook_attn_out", "resid_*.*", "transformer.h.3")]
+        [True, True, True, False]
+    """
+    if not isinstance(name, str):
+        return False
+    head = name.partition(".")[0]
+    if head in _HEADS or name.startswith(_TL_HEADS):
+        ok = bool(_CANON_RX.match(name) or _TL_RX.match(name)) or (
+            _GLOB.search(name) is not None and _glob_head_matches(name)
+        )
+    elif _GLOB.search(head):
+        ok = _glob_head_matches(name)
+    else:
+        return False
+    if not ok or model is None:
+        return ok
+    return head not in model._modules
+
+
+def _index(layout: _Layout, text: str, name: str) -> int:
+    i = int(text)
+    if not -layout.n <= i < layout.n:
+        raise LayerNotFoundError(
+            name,
+            f"standard point {name!r}: {type(layout.blocks).__name__} at "
+            f"{layout.path(layout.arch.blocks)!r} has {layout.n} blocks (0..{layout.n - 1})",
+        )
+    return i % layout.n
+
+
+def _range(layout: _Layout, text: str) -> list[int]:
+    if text == "*":
+        return list(range(layout.n))
+    start, _, stop = text.partition(":")
+    return list(range(layout.n))[slice(int(start) if start else None, int(stop) if stop else None)]
+
+
+def _split(name: str) -> tuple[str, str | None, bool] | None:
+    """(kind, layer text or None, tl_style) of a non-glob point name, or None."""
+    m = _CANON_RX.match(name)
+    if m:
+        return (m.group(1), None, False) if m.group(1) else (m.group(2), m.group(3), False)
+    m = _TL_RX.match(name)
+    if m:
+        if m.group(1):
+            return "embed", None, True
+        if m.group(2):
+            return "final", None, True
+        return m.group(4), m.group(3), True
+    return None
+
+
+def _spell(kind: str, layer: int | None, tl: bool) -> str:
+    if not tl:
+        return kind if layer is None else f"{kind}.{layer}"
+    if kind == "embed":
+        return "hook_embed"
+    if kind == "final":
+        return "ln_final.hook_normalized"
+    return f"blocks.{layer}.hook_{kind}"
+
+
+def _side(spec: str, default: str) -> tuple[str, str, bool]:
+    copy = spec.endswith("!")
+    spec = spec.rstrip("!")
+    path, _, side = spec.partition(":")
+    side = {"in": "input", "out": "output", "": default}.get(side, side)
+    if side not in ("input", "output"):
+        raise ValueError(f"bad point path {spec!r}: the suffix must be ':in' or ':out'")
+    return path, side, copy
+
+
+def _make(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
+    point = layout.made.get((kind, layer, layout.n))
+    if point is not None and _lookup(model, point.module_name) is point.module:
+        return point
+    point = _make_new(model, layout, kind, layer, name)
+    layout.made[kind, layer, layout.n] = point
+    return point
+
+
+def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
+    arch = layout.arch
+    blocks = layout.path(arch.blocks)
+    if kind in ("embed", "resid_pre"):
+        i = 0 if kind == "embed" else layer
+        module_name, side, inplace, copy = f"{blocks}.{i}", "input", False, False
+    elif kind == "resid_post":
+        module_name, side, inplace, copy = f"{blocks}.{layer}", "output", False, False
+    elif kind == "final":
+        if arch.final is None:
+            module_name, side, copy = f"{blocks}.{layout.n - 1}", "output", False
+        else:
+            path, side, copy = _side(arch.final, "output")
+            module_name = layout.path(path)  # type: ignore[assignment]
+        inplace = False
+    else:
+        rel = {"attn_out": arch.attn, "mlp_out": arch.mlp, "resid_mid": arch.mid}[kind]
+        if rel is None:
+            raise LayerNotFoundError(
+                name,
+                f"standard point {name!r} does not exist on {type(model).__name__}: its blocks run "
+                "attention and the MLP in parallel on the same input (no residual stream between "
+                "them); use resid_pre, attn_out, mlp_out or resid_post",
+            )
+        path, side, copy = _side(rel, "input" if kind == "resid_mid" else "output")
+        module_name = f"{blocks}.{layer}.{path}"
+        inplace = kind == "resid_mid" and side == "input"
+    try:
+        module = get_module(model, module_name)  # type: ignore[arg-type]
+    except LookupError as e:
+        raise LayerNotFoundError(
+            name,
+            f"standard point {name!r}: the mapping for {arch.key!r} names {module_name!r}, which "
+            f"{type(model).__name__} does not have ({e}); fix it with register_architecture",
+        ) from None
+    return Point(name, module_name, module, side, inplace, copy)  # type: ignore[arg-type]
+
+
+def point_names(model: nn.Module, *, tl: bool = False) -> list[str]:
+    """Every standard point of ``model``, in the order the forward computes them.
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import point_names
+        >>> cfg = transformers.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64)
+        >>> point_names(transformers.GPTJForCausalLM(cfg))  # parallel attention: no resid_mid
+        ['embed', 'resid_pre.0', 'attn_out.0', 'mlp_out.0', 'resid_post.0', 'final']
+    """
+    layout = _layout(model)
+    kinds = [k for k in LAYER_KINDS if not (k == "resid_mid" and layout.arch.parallel)]
+    names = [_spell("embed", None, tl)]
+    for i in range(layout.n):
+        names.extend(_spell(k, i, tl) for k in kinds)
+    names.append(_spell("final", None, tl))
+    return names
+
+
+def resolve_point(model: nn.Module, name: str) -> Point:
+    """The :class:`Point` a single standard point name (canonical or alias) stands for.
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import resolve_point
+        >>> cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                                num_attention_heads=2, vocab_size=64)
+        >>> p = resolve_point(transformers.LlamaForCausalLM(cfg), "blocks.-1.hook_attn_out")
+        >>> p.name, p.module_name, p.kind
+        ('attn_out.1', 'model.layers.1.self_attn', 'output')
+    """
+    parts = _split(name) if isinstance(name, str) else None
+    if parts is None or (parts[1] is not None and (":" in parts[1] or parts[1] == "*")):
+        raise LayerNotFoundError(
+            str(name), f"{name!r} is not a single standard point (e.g. 'resid_post.3', 'embed')"
+        )
+    kind, text, _ = parts
+    layout = _layout(model)
+    layer = None if text is None else _index(layout, text, name)
+    return _make(model, layout, kind, layer, _spell(kind, layer, False))
+
+
+def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
+    """``[(name, Point), ...]`` for a point name, range or glob, in forward order.
+
+    Names keep the pattern's spelling (TransformerLens patterns give TransformerLens names); a
+    single name is returned as written. A glob or range matching nothing raises.
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import expand_points
+        >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=64)
+        >>> model = transformers.GPT2LMHeadModel(cfg)
+        >>> [n for n, _ in expand_points(model, "resid_post.1:3")], [n for n, _ in expand_points(model, "*.-1")][:2]
+        (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_out.3'])
+    """
+    layout = _layout(model)
+    parts = _split(pattern)
+    if parts is not None:
+        kind, text, tl = parts
+        if text is None or (":" not in text and text != "*"):
+            return [(pattern, resolve_point(model, pattern))]
+        layers = _range(layout, text)
+        if kind == "resid_mid" and layout.arch.parallel:
+            resolve_point(model, _spell(kind, 0, False))  # raises the parallel-attention error
+        hits = [(_spell(kind, i, tl), kind, i) for i in layers]
+    else:
+        tl = _is_tl_style(pattern)
+        # a negative layer in a glob (``*.-1``) counts from the end
+        pattern = re.sub(
+            r"(?<=\.)-(\d+)(?=\.|\Z)", lambda m: str(layout.n - int(m.group(1))), pattern
+        )
+        rx = _glob_regex(pattern)
+        hits = []
+        for n in point_names(model, tl=tl):
+            if rx.match(n):
+                kind, text, _ = _split(n)  # type: ignore[misc]
+                hits.append((n, kind, None if text is None else int(text)))
+    if not hits:
+        raise LayerNotFoundError(
+            pattern,
+            f"point pattern {pattern!r} matches no standard point of {type(model).__name__}; its "
+            f"points are: embed, resid_pre/attn_out/{'' if layout.arch.parallel else 'resid_mid/'}"
+            f"mlp_out/resid_post.0..{layout.n - 1}, final",
+        )
+    return [(n, _make(model, layout, k, i, _spell(k, i, False))) for n, k, i in hits]
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    # as module globs: '*' and '?' stay within one dotted component, '**' crosses dots
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | None:
+    """``expand_points(model, layer)`` when ``layer`` is a point name of ``model``, else None
+    (then it is a module name or a module): the one call tools make while resolving layers."""
+    if type(layer) is not str or not is_point_name(layer, model):
+        return None
+    return expand_points(model, layer)
+
+
+def module_path(name: Any, target: Any) -> Any:
+    """The module path a tool hooks for ``name`` resolved to ``target`` (a Point's module)."""
+    return target.module_name if type(target) is Point else name
+
+
+def all_points(targets: Iterable[Any]) -> bool:
+    """Whether every resolved target is a :class:`Point` (their order is then forward order)."""
+    return all(type(t) is Point for t in targets)
+
+
+def points_by_module(model: nn.Module) -> dict[str, list[str]]:
+    """``{module name: [standard points on it, '(input)' marked]}``, for listing a model.
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import points_by_module
+        >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64)
+        >>> points_by_module(transformers.GPT2LMHeadModel(cfg))["transformer.h.0"]
+        ['embed (input)', 'resid_pre.0 (input)', 'resid_post.0']
+    """
+    out: dict[str, list[str]] = {}
+    for name, point in expand_points(model, "**"):
+        label = f"{name} (input)" if point.kind == "input" else name
+        out.setdefault(point.module_name, []).append(label)
+    return out
+
+
+# -- the docs' table --------------------------------------------------------------------------
+def _cell(value: str | None, default: str) -> str:
+    if value is None:
+        return "(none: parallel)" if default == "input" else "(last block)"
+    path, side, copy = _side(value, default)
+    extra = "" if side == default else f" ({side})"
+    return f"`{path}`{extra}{' (copied)' if copy else ''}"
+
+
+def architecture_table(rows: Sequence[Architecture] | None = None) -> str:
+    """The Markdown table of the mapping (what docs/points.md shows; a test keeps them equal).
+
+    Example::
+
+        >>> from pyhook.points import architecture_table
+        >>> architecture_table().splitlines()[0]
+        '| model_type | when | blocks | attn_out | mlp_out | resid_mid (input of) | final | notes |'
+    """
+    rows = ARCHITECTURES if rows is None else rows
+    lines = [
+        "| model_type | when | blocks | attn_out | mlp_out | resid_mid (input of) | final | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = r.note
+        lines.append(
+            f"| `{r.key}` | {r.when or ''} | `{r.blocks}` | {_cell(r.attn, 'output')} | "
+            f"{_cell(r.mlp, 'output')} | {_cell(r.mid, 'input')} | {_cell(r.final, 'output')} | {note} |"
+        )
+    return "\n".join(lines)
