@@ -79,6 +79,11 @@ class _Handle:
         self.kind = kind
         self.entry = entry
 
+    @property
+    def alive(self) -> bool:
+        """Whether the entry is still in its table (through this handle)."""
+        return self.table is not None
+
     def remove(self) -> None:
         table, self.table = self.table, None
         if table is not None:
