@@ -487,7 +487,12 @@ class HookSet:
         return handle
 
     def _dispatched(
-        self, module: nn.Module, fn: Callable[..., Any], post: bool, with_kwargs: bool, prepend: bool
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        post: bool,
+        with_kwargs: bool,
+        prepend: bool,
     ) -> Any:
         """The hook as an entry of ``module``'s persistent dispatcher when ``module`` belongs to
         a compiled model (see :mod:`pyhook._compiled`), else None (a plain hook is wanted)."""
