@@ -593,9 +593,9 @@ class HookSet:
         handles.reverse()
         if all(type(h) is _Handle for h in handles):
             _remove_all(handles)  # the common case, in bulk
-            return
-        for handle in handles:
-            handle.remove()
+        else:
+            for handle in handles:
+                handle.remove()
 
     @property
     def active(self) -> bool:
