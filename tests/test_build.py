@@ -112,4 +112,3 @@ def test_cuda_sources_compile(tmp_path):
             text=True,
         )
         assert proc.returncode == 0, f"{src}:\n{proc.stderr[-4000:]}"
-
