@@ -10,6 +10,9 @@
   is being recomputed, whichever thread runs the backward: see :func:`forward_owner_matches`.
 * :class:`StopForward` carries the identity of the tracer that raised it (``owner``) and an
   optional ``payload``: a tracer swallows only its own stop; anyone else's propagates.
+* Forward hooks go straight into the module's hook dicts (torch's order and semantics, a
+  cheaper handle, bulk registration and removal), and every module lists pyhook's keys so that
+  ``copy.deepcopy`` of a model inside a tracer's block gives a copy without them.
 """
 
 from __future__ import annotations
