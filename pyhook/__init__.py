@@ -24,7 +24,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
-  :func:`release_compiled` removes those dispatchers.
+  :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
+  up front, from one thread, for a model that several threads will trace.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ._backend import (
 )
 from ._build import check_build as _check_build
 from ._build import format_info, info
+from ._compiled import prepare_compiled
 from ._compiled import release as release_compiled
 from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
@@ -91,6 +93,7 @@ __all__ = [
     "CallRecord",
     "StopForward",
     "release_compiled",
+    "prepare_compiled",
     "recursive_copy",
     "subsequence",
     "hierarchical_subsequence",

@@ -100,14 +100,13 @@ def _load() -> None:
                 importlib.import_module("pyhook.ops")
             except Exception as e:
                 _load_error = f"{type(e).__name__}: {e}"
-                from . import _build
-
-                if not _build.warned:  # import already warned (e.g. built for another torch)
-                    _build.warned = True
+                global build_warned
+                if not build_warned:  # import already warned (e.g. built for another torch)
+                    build_warned = True
                     warnings.warn(
                         f"pyhook: the native module {spec.origin} exists but failed to load "
                         f"({_load_error}); falling back to the reference backend. Rebuild it "
-                        f"against this torch: `{_build.REINSTALL}` from the pyhook source "
+                        f"against this torch: `{REINSTALL}` from the pyhook source "
                         "(`pyhook info` shows what was built)",
                         RuntimeWarning,
                         stacklevel=3,
@@ -119,6 +118,15 @@ def _load() -> None:
                     "pyhook::clone_many", "CUDA"
                 )
         _loaded = True
+
+
+#: How to rebuild the native module (quoted by this loader's warning and by :mod:`pyhook._build`).
+REINSTALL = "pip install --force-reinstall --no-deps ."
+
+#: Set once pyhook warned about its native build (by this loader, or by
+#: :func:`pyhook._build.check_build` at import), so that the problem is told once. The build
+#: report depends on this module, never the reverse.
+build_warned = False
 
 
 def native_available() -> bool:

@@ -25,13 +25,12 @@ import sys
 import warnings
 from typing import Any
 
+from . import _backend  # (one way: the native loader never imports this report)
+
 __all__ = ["build_info", "build_problem", "check_build", "format_info", "info"]
 
 RECORD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
-REINSTALL = "pip install --force-reinstall --no-deps ."
-
-#: Set when :func:`check_build` warned, so that the native loader does not warn a second time.
-warned = False
+REINSTALL = _backend.REINSTALL
 
 
 def build_info(path: str = RECORD_PATH) -> dict[str, Any] | None:
@@ -109,7 +108,6 @@ def check_build() -> str | None:
     >>> check_build() is None or check_build().startswith("pyhook: ")
     True
     """
-    global warned
     import importlib.util
 
     import torch
@@ -122,8 +120,8 @@ def check_build() -> str | None:
         except (ImportError, ValueError):
             present = False
     msg = build_problem(rec, torch.__version__, present)
-    if msg and not warned:
-        warned = True
+    if msg and not _backend.build_warned:  # (the native loader may have told it already)
+        _backend.build_warned = True
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return msg
 
@@ -151,7 +149,6 @@ def info() -> dict[str, str]:
     """
     import torch
 
-    from . import _backend
     from ._version import __version__
 
     rec = build_info()

@@ -34,7 +34,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["Dispatcher", "active_entries", "dispatcher_of", "prepare", "release"]
+__all__ = [
+    "Dispatcher",
+    "active_entries",
+    "dispatcher_of",
+    "prepare",
+    "prepare_compiled",
+    "release",
+]
 
 _ATTR = "_pyhook_dispatch"
 _lock = threading.Lock()  # tables may be changed from several threads (any_thread, remove)
@@ -78,6 +85,11 @@ class _Handle:
         self.table: _Table | None = table
         self.kind = kind
         self.entry = entry
+
+    @property
+    def alive(self) -> bool:
+        """Whether the entry is still in its table (through this handle)."""
+        return self.table is not None
 
     def remove(self) -> None:
         table, self.table = self.table, None
@@ -174,6 +186,8 @@ class Dispatcher:
         entries = self.shared.pre if table is None else table.pre + self.shared.pre
         if not entries:
             return None
+        if not torch.compiler.is_compiling():
+            _unskip_stack()
         changed = False
         for e in entries:
             if e.with_kwargs:
@@ -193,6 +207,8 @@ class Dispatcher:
         entries = self.shared.post if table is None else table.post + self.shared.post
         if not entries:
             return None
+        if not torch.compiler.is_compiling():
+            _unskip_stack()
         for e in entries:
             r = e.fn(module, args, kwargs, output) if e.with_kwargs else e.fn(module, args, output)
             if r is not None:
@@ -200,20 +216,78 @@ class Dispatcher:
         return output
 
 
+def _unskip_stack() -> None:
+    """Let dynamo compile again the frames running this (eager) dispatcher call.
+
+    A tracer entry dynamo cannot trace without a break inside a loop (a stop, an edit that
+    raises, ``retain_grad``) makes dynamo give up on the frames around it and mark their code
+    objects "skip" for good, so that every later call of *any* model sharing that code
+    (``nn.Sequential.forward``, transformers' wrappers) runs eagerly or in pieces. Such a
+    forward reaches the dispatcher in eager Python: the frames on the stack, up to the
+    compiled call's entry, are reset to dynamo's default strategy, which keeps their compiled
+    code (the next call runs it again, when its guards hold). Frames that dynamo must skip for
+    other reasons are skipped again on their next call.
+    """
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy
+
+    if get_eval_frame_callback() is None:
+        return  # not inside a compiled call (e.g. the eager model called directly)
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+    frame = sys._getframe(1)  # the dispatcher's own frame first: its code is shared
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.replace("\\", "/").endswith(_EVAL_FRAME):
+            break  # the entry of the compiled call: the frames above are not dynamo's
+        set_code_exec_strategy(code, default)
+        frame = frame.f_back
+
+
+_EVAL_FRAME = "/".join(("torch", "_dynamo", "eval_frame.py"))
+
+
 def dispatcher_of(module: nn.Module) -> Dispatcher | None:
     """The dispatcher installed on ``module``, if any (a ``__dict__`` lookup: cheap)."""
     return module.__dict__.get(_ATTR)
 
 
-def _invalidate() -> None:
-    """Drop dynamo's compiled code once, if any exists (it may have inlined a hook-less module)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
+def _compiled_code_exists() -> bool:
     convert_frame = sys.modules.get("torch._dynamo.convert_frame")
     seen = getattr(getattr(convert_frame, "input_codes", None), "seen", None)
-    if seen is not None and not any(ref() is not None for ref in seen):
+    return seen is None or any(ref() is not None for ref in seen)
+
+
+def _other_threads() -> list[str]:
+    """Live non-daemon threads other than the caller: they may be running compiled code.
+
+    (Daemon threads -- pyhook's writers, a notebook kernel's own threads -- are not counted.)
+    """
+    me = threading.current_thread()
+    return [t.name for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+
+
+def _invalidate(what: str) -> None:
+    """Drop dynamo's compiled code once, if any exists (it may have inlined a hook-less module).
+
+    Dropping it while another thread runs compiled code can crash the interpreter (dynamo
+    frees the code and guards that thread is using), so with other live threads this refuses,
+    before anything is changed, with :class:`~pyhook.CompiledModelError`.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or not _compiled_code_exists():
         return  # nothing compiled yet in this process
+    others = _other_threads()
+    if others:
+        from ._hooks import CompiledModelError
+
+        raise CompiledModelError(
+            f"pyhook must drop dynamo's compiled code to {what}, which is unsafe while other "
+            f"threads may run compiled code (live threads: {', '.join(others[:5])}). Call "
+            "pyhook.prepare_compiled(model) once, from one thread, before starting the threads "
+            "(it installs the hook dispatchers that tracers on any thread then use), or trace "
+            "the model before compiling it."
+        )
     dynamo.reset_code_caches()
 
 
@@ -221,11 +295,59 @@ def prepare(module: nn.Module) -> Dispatcher:
     """Install (once) the dispatcher on ``module``; compiled code made before is dropped."""
     d = dispatcher_of(module)
     if d is None:
-        d = Dispatcher(module)
-        module.__dict__[_ATTR] = d
-        _invalidate()
+        with _install_lock:
+            d = dispatcher_of(module)
+            if d is None:
+                _invalidate(f"show hooks on a {type(module).__name__} to compiled code")
+                d = Dispatcher(module)
+                module.__dict__[_ATTR] = d
     d.table(False)  # the calling thread's table exists before any compiled code reads it
     return d
+
+
+_install_lock = threading.RLock()
+
+
+def prepare_compiled(model: nn.Module, layers: Any = None) -> None:
+    """Make a compiled model ready to be traced from several threads.
+
+    Installs pyhook's hook dispatchers on ``layers`` (dotted names as in the eager model; every
+    submodule when None) of ``model`` (a ``torch.compile`` wrapper or a module compiled with
+    ``module.compile()``), and drops dynamo's compiled code once. Call it from one thread
+    before other threads trace or run the model: tracers created later on any thread then
+    change only per-thread tables, and never need to drop compiled code (which is unsafe while
+    another thread runs it, so pyhook refuses to do it then).
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> compiled = torch.compile(net, backend="eager")
+        >>> pyhook.prepare_compiled(compiled, ["0"])
+        >>> with pyhook.Trace(compiled, "0") as t:
+        ...     _ = compiled(torch.ones(1, 2))
+        >>> t.output.shape
+        torch.Size([1, 2])
+    """
+    from .modules import get_module
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    root = unwrap_compiled(model)
+    if layers is None:
+        targets = list(root.modules())
+    elif isinstance(layers, str):
+        raise TypeError(
+            f"layers must be a list of layer names, got the str {layers!r} (use [{layers!r}])"
+        )
+    else:
+        targets = [get_module(root, name) for name in layers]  # names checked before changes
+    with _install_lock:
+        missing = [m for m in targets if dispatcher_of(m) is None]
+        if missing:
+            _invalidate("prepare the model's dispatchers")
+            for m in missing:
+                m.__dict__[_ATTR] = Dispatcher(m)
 
 
 def active_entries(module: nn.Module) -> int:
@@ -270,14 +392,13 @@ def release(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     module = unwrap_compiled(module)
-    found = False
-    for m in module.modules():
-        d = m.__dict__.pop(_ATTR, None)
-        if d is not None:
-            d.remove(m)
-            found = True
+    found = [m for m in module.modules() if dispatcher_of(m) is not None]
     if found:
-        _invalidate()
+        _invalidate("remove hook dispatchers from compiled code")  # refuses before any change
+        for m in found:
+            d = m.__dict__.pop(_ATTR, None)
+            if d is not None:
+                d.remove(m)
 
 
 class _Token:

@@ -10,10 +10,15 @@
   is being recomputed, whichever thread runs the backward: see :func:`forward_owner_matches`.
 * :class:`StopForward` carries the identity of the tracer that raised it (``owner``) and an
   optional ``payload``: a tracer swallows only its own stop; anyone else's propagates.
+* Forward hooks go straight into the module's hook dicts (torch's order and semantics, a
+  cheaper handle, bulk registration and removal), and every module lists pyhook's keys so that
+  ``copy.deepcopy`` of a model inside a tracer's block gives a copy without them.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import sys
 import threading
 from collections.abc import Callable
@@ -233,6 +238,167 @@ def forget_recomputation(owner_engine_id: int) -> None:
         owners.discard(owner_engine_id)
 
 
+# -- eager registrations ------------------------------------------------------------------
+# pyhook's hooks go straight into a module's hook dicts (what ``register_forward_hook`` does,
+# without the three weak references its RemovableHandle makes: registering and removing many
+# hooks per ``with`` block is the tracers' hot path). Their keys are negative, so they never
+# collide with torch's handle ids (0, 1, 2, ...). Every key is also listed in the module's
+# ``_Registry`` (``module.__dict__['_pyhook_hooks']``, present only while pyhook has hooks on
+# the module): ``copy.deepcopy`` copies it after the hook dicts (it is the last entry of the
+# module's ``__dict__``), and it takes pyhook's hooks out of the copies, so a model deep-copied
+# inside a tracer's block comes without the tracer's hooks.
+
+_REGISTRY = "_pyhook_hooks"
+_next_key = itertools.count(-1, -1).__next__  # C-level, so safe without a lock
+_registry_lock = threading.Lock()  # adds/drops the per-module registry entry atomically
+
+
+class _Registry(dict):  # type: ignore[type-arg]
+    """pyhook's hook keys on one module -> the hook dicts holding them."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        # The module's hook dicts were copied before this entry (see above): drop our keys
+        # from the copies. The copy's entry is None (inert, and pickles without pyhook).
+        for key, dicts in list(self.items()):
+            for d in dicts:
+                copied = memo.get(id(d))
+                if copied is not None and copied is not d:
+                    copied.pop(key, None)
+
+    def __reduce__(self) -> Any:
+        return (dict, ())  # pickled models hold no pyhook hooks, and load without pyhook
+
+
+class _Handle:
+    """Removes one hook pyhook put into a module's hook dicts (a RemovableHandle's face)."""
+
+    __slots__ = ("_dicts", "_module_dict", "id")
+
+    def __init__(self, module_dict: dict[str, Any], key: int, dicts: tuple[Any, ...]) -> None:
+        self._module_dict = module_dict
+        self.id = key
+        self._dicts = dicts
+
+    @property
+    def alive(self) -> bool:
+        """Whether the hook is still registered (through this handle)."""
+        return bool(self._dicts)
+
+    def remove(self) -> None:
+        _remove_all((self,))
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+class _TorchHandle(_Handle):
+    """A hook registered through torch's API (backward hooks), listed in the registry too."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, module_dict: dict[str, Any], inner: RemovableHandle, dicts: Any) -> None:
+        super().__init__(module_dict, inner.id, dicts)
+        self._inner = inner
+
+    def remove(self) -> None:
+        if self._dicts:
+            self._inner.remove()
+            _remove_all((self,))
+
+
+def _remove_all(handles: Any) -> None:
+    """Remove the hooks of ``handles`` (eager ones; each once), then unlist their keys."""
+    removed = []
+    for h in handles:
+        dicts = h._dicts
+        if dicts:
+            h._dicts = ()
+            key = h.id
+            for d in dicts:
+                d.pop(key, None)
+            removed.append(h)
+    if not removed:
+        return
+    with _registry_lock:
+        for h in removed:
+            md = h._module_dict
+            reg = md.get(_REGISTRY)
+            if reg is not None:
+                reg.pop(h.id, None)
+                if not reg:
+                    del md[_REGISTRY]
+
+
+def _add_hooks(
+    items: Any,
+    post: bool,
+    with_kwargs: bool,
+    prepend: bool = False,
+    always_call: bool = False,
+) -> list[_Handle]:
+    """``register_forward_hook``/``register_forward_pre_hook`` for each ``(module.__dict__, fn)``
+    of ``items``: the same dicts and order as torch's, a cheaper handle, one lock for all."""
+    handles = []
+    for md, fn in items:
+        key = _next_key()
+        if post:
+            hooks = md["_forward_hooks"]
+            kw = md["_forward_hooks_with_kwargs"]
+        else:
+            hooks = md["_forward_pre_hooks"]
+            kw = md["_forward_pre_hooks_with_kwargs"]
+        hooks[key] = fn
+        if with_kwargs:
+            kw[key] = True
+            dicts: tuple[Any, ...] = (hooks, kw)
+        else:
+            dicts = (hooks,)
+        if always_call:
+            always = md["_forward_hooks_always_called"]
+            always[key] = True
+            dicts = (*dicts, always)
+        if prepend:
+            hooks.move_to_end(key, last=False)
+        handles.append(_Handle(md, key, dicts))
+    with _registry_lock:
+        for h in handles:
+            md = h._module_dict
+            reg = md.get(_REGISTRY)
+            if type(reg) is not _Registry:  # absent, or None in a deep copy
+                reg = md[_REGISTRY] = _Registry()
+            reg[h.id] = h._dicts
+    return handles
+
+
+def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a plain function, which ``copy.deepcopy`` shares (a bound method's owner
+    would be deep-copied along with a module holding the hook)."""
+    if inspect.isfunction(fn):
+        return fn
+
+    def plain(*args: Any) -> Any:
+        return fn(*args)
+
+    plain.__wrapped__ = fn  # type: ignore[attr-defined]
+    return plain
+
+
+def _torch_handle(module: nn.Module, inner: RemovableHandle, attr: str) -> _TorchHandle:
+    md = module.__dict__
+    dicts = (md[attr],)
+    with _registry_lock:
+        reg = md.get(_REGISTRY)
+        if type(reg) is not _Registry:
+            reg = md[_REGISTRY] = _Registry()
+        reg[inner.id] = dicts
+    return _TorchHandle(md, inner, dicts)
+
+
 class HookSet:
     """A group of hook registrations added and removed as one unit.
 
@@ -278,26 +444,46 @@ class HookSet:
         if exc_type is not None:
             self.remove()
 
-    def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _guard(self, fn: Callable[..., Any], nargs: int = 0) -> Callable[..., Any]:
+        """``fn`` as a plain function (a deep copy of the module shares it rather than copying
+        its tracer), acting only on the owner thread's forwards unless ``any_thread``.
+        ``nargs``: how many arguments torch passes (4: a forward hook with kwargs), so that
+        the guard takes them without packing (0: any)."""
         if self.any_thread:
-            return fn
+            return _plain(fn)
         owner, owner_engine = self._thread, self._engine_thread
         get_ident = threading.get_ident
         in_backward = torch._C._current_graph_task_id
 
-        def guarded(*args: Any) -> Any:
+        def ours() -> bool:
             # Outside a backward, only the owner thread's forwards are ours. During a backward
             # a forward is a checkpoint recomputation, whoever runs it: ours iff it recomputes
             # the owner's forward (skipping it would corrupt the owner's grads, acting on
             # another thread's would corrupt that thread's grads and our captures).
             if in_backward() == -1:
-                if get_ident() != owner:
-                    forget_recomputation(owner_engine)
-                    return None
-            elif not forward_owner_matches(owner, owner_engine):
-                return None
-            return fn(*args)
+                if get_ident() == owner:
+                    return True
+                forget_recomputation(owner_engine)
+                return False
+            return forward_owner_matches(owner, owner_engine)
 
+        # The common case, the owner's own forward, is tested inline first.
+        if nargs == 4:
+
+            def guarded4(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+                if (get_ident() == owner and in_backward() == -1) or ours():
+                    return fn(module, args, kwargs, output)
+                return None
+
+            guarded: Callable[..., Any] = guarded4
+        else:
+
+            def guarded_any(*args: Any) -> Any:
+                if (get_ident() == owner and in_backward() == -1) or ours():
+                    return fn(*args)
+                return None
+
+            guarded = guarded_any
         guarded.__wrapped__ = fn  # type: ignore[attr-defined]
         return guarded
 
@@ -309,15 +495,12 @@ class HookSet:
         self,
         module: nn.Module,
         fn: Callable[..., Any],
-        *,
         post: bool,
         with_kwargs: bool,
         prepend: bool,
     ) -> Any:
         """The hook as an entry of ``module``'s persistent dispatcher when ``module`` belongs to
         a compiled model (see :mod:`pyhook._compiled`), else None (a plain hook is wanted)."""
-        if "torch._dynamo" not in sys.modules:
-            return None
         dispatch = _dispatcher_for(module)
         if dispatch is None:
             return None
@@ -335,24 +518,29 @@ class HookSet:
         with_kwargs: bool = False,
         prepend: bool = False,
         always_call: bool = False,
-    ) -> RemovableHandle:
+        checked: bool = False,
+    ) -> Any:
         """``module.register_forward_hook(fn)``, thread-guarded, owned by this set.
 
         On a module of a compiled model the hook goes into the module's persistent dispatcher
         instead (see :mod:`pyhook._compiled`), which compiled code sees without recompiling.
+        ``checked=True``: the caller ran :func:`check_not_compiled` on ``module`` (which installs
+        the dispatcher where one is needed), so its compile marks are not looked at again.
+        The returned handle has ``remove()`` and ``id``, as a ``RemovableHandle``.
         """
         if type(module) is Point:  # a standard hook point (pyhook.points) registers itself
             return module.register(
                 self, fn, with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
             )
-        handle = self._dispatched(module, fn, post=True, with_kwargs=with_kwargs, prepend=prepend)
-        if handle is not None:
-            return handle
-        return self._keep(
-            module.register_forward_hook(
-                self._guard(fn), with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
-            )
-        )
+        md = module.__dict__
+        if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
+            handle = self._dispatched(module, fn, True, with_kwargs, prepend)
+            if handle is not None:
+                return handle
+        guarded = self._guard(fn, 4 if with_kwargs else 3)
+        (handle,) = _add_hooks(((md, guarded),), True, with_kwargs, prepend, always_call)
+        self._handles.append(handle)
+        return handle
 
     def forward_pre(
         self,
@@ -361,7 +549,8 @@ class HookSet:
         *,
         with_kwargs: bool = False,
         prepend: bool = False,
-    ) -> RemovableHandle:
+        checked: bool = False,
+    ) -> Any:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set
         (dispatched on compiled models, as :meth:`forward`)."""
         if type(module) is Point:
@@ -369,38 +558,58 @@ class HookSet:
                 f"standard point {module.name!r} takes forward hooks only (a point that is a "
                 "module's input is hooked with a pre-hook by pyhook itself)"
             )
-        handle = self._dispatched(module, fn, post=False, with_kwargs=with_kwargs, prepend=prepend)
-        if handle is not None:
-            return handle
-        return self._keep(
-            module.register_forward_pre_hook(
-                self._guard(fn), with_kwargs=with_kwargs, prepend=prepend
-            )
-        )
+        md = module.__dict__
+        if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
+            handle = self._dispatched(module, fn, False, with_kwargs, prepend)
+            if handle is not None:
+                return handle
+        (handle,) = _add_hooks(((md, self._guard(fn)),), False, with_kwargs, prepend)
+        self._handles.append(handle)
+        return handle
 
     # Backward hooks run on autograd's threads, so they are never thread-guarded.
     def full_backward(
         self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
-    ) -> RemovableHandle:
+    ) -> Any:
         """``module.register_full_backward_hook(fn)``, owned by this set."""
-        return self._keep(module.register_full_backward_hook(fn, prepend=prepend))
+        inner = module.register_full_backward_hook(_plain(fn), prepend=prepend)
+        return self._keep(_torch_handle(module, inner, "_backward_hooks"))
 
     def full_backward_pre(
         self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
-    ) -> RemovableHandle:
+    ) -> Any:
         """``module.register_full_backward_pre_hook(fn)``, owned by this set."""
-        return self._keep(module.register_full_backward_pre_hook(fn, prepend=prepend))
+        inner = module.register_full_backward_pre_hook(_plain(fn), prepend=prepend)
+        return self._keep(_torch_handle(module, inner, "_backward_pre_hooks"))
 
     def tensor(self, tensor: torch.Tensor, fn: Callable[..., Any]) -> RemovableHandle:
         """``tensor.register_hook(fn)`` (gradient hook), owned by this set."""
         return self._keep(tensor.register_hook(fn))
 
     # -- removal ------------------------------------------------------------------------
+    def forward_shared(
+        self, modules: list[nn.Module], fn: Callable[..., Any], *, with_kwargs: bool = False
+    ) -> list[Any]:
+        """:meth:`forward` with the same ``fn`` on each of ``modules`` (which must be eager
+        modules checked with :func:`check_not_compiled`, and distinct), registered in bulk.
+
+        ``fn`` tells the modules apart by its first argument; one thread guard serves them all
+        (a tracer's hundreds of layers: no function made per layer).
+        """
+        guarded = self._guard(fn, 4 if with_kwargs else 3)
+        handles = _add_hooks([(m.__dict__, guarded) for m in modules], True, with_kwargs)
+        self._handles.extend(handles)
+        return handles
+
     def remove(self) -> None:
         """Remove every hook of the set, newest first; safe to call more than once."""
         handles, self._handles = self._handles, []
-        for handle in reversed(handles):
-            handle.remove()
+        handles.reverse()
+        if all(type(h) is _Handle for h in handles):
+            _remove_all(handles)  # the common case, in bulk
+        else:
+            for handle in handles:
+                handle.remove()
 
     @property
     def active(self) -> bool:

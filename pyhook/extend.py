@@ -43,7 +43,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._hooks import HookSet, StopForward, is_own_stop
+from ._compiled import unwrap_compiled
+from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from .modules import get_module
 from .truncate import HookNotCalledError
 
@@ -120,7 +121,8 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 def _check_module_id(model: nn.Module, module_id: Any) -> nn.Module:
     if module_id is None:
         raise ValueError("Tried to register a module_id which was None")
-    return get_module(model, module_id)  # LayerNotFoundError (a KeyError) naming close names
+    # names as in the eager model, also for a torch.compile wrapper (no '_orig_mod.' prefix)
+    return get_module(unwrap_compiled(model), module_id)  # LayerNotFoundError naming close names
 
 
 class HooksHandle(nn.Module, abc.ABC):
@@ -147,6 +149,12 @@ class HooksHandle(nn.Module, abc.ABC):
     def __init__(self, model: nn.Module, module_ids: Iterable[str] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(module_ids, (str, bytes)):
+            # hybrid_learning takes a list of IDs; a str would be iterated character by character
+            raise TypeError(
+                f"module_ids must be a list of sub-module IDs, got the str {module_ids!r}: "
+                f"pass [{module_ids!r}] to register that one sub-module"
+            )
         ids = [] if module_ids is None else list(module_ids)
         for module_id in ids:  # validate all before registering anything
             _check_module_id(model, module_id)
@@ -190,7 +198,7 @@ class HooksHandle(nn.Module, abc.ABC):
             >>> ActivationMapGrabber(net).get_module_by_id("1")
             ReLU()
         """
-        return get_module(self.wrapped_model, m_id)
+        return get_module(unwrap_compiled(self.wrapped_model), m_id)
 
     def register_submodule(self, module_id: str) -> None:
         """Register further submodule of to extract intermediate output from.
@@ -211,6 +219,8 @@ class HooksHandle(nn.Module, abc.ABC):
             return
         self._check_open()
         module = _check_module_id(self.wrapped_model, module_id)
+        # a module of a compiled model gets its dispatcher (compiled code then sees the hook)
+        check_not_compiled(unwrap_compiled(self.wrapped_model), module_id)
         hooks = HookSet(any_thread=True)  # threads are told apart by _frames
         with hooks.registering():
             hooks.forward(module, _make_hook(weakref.ref(self), module_id))
@@ -417,7 +427,8 @@ class ModelStump(HooksHandle):
         if self.early_stop is not None or head is None:
             return self.early_stop is not False
         module = self.get_module_by_id(head)
-        names = (m for _, m in self.wrapped_model.named_modules(remove_duplicate=False))
+        root = unwrap_compiled(self.wrapped_model)
+        names = (m for _, m in root.named_modules(remove_duplicate=False))
         return sum(m is module for m in names) == 1
 
     def register_submodule(self, module_id: str) -> None:

@@ -288,7 +288,8 @@ class HookFunction:
 
     def _process(self, module: nn.Module | None, t: torch.Tensor, hook_type: str) -> torch.Tensor:
         state = self._state
-        assert state is not None, "HookFunction called while not registered"
+        if state is None:  # unregistered while a forward that had started runs on: no-op
+            return t
         par: ParallelState = state.parallel
         where = self._where()
         is_default = self.editing_function is default_editing_function
@@ -357,7 +358,10 @@ class FlexModel(nn.Module):
     tensor- and data-parallel groups keeps the copies; ``"all"``: every rank),
     ``gather_data_parallel`` (gather along ``batch_dim`` across data-parallel ranks),
     ``timeout`` (seconds or ``timedelta`` a rank waits for the others in a gather before
-    raising :class:`~pyhook.distributed.DistributedHookError`).
+    raising :class:`~pyhook.distributed.DistributedHookError`), ``any_thread`` (default False:
+    forward hooks act only on the forwards of the thread that registered them, so one
+    FlexModel per thread on a shared model sees its own forwards, as every pyhook tracer;
+    True: on every thread's, e.g. ``nn.DataParallel`` replicas).
 
     ``forward(*args, groups="all", complement=False, **kwargs)`` runs the model with only the
     hook functions of ``groups`` enabled (or all others, with ``complement=True``); the choice
@@ -398,10 +402,16 @@ class FlexModel(nn.Module):
         batch_dim: int = 0,
         offload_device: str | torch.device | None = "cpu",
         timeout: datetime.timedelta | float | None = None,
+        any_thread: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FlexModel: module must be an nn.Module, got {type(module).__name__}")
+        if not isinstance(any_thread, bool):
+            raise TypeError(f"FlexModel: any_thread must be a bool, got {any_thread!r}")
+        # Forward hooks act on the forwards of the thread that registers them (one FlexModel
+        # per thread on a shared model), as every pyhook tracer; any_thread=True: every thread.
+        self._any_thread = any_thread
         if output_ptr is None:
             output_ptr = {}
         if not isinstance(output_ptr, dict):
@@ -514,7 +524,7 @@ class FlexModel(nn.Module):
             target = hits[0][1] if hits else get_module(root, hf.module_name)
             path = module_path(hf.module_name, target)
             check_not_compiled(root, path, who="FlexModel")  # compiled: dispatched
-        hooks = HookSet(any_thread=True)
+        hooks = HookSet(any_thread=self._any_thread)
         with hooks.registering():
             fn = hf._make_hook(hook_type)
             if hook_type == "forward":

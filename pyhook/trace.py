@@ -29,7 +29,7 @@ from ._copy import recursive_copy
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
 from ._invoke import accepts_argument, invoke_with_optional_args
 from .modules import resolve_module
-from .points import module_path, resolve_targets
+from .points import Point, module_path, resolve_targets
 
 __all__ = ["CallRecord", "Trace", "TraceDict"]
 
@@ -143,6 +143,28 @@ class Trace(contextlib.AbstractContextManager):
     the first thread's forwards only: make one Trace per thread, or pass ``any_thread=True``).
     """
 
+    # Class-level defaults: a TraceDict's layers keep in their own __dict__ only what differs
+    # (a small dict per layer is cheaper to make; see TraceDict._make_traces).
+    retain_output = True
+    retain_input = False
+    clone = False
+    detach = False
+    retain_grad = False
+    stop = False
+    keep_calls = False
+    edit_output: Callable[..., Any] | None = None
+    registered_hook: Any = None
+    _edit_takes_kw = False
+    _edit_plan: Any = None
+    _plain = True
+    _copies = False
+    _on_call: Any = None
+    _owner_ref: Any = None
+    _any_thread = False
+    _handle: Any = None
+    _entries: _Entries | None = None
+    _parent: Any = None
+
     def __init__(
         self,
         module: nn.Module,
@@ -180,7 +202,6 @@ class Trace(contextlib.AbstractContextManager):
                 f"layer must be a dotted module name (str), a submodule or None, "
                 f"got {type(layer).__name__}: {layer!r}"
             )
-        check_not_compiled(module, module_path(self.layer, target), who="Trace")
         if edit_output is not None and not callable(edit_output):
             where = f" for layer {self.layer!r}" if self.layer is not None else ""
             raise TypeError(
@@ -198,24 +219,10 @@ class Trace(contextlib.AbstractContextManager):
                 ("keep_calls", keep_calls),
             )
         }
+        # Options are validated first: a compiled model gets its dispatcher only for a tracer
+        # that will run (installing one may drop dynamo's compiled code).
+        check_not_compiled(module, module_path(self.layer, target), who="Trace")
         self._setup(target, flags, edit_output, any_thread, None, None)
-
-    @classmethod
-    def _trusted(
-        cls,
-        layer: str,
-        target: nn.Module,
-        flags: dict[str, bool],
-        edit_output: Any,
-        any_thread: bool,
-        on_call: Any,
-        stop_owner: object,
-    ) -> Trace:
-        """A Trace from settings its caller (TraceDict) already resolved and validated."""
-        self = cls.__new__(cls)
-        self.layer = layer
-        self._setup(target, flags, edit_output, any_thread, on_call, stop_owner)
-        return self
 
     def _setup(
         self,
@@ -226,6 +233,20 @@ class Trace(contextlib.AbstractContextManager):
         on_call: Any,
         stop_owner: object,
     ) -> None:
+        self._settings(flags, edit_output, any_thread, on_call, stop_owner)
+        self.module = target
+        self._hooks = HookSet(any_thread=any_thread)
+        self._register(checked=True)
+
+    def _settings(
+        self,
+        flags: dict[str, bool],
+        edit_output: Any,
+        any_thread: bool,
+        on_call: Any,
+        stop_owner: object,
+    ) -> None:
+        """The state every layer with these settings shares (TraceDict copies it per layer)."""
         self.retain_output = flags["retain_output"]
         self.retain_input = flags["retain_input"]
         self.clone = flags["clone"]
@@ -235,22 +256,31 @@ class Trace(contextlib.AbstractContextManager):
         self.keep_calls = flags["keep_calls"]
         self.edit_output = edit_output
         self._edit_takes_kw = edit_output is not None and accepts_argument(edit_output, "inputs_kw")
-        self._edit_plan: Any = None  # made on the compiled path (see _register)
-        self.module = target
+        self._edit_plan = None  # made on the compiled path (see _register)
+        # Only the output is kept, as it is or copied: one short hook (the common case).
+        self._plain = self.retain_output and not (
+            self.retain_input
+            or self.retain_grad
+            or self.keep_calls
+            or self.stop
+            or edit_output is not None
+            or on_call is not None
+        )
+        self._copies = self.clone or self.detach
         self.calls: list[CallRecord] = []
         # Weak references to a TraceDict that owns this Trace: no reference cycle, so dropping
         # a closed tracer frees its activations at once (without waiting for the gc).
         self._on_call = None if on_call is None else _weak_callable(on_call)
         self._owner_ref = None if stop_owner is None else weakref.ref(stop_owner)
         self._any_thread = any_thread
-        self._hooks = HookSet(any_thread=any_thread)
-        self._entries = _Entries(self)
-        self._register()
+        self._handle = None  # the registered hook's handle (None: never registered)
+        self._entries = None  # made on first entry (TraceDict counts its own)
+        self._parent = None  # a TraceDict's weak reference, for its layers
 
     # -- hook -----------------------------------------------------------------------------
-    def _register(self) -> None:
+    def _register(self, checked: bool = False) -> None:
         self.calls = []
-        hook = self._hook
+        hook = self._hook_plain if self._plain else self._hook
         if dispatcher_of(self.module) is not None and not (self.retain_grad or self.keep_calls):
             # A module of a compiled model: the hook is inlined by dynamo, so it must trace
             # without breaks (retain_grad and keep_calls keep the eager hook: exact, not fast).
@@ -264,9 +294,21 @@ class Trace(contextlib.AbstractContextManager):
                 self._edit_plan = call_plan(self.edit_output, names)
             if self.edit_output is None or self._edit_plan is not False:
                 hook = self._hook_compiled
-        with self._hooks.registering():
-            self._hooks.forward(self.module, hook, with_kwargs=True)
-        self.registered_hook = self._hooks._handles[0]
+        self._handle = self._hooks.forward(self.module, hook, with_kwargs=True, checked=checked)
+        self.registered_hook = self._handle
+
+    @property
+    def _active(self) -> bool:
+        handle = self._handle
+        return handle is not None and handle.alive
+
+    def _hook_plain(
+        self, _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any
+    ) -> None:
+        """:meth:`_hook` when only the output is kept (returns None: the output is unchanged)."""
+        if self._copies:
+            output = recursive_copy(output, self.clone, self.detach, False)
+        self.output = output
 
     def _hook_compiled(
         self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -335,28 +377,62 @@ class Trace(contextlib.AbstractContextManager):
 
     # -- lifetime -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
-        if self._entries.enter():
+        entries = self._entries
+        if entries is None:
+            entries = self._entries = _Entries(self)
+        if entries.enter():
             # Outermost entry: the hook acts on the entering thread's forwards (re-registered
             # if it was registered, at construction, by another thread).
-            if self._hooks.active and not self._hooks.owned_by_caller:
-                self._hooks.remove()
-            if not self._hooks.active:
-                self._register()
+            if self._active and not self._hooks.owned_by_caller:
+                self._handle.remove()
+            if not self._active:
+                with self._hooks.registering():
+                    self._register()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if self._entries.exit():
+        if self._entries is None or self._entries.exit():
             self.close()
         return self.stop and is_own_stop(exc, self._stop_owner, accept_unowned=True)
 
     def close(self) -> None:
         """Remove the hook (idempotent), whatever the nesting of ``with`` blocks."""
-        self._entries.reset()
-        self._hooks.remove()
+        if self._entries is not None:
+            self._entries.reset()
+        if self._handle is not None:
+            self._handle.remove()
+        if self._parent is not None:
+            parent = self._parent()
+            if parent is not None:
+                parent._intact = False  # its next entry re-registers this layer
 
     def __repr__(self) -> str:
-        state = "registered" if self._hooks.active else "closed"
+        state = "registered" if self._active else "closed"
         return f"<pyhook.Trace layer={self.layer!r} {state}>"
+
+
+def _group_hook(by_module: dict[nn.Module, Trace], like: Trace) -> Callable[..., Any]:
+    """One forward hook for the layers ``by_module`` (settings all like ``like``'s): it finds
+    the layer's Trace from the module it is called with, so entering a block makes no
+    function per layer, and keeping the output runs no method call."""
+    if like._plain and not like._copies:
+
+        def keep(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            by_module[module].output = output
+
+        return keep
+    if like._plain:
+        clone, detach = like.clone, like.detach
+
+        def keep_copy(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            by_module[module].output = recursive_copy(output, clone, detach, False)
+
+        return keep_copy
+
+    def run(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return by_module[module]._hook(module, args, kwargs, output)
+
+    return run
 
 
 class TraceDict(OrderedDict, contextlib.AbstractContextManager):
@@ -417,8 +493,6 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 for name, target in hits:
                     unique.setdefault(name, target)
         names = list(unique)
-        for name in names:
-            check_not_compiled(module, module_path(name, unique[name]), who="TraceDict")
         self.stop = _check_flag("stop", stop)
         flag_options = {
             "retain_output": retain_output,
@@ -449,30 +523,95 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
             return fn
 
         scalar = {o: _check_flag(o, v) for o, v in flag_options.items() if not isinstance(v, dict)}
+        shared = {**scalar, "stop": False} if len(scalar) == len(flag_options) else None
         settings = []
         for name in names:  # everything is validated before the first hook is registered
-            flags = {o: scalar[o] if o in scalar else flag_for(o, name) for o in flag_options}
-            flags["stop"] = False
+            if shared is not None:
+                flags = shared
+            else:
+                flags = {o: scalar[o] if o in scalar else flag_for(o, name) for o in flag_options}
+                flags["stop"] = False
             settings.append((name, flags, edit_for(name)))
+        # Only now (options valid) may compiled modules get their dispatchers (see Trace).
+        for name in names:
+            check_not_compiled(module, module_path(name, unique[name]), who="TraceDict")
         self._pending: set[str] = set()
         self._any_thread = any_thread
         self._entries = _Entries(self)
+        self._intact = False  # every layer's hook registered, by this set's owner thread
         self._hooks = HookSet(any_thread=any_thread)
-        on_call = self._layer_ran if self.stop else None
+        self.module = module
+        self._names = names
         try:
-            for name, flags, edit in settings:
-                self[name] = Trace._trusted(
-                    name, unique[name], flags, edit, any_thread, on_call, self
-                )
+            self._make_traces(settings, unique, any_thread)
             if self.stop:
-                with self._hooks.registering():
-                    self._hooks.forward_pre(module, self._forward_starts, prepend=True)
+                self._hooks.forward_pre(module, self._forward_starts, prepend=True)
         except BaseException:
             self.close()
             raise
-        self.module = module
-        self._names = names
+        self._intact = True
         self._pending = set(names)
+
+    def _make_traces(
+        self,
+        settings: list[tuple[str, dict[str, bool], Any]],
+        modules: dict[str, nn.Module],
+        any_thread: bool,
+    ) -> None:
+        """One Trace per layer, registered through this TraceDict's HookSet.
+
+        Layers with the same settings share one prototype of the per-layer state, copied with
+        one ``dict.update`` (entering a block with hundreds of layers is the hot path).
+        """
+        on_call = self._layer_ran if self.stop else None
+        parent = weakref.ref(self)
+        protos: dict[tuple[int, int], tuple[dict[str, Any], list[Any]]] = {}
+        new = Trace.__new__
+        # One module under two names: each Trace gets its own hook (one shared hook per group
+        # finds its Trace by module, see _group_hook).
+        aliased = len({id(m) for m in modules.values()}) != len(modules)
+        for name, flags, edit in settings:
+            key = (id(flags), id(edit))  # the dicts stay alive here: ids are not reused
+            group = protos.get(key)
+            if group is None:
+                first = new(Trace)
+                first._settings(flags, edit, any_thread, on_call, self)
+                first._hooks = self._hooks
+                first._parent = parent
+                proto = {
+                    k: v
+                    for k, v in first.__dict__.items()
+                    if k != "calls" and getattr(Trace, k, _MISSING) is not v
+                }
+                group = protos[key] = (proto, [])
+            trace = new(Trace)
+            state = trace.__dict__
+            state.update(group[0])
+            state["layer"] = name
+            state["module"] = module = modules[name]
+            state["calls"] = []
+            self[name] = trace
+            if aliased or type(module) is Point or "_pyhook_dispatch" in module.__dict__:
+                # (a standard point registers itself; a compiled model's module: its dispatcher)
+                trace._register(checked=True)
+            else:
+                group[1].append(trace)
+        for _proto, members in protos.values():
+            if not members:
+                continue
+            try:
+                by_module = {t.module: t for t in members}
+            except TypeError:  # a module class that is not hashable
+                by_module = {}
+            if len(by_module) != len(members):  # (or one whose __eq__ says two are equal)
+                for trace in members:
+                    trace._register(checked=True)
+                continue
+            handles = self._hooks.forward_shared(
+                list(by_module), _group_hook(by_module, members[0]), with_kwargs=True
+            )
+            for trace, handle in zip(members, handles):
+                trace._handle = trace.registered_hook = handle
 
     def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
         self._pending = set(self._names)
@@ -486,18 +625,21 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
     def __enter__(self) -> TraceDict:
         if not self._entries.enter():
             return self  # nested entry: the hooks stay until the outermost block exits
-        if self._hooks.active and not self._hooks.owned_by_caller:
-            self._hooks.remove()  # registered at construction by another thread
-        try:
-            for trace in self.values():
-                trace.__enter__()
-                trace._entries.reset()  # the TraceDict counts the entries, not its Traces
-            if self.stop and not self._hooks.active:
-                with self._hooks.registering():
-                    self._hooks.forward_pre(self.module, self._forward_starts, prepend=True)
-        except BaseException:
-            self.close()
-            raise
+        hooks = self._hooks
+        if not (self._intact and hooks.owned_by_caller):
+            # Closed before, a layer closed on its own, or registered (at construction) by
+            # another thread: register every hook again, acting on this thread's forwards.
+            hooks.remove()
+            try:
+                with hooks.registering():
+                    for trace in self.values():
+                        trace._register()
+                    if self.stop:
+                        hooks.forward_pre(self.module, self._forward_starts, prepend=True)
+            except BaseException:
+                self.close()
+                raise
+            self._intact = True
         self._pending = set(self._names)
         return self
 
@@ -509,9 +651,8 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
     def close(self) -> None:
         """Remove every hook, in reverse order of registration (idempotent)."""
         self._entries.reset()
-        self._hooks.remove()
-        for trace in reversed(list(self.values())):
-            trace.close()
+        self._intact = False
+        self._hooks.remove()  # the layers' hooks are in this set
 
     def __repr__(self) -> str:
         return f"<pyhook.TraceDict layers={list(self.keys())!r}>"

@@ -171,6 +171,14 @@ CASES: list[Case] = [
         (TypeError,),
         "module must be a torch.nn.Module",
     ),
+    (
+        "prepare_compiled",
+        lambda: pyhook.prepare_compiled("model"),
+        (TypeError,),
+        "model must be a torch.nn.Module",
+    ),
+    ("prepare_compiled", lambda: pyhook.prepare_compiled(M, "0"), (TypeError,), "layers must be a list"),
+    ("prepare_compiled", lambda: pyhook.prepare_compiled(M, ["nope"]), (LookupError,), "nope"),
     # --- deephook
     (
         "deephook.Trace",

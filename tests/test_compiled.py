@@ -510,3 +510,135 @@ def test_a_model_with_dispatchers_can_be_copied_and_saved(tmp_path):
         assert torch.equal(twin(x), net(x)) and torch.equal(loaded(x), net(x))
     pyhook.release_compiled(twin)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules())
+
+
+# -- issue 16: a break inside compiled code must not cost later calls -------------------------
+def counting(calls: list[int]):
+    """A dynamo backend that counts graph executions (one list shared by its graphs)."""
+
+    def backend(gm, _example_inputs):
+        def run(*args):
+            calls[0] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend
+
+
+def graphs_per_call(fn, *args) -> int:
+    calls = fn.calls
+    before = calls[0]
+    fn(*args)
+    return calls[0] - before
+
+
+@pytest.mark.parametrize("kind", ["stop", "raising edit", "retain_grad"])
+def test_a_break_inside_compiled_code_leaves_later_plain_calls_compiled(kind, gpt_parts):
+    model, ids, _ = gpt_parts
+    other = transformers.GPT2Model(model.config).eval()  # never traced: shares dynamo's code
+    calls = [0]
+    runner, bystander = (torch.compile(m, backend=counting(calls)) for m in (model, other))
+    runner.calls = bystander.calls = calls
+    with torch.no_grad():
+        runner(ids), bystander(ids)
+        with Trace(runner, "h.1"):  # installs the dispatchers (drops compiled code once)
+            runner(ids)
+        assert graphs_per_call(runner, ids) == 1 and graphs_per_call(bystander, ids) == 1
+        if kind == "stop":
+            with Trace(runner, "h.1", stop=True) as t:
+                runner(ids)
+            assert t.output is not None
+        elif kind == "raising edit":
+            with pytest.raises(ZeroDivisionError), Trace(runner, "h.1", edit_output=lambda: 1 / 0):
+                runner(ids)
+    if kind == "retain_grad":
+        with Trace(runner, "h.1", retain_grad=True) as t:
+            runner(ids).last_hidden_state.sum().backward()
+        kept = t.output if isinstance(t.output, torch.Tensor) else t.output[0]
+        assert kept.grad is not None
+    with torch.no_grad():
+        # the compiled code of before runs again: one graph per plain call, for both models
+        assert [graphs_per_call(runner, ids) for _ in range(2)] == [1, 1]
+        assert graphs_per_call(bystander, ids) == 1
+
+
+def test_bad_options_on_a_compiled_model_raise_before_any_dispatcher_or_cache_drop():
+    net = mlp()
+    calls = [0]
+    runner = torch.compile(net, backend=counting(calls))
+    runner.calls = calls
+    x = torch.randn(2, 4)
+    runner(x)
+    compiled_before = counters["stats"]["unique_graphs"]
+    for bad in ({"edit_output": 5}, {"clone": "yes"}, {"retain_grad": 2}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            Trace(runner, "0", **bad)
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            TraceDict(runner, ["0", "2"], **bad)
+    assert all("_pyhook_dispatch" not in m.__dict__ for m in net.modules())
+    assert graphs_per_call(runner, x) == 1  # the compiled code was kept: nothing recompiled
+    assert counters["stats"]["unique_graphs"] == compiled_before
+
+
+def test_dropping_compiled_code_with_other_threads_alive_is_refused_not_a_crash():
+    net = mlp()
+    runner = torch.compile(net, backend="eager")
+    x = torch.randn(2, 4)
+    runner(x)  # compiled code exists: a dispatcher installed now must drop it
+    started, release = threading.Event(), threading.Event()
+
+    def plain_calls():
+        started.set()
+        while not release.is_set():
+            runner(x)
+
+    worker = threading.Thread(target=plain_calls)
+    worker.start()
+    try:
+        started.wait()
+        with pytest.raises(pyhook.CompiledModelError, match="prepare_compiled"):
+            Trace(runner, "0")
+        assert all("_pyhook_dispatch" not in m.__dict__ for m in net.modules())
+    finally:
+        release.set()
+        worker.join()
+    # the documented way: install the dispatchers from one thread first, then trace anywhere
+    pyhook.prepare_compiled(runner)
+    out = {}
+
+    def trace_in_thread(i):
+        xi = x + i
+        with Trace(runner, "0") as t:
+            runner(xi)
+        out[i] = torch.equal(t.output, net[0](xi))
+
+    threads = [threading.Thread(target=trace_in_thread, args=(i,)) for i in range(3)]
+    with torch.no_grad():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert out == {0: True, 1: True, 2: True}
+
+
+def test_extend_tools_accept_eager_names_on_a_torch_compile_wrapper():
+    from pyhook.extend import ActivationMapGrabber, ModelExtender, ModelStump
+
+    net = mlp()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        h0, y = net[0](x), net(x)
+    runner = torch.compile(net, backend="eager")
+    runner(x)
+    with torch.no_grad():
+        with ActivationMapGrabber(runner, ["0", "2"]) as grabber:
+            out, acts = grabber(x)
+        assert torch.equal(out, y) and torch.equal(acts["0"], h0) and torch.equal(acts["2"], y)
+        with ModelStump(runner, "0") as stump:
+            assert torch.equal(stump(x), h0)
+        probe = nn.Linear(8, 1)
+        with ModelExtender(runner, {"0": {"probe": probe}}) as ext:
+            out, ext_outs = ext(x)
+        assert torch.equal(out, y) and torch.equal(ext_outs["probe"], probe(h0))
+    assert active_entries(net) == 0

@@ -572,3 +572,16 @@ def test_bad_mutation_of_name_registrations_raises_naming_it_and_adds_no_hook():
     assert set(ext(torch.randn(2, 4))) == {"a", "b", "c"}
     ext.close()
     assert all_hooks(net) == 0
+
+
+def test_a_plain_string_of_ids_is_refused_not_iterated():
+    # hybrid_learning takes a list of IDs: "02" must not register layers '0' and '2'
+    from pyhook.extend import ActivationMapGrabber
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"module_ids.*'02'.*\['02'\]"):
+        ActivationMapGrabber(net, "02")
+    assert all(not m._forward_hooks for m in net.modules())
+    with ActivationMapGrabber(net, ["0", "2"]) as grabber:  # the list form works
+        _, acts = grabber(torch.ones(1, 2))
+    assert list(acts) == ["0", "2"]

@@ -8,6 +8,7 @@ even when autograd recomputes that forward during a backward (activation checkpo
 from __future__ import annotations
 
 import copy
+import io
 import threading
 
 import pytest
@@ -198,8 +199,9 @@ def test_checkpoint_isolation_with_trace_dict_and_many_threads():
     def work(k: int) -> list[torch.Tensor]:
         out = []
         if k == 0:
-            with pyhook.TraceDict(model, ["block.0", "block.2"],
-                                  edit_output={"block.0": lambda output: output * 2}):
+            with pyhook.TraceDict(
+                model, ["block.0", "block.2"], edit_output={"block.0": lambda output: output * 2}
+            ):
                 for _ in range(5):
                     barrier.wait()
                     out.append(input_grad(model, xs[k]))
@@ -322,7 +324,9 @@ def test_trace_multiple_decorator_many_threads_many_calls():
         with tm:  # a nested entry on the same thread keeps this thread's hooks
             pass
         net(x)
-        return torch.equal(tm["1"].output, y.detach()) and torch.equal(tm["1"].input, net[0](x).detach())
+        return torch.equal(tm["1"].output, y.detach()) and torch.equal(
+            tm["1"].input, net[0](x).detach()
+        )
 
     def work(k: int) -> list[bool]:
         return [run(torch.full((1, 4), float(k * 10 + i))) for i in range(2)]
@@ -425,3 +429,56 @@ def test_nested_entry_of_one_deephook_trace_keeps_its_hook():
         assert torch.equal(y, net[2](net[1](torch.zeros(2, 3))))
         assert torch.equal(t.output, torch.zeros(2, 3))
     assert diff(before, hook_snapshot(net)) == []
+
+
+# -- issue 16: deep copies and FlexModel threads ------------------------------------------------
+def test_a_deep_copy_made_inside_a_block_has_none_of_pyhooks_hooks():
+    from pyhook.capture import capture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    clean = hook_snapshot(model)
+    x = torch.randn(3, 4)
+    with pyhook.TraceDict(model, ["0", "2"], edit_output=lambda output: output * 0) as td:
+        twin = copy.deepcopy(model)
+        model(x)
+    with pyhook.Trace(model, "1"):
+        twin_t = copy.deepcopy(model)
+    with capture(model, ["0"]) as rec:
+        model(x)
+        twin_c = copy.deepcopy(model)
+        twin_c(x)  # a copy's forward adds no rows to the capture
+    assert rec.batches == 1 and rec["0"].shape[0] == 3
+    for copied in (twin, twin_t, twin_c):
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in copied.modules())
+        with torch.no_grad():
+            assert torch.equal(copied(x), model(x))  # unedited: the same as the model
+    assert float(td["2"].output.detach().abs().sum()) == 0.0  # the original was edited
+    assert diff(clean, hook_snapshot(model)) == []
+    torch.save(twin, io.BytesIO())  # a copy pickles like a plain model
+
+
+def test_flex_model_per_thread_on_a_shared_model_sees_only_its_own_forwards():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    clean = hook_snapshot(model)
+    rounds = 40
+
+    def work(i: int) -> list[bool]:
+        ok = []
+        for r in range(rounds):
+            x = torch.full((1, 4), float(i * rounds + r))
+            with torch.no_grad():
+                expect = nn.functional.linear(x, model[0].weight, model[0].bias)  # no hook runs
+            out: dict[str, list[torch.Tensor]] = {}
+            fm = pyhook.FlexModel(model, out)
+            fm.register_forward_hook(pyhook.HookFunction("0"))
+            with torch.no_grad():
+                fm(x)
+            fm.restore()
+            ok.append(len(out["0"]) == 1 and torch.equal(out["0"][0], expect))
+        return ok
+
+    results = run_in_threads(work, 4)
+    assert all(all(r) for r in results)
+    assert diff(clean, hook_snapshot(model)) == []

@@ -367,3 +367,25 @@ def test_plain_pip_install_in_fresh_venv_builds_against_installed_torch(tmp_path
     assert where.startswith(str(tmp_path / "venv")), where
     assert running.startswith("2.13.0") and built == running
     assert "pyhook:" not in check.stderr, check.stderr  # torch may warn about numpy; we do not
+
+
+def test_the_native_loader_does_not_import_the_build_report():
+    # issue 16, item 7: pyhook._build (the report) reads pyhook._backend; never the reverse
+    import ast
+    import inspect
+
+    import pyhook._backend
+    import pyhook._build
+
+    def imported(module) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom):
+                names.update(f"{node.module or ''}.{a.name}".lstrip(".") for a in node.names)
+                names.add(node.module or "")
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    assert not any("_build" in n for n in imported(pyhook._backend))
+    assert "_backend" in imported(pyhook._build)
