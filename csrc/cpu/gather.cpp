@@ -303,6 +303,24 @@ void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn) {
   h->run(job);
 }
 
+// Rows of a shuffled batch are scattered over memory the hardware prefetcher has not seen:
+// asking for the first cache lines of a row a few rows ahead hides the latency of its start.
+// Measured on one thread, 4096 random rows of 3 KB from the page cache, against numpy's fancy
+// index (paired medians of 150 rounds): 1.03-1.10x without, 1.24-1.56x 2 rows ahead, 1.36x 4
+// rows ahead, 1.28-1.38x 8 rows ahead.
+constexpr int64_t kPrefetchAhead = 4;
+
+inline void prefetch_row(const Prepared& p, int64_t row) {
+  const auto part = static_cast<size_t>(
+      std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+  const Source& s = p.sources[part];
+  const char* a = s.base + (row - p.starts[part]) * s.row_step;
+  const int64_t lines = std::min<int64_t>(p.row_bytes, 1024);
+  for (int64_t b = 0; b < lines; b += 64) {
+    __builtin_prefetch(a + b);
+  }
+}
+
 // Copies rows idx[k] of the parts to out + k * row_bytes, for every k.
 void gather_into_buffer(const Prepared& p, const at::Tensor& idx_in, char* out) {
   const at::Tensor idx = idx_in.contiguous();
@@ -340,6 +358,9 @@ void gather_into_buffer(const Prepared& p, const at::Tensor& idx_in, char* out) 
         while (pos + run < end && ix[pos + run] == row + run && row + run < part_end) {
           ++run;
         }
+      }
+      if (pos + run + kPrefetchAhead < end) {
+        prefetch_row(p, ix[pos + run + kPrefetchAhead]);
       }
       std::memcpy(out + pos * row_bytes, s.base + (row - p.starts[part]) * s.row_step,
                   static_cast<size_t>(run * row_bytes));
