@@ -13,6 +13,8 @@ of the per-round ratios):
 (b) the same after dropping the files from the page cache (``posix_fadvise(DONTNEED)``, maps
     closed) before every round: the first batch read from disk;
 (c) sequential batches against ``readinto`` of the raw file, warm and cold (target: >= 0.9x);
+    (before every timed call, 96 MB are overwritten so that no method reads rows the previous
+    one left in the CPU caches);
 (d) a ``DataLoader(ds, batch_size=None, num_workers=k)`` over shuffled batches, 2 workers
     against 0 (the dataset iterated in the main process), warm; time from the first batch
     to the last (worker start-up excluded) and including start-up;
@@ -77,17 +79,31 @@ def warm(paths: list[str]) -> None:
                 pass
 
 
+_EVICT = np.zeros(0, dtype=np.uint8)
+
+
+def evict_cpu_caches() -> None:
+    """Overwrite 96 MB (3x this machine's L3): a method must not read rows that the previous
+    method of the round left in the CPU caches (a 12.6 MB batch fits in a 32 MB L3)."""
+    global _EVICT
+    if _EVICT.size == 0:
+        _EVICT = np.zeros(96 << 20, dtype=np.uint8)
+    _EVICT += 1
+
+
 def paired(
     fns: dict[str, Callable[[int], object]], rounds: int, seed: int = 0
 ) -> dict[str, list[float]]:
     """Seconds per method and round; every method sees round r (same indices), in a shuffled
-    order. A method may return its own measured time as a float (when setup must not count)."""
+    order, after the CPU caches were flushed of the previous method's rows. A method may return
+    its own measured time as a float (when setup must not count)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
     rng = random.Random(seed)
     for r in range(rounds):
         rng.shuffle(order)
         for name in order:
+            evict_cpu_caches()
             t0 = time.perf_counter()
             own = fns[name](r)
             times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)

@@ -427,7 +427,7 @@ def _gather_args(
                 "must be on one device"
             )
     if not isinstance(idx, torch.Tensor):
-        idx = torch.as_tensor(idx) if len(idx) else torch.empty(0, dtype=torch.long)  # type: ignore[arg-type]
+        idx = torch.as_tensor(idx) if len(idx) else torch.empty(0, dtype=torch.long)
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise TypeError(f"gather_rows: `idx` must hold integers, got a {idx.dtype} tensor")
     if idx.dim() != 1:

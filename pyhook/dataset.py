@@ -36,6 +36,14 @@ TOKEN_IDS = "__token_ids__"
 _SHUFFLES = (False, True, "global", "chunks")
 
 
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _open(path: str) -> Any:
     # Imported here: the store module imports the backend, not this module, and a worker
     # process only needs it when it reopens the capture.
@@ -304,10 +312,9 @@ class CaptureDataset(IterableDataset):
         # In a worker: gather straight into new shared memory, which the DataLoader then sends
         # to the main process as is (a pooled buffer would be copied into shared memory again:
         # measured 37 against 29 ms a batch of 4096 x 3 KB rows with 2 workers).
-        shape = (idx.numel(), *parts[0].shape[1:])
-        nbytes = math.prod(shape) * parts[0].element_size()
-        storage = torch.UntypedStorage._new_shared(nbytes)
-        out = torch.empty(0, dtype=parts[0].dtype).set_(storage, 0, shape)
+        shape = torch.Size((idx.numel(), *parts[0].shape[1:]))
+        storage = torch.UntypedStorage._new_shared(shape.numel() * parts[0].element_size())
+        out = torch.empty(0, dtype=parts[0].dtype).set_(storage, 0, shape, _contiguous(shape))
         return gather_rows_into(parts, idx, out)
 
     def batch(self, idx: torch.Tensor | Sequence[int]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -251,9 +250,6 @@ class Helpers {
   uint64_t generation_ = 0;
 };
 
-// Calls fn(q) for q in [0, pieces) on the calling thread and up to at::get_num_threads() - 1
-// helpers. Helpers are created on first use in each process (a fork leaves none behind) and,
-// like the buffer pool, deliberately leaked: they outlive static destruction at exit.
 // Whether helpers can expect a core: the 1-minute load average (runnable threads, including
 // ours) is below the intra-op thread count. On an oversubscribed machine a helper is often
 // preempted in the middle of a piece and the caller waits a time slice for it (measured under
@@ -274,6 +270,9 @@ bool cores_to_spare(int threads) {
   return spare.load(std::memory_order_relaxed);
 }
 
+// Calls fn(q) for q in [0, pieces) on the calling thread and up to at::get_num_threads() - 1
+// helpers. Helpers are created on first use in each process (a fork leaves none behind) and,
+// like the buffer pool, deliberately leaked: they outlive static destruction at exit.
 void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn) {
   int threads = std::max(1, at::get_num_threads());
   if (threads > 1 && !cores_to_spare(threads)) {
