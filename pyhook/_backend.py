@@ -3,6 +3,8 @@
 Index:
 
 * :func:`clone_tensors` - copy a flat list of tensors, exactly like ``[t.clone() for t in ...]``;
+* :func:`gather_rows`, :func:`gather_rows_into` - rows ``idx`` of a list of ``[rows, ...]`` parts
+  (the memory-mapped shards of a captured layer), like ``torch.cat(parts)[idx]`` without the cat;
 * :func:`get_backend`, :func:`set_backend`, :func:`use_backend` - choose ``native``,
   ``reference`` or ``auto`` (the initial choice comes from ``PYHOOK_BACKEND``);
 * :func:`native_available`, :func:`native_load_error` - did ``pyhook._C`` load, and if not, why;
