@@ -391,3 +391,24 @@ def test_dataset_example_in_docs_runs_in_a_fresh_process(capture):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+def test_shard_deleted_mid_epoch(capture):
+    """An open dataset keeps its memory maps (the deleted file's pages stay readable until they
+    are unmapped), so the epoch completes with the right rows; a worker or pickled copy, which
+    reopens the capture by path, gets the store's error naming the missing shard."""
+    path, a, b, _ = capture
+    ds = CaptureDataset(path, ["a", "b"], batch_size=4, with_index=True)
+    it = iter(ds)
+    seen = [next(it)]
+    shard = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[1]
+    os.remove(os.path.join(path, shard))
+    seen.extend(it)
+    for batch in seen:
+        check_rows(batch, a, b)
+    assert sorted(collect(seen).tolist()) == list(range(31))
+    with pytest.raises((ValueError, OSError), match=shard):
+        list(pickle.loads(pickle.dumps(ds)))
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises((ValueError, OSError), match=shard):
+        list(loader)
