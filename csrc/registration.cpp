@@ -37,6 +37,13 @@ TORCH_LIBRARY(pyhook, m) {
   // Outputs alias neither the inputs nor each other's storage.
   m.def("clone_many(Tensor[] tensors) -> Tensor[]");
 
+  // Rows idx (int64, 0 <= idx < total rows) of the concatenation of `parts` along dim 0
+  // (the memory-mapped shards of one layer), as one fresh contiguous tensor in a pooled CPU
+  // buffer; `_into` writes them into `out` instead (e.g. shared memory in a DataLoader
+  // worker). Neither aliases the parts.
+  m.def("gather_rows(Tensor[] parts, Tensor idx) -> Tensor");
+  m.def("gather_rows_into(Tensor[] parts, Tensor idx, Tensor(a!) out) -> ()");
+
   // The CPU buffer pool. These take no tensors, so the dispatcher has no
   // device to pick: they are registered as catch-all kernels right here.
   m.def("pool_stats() -> int[]", &pyhook::pool_stats);

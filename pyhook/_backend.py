@@ -3,6 +3,8 @@
 Index:
 
 * :func:`clone_tensors` - copy a flat list of tensors, exactly like ``[t.clone() for t in ...]``;
+* :func:`gather_rows`, :func:`gather_rows_into` - rows ``idx`` of a list of ``[rows, ...]`` parts
+  (the memory-mapped shards of a captured layer), like ``torch.cat(parts)[idx]`` without the cat;
 * :func:`get_backend`, :func:`set_backend`, :func:`use_backend` - choose ``native``,
   ``reference`` or ``auto`` (the initial choice comes from ``PYHOOK_BACKEND``);
 * :func:`native_available`, :func:`native_load_error` - did ``pyhook._C`` load, and if not, why;
@@ -37,6 +39,8 @@ __all__ = [
     "clone_one",
     "clone_tensors",
     "empty_pool",
+    "gather_rows",
+    "gather_rows_into",
     "get_backend",
     "native_available",
     "native_load_error",
@@ -399,3 +403,111 @@ def empty_pool() -> None:
     """
     if native_available():
         torch.ops.pyhook.pool_empty()
+
+
+def _gather_args(
+    parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Check and normalise the arguments of :func:`gather_rows` (named errors)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError(
+            "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
+            "gives the row shape and dtype of a layer without rows)"
+        )
+    first = parts[0]
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"gather_rows: part {i} must be a tensor, got {type(p).__name__}")
+        if p.dim() < 1:
+            raise ValueError(f"gather_rows: part {i} must have a row dimension, got a 0-d tensor")
+        if p.dtype != first.dtype:
+            raise TypeError(
+                f"gather_rows: part {i} has dtype {p.dtype}, part 0 has {first.dtype}; all "
+                "parts must share one dtype"
+            )
+        if p.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"gather_rows: part {i} has shape {tuple(p.shape)}, part 0 has rows of shape "
+                f"{tuple(first.shape[1:])}; all parts must share one row shape"
+            )
+        if p.device != first.device:
+            raise ValueError(
+                f"gather_rows: part {i} is on {p.device}, part 0 on {first.device}; all parts "
+                "must be on one device"
+            )
+    if not isinstance(idx, torch.Tensor):
+        idx = torch.as_tensor(idx) if len(idx) else torch.empty(0, dtype=torch.long)
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"gather_rows: `idx` must hold integers, got a {idx.dtype} tensor")
+    if idx.dim() != 1:
+        raise ValueError(f"gather_rows: `idx` must be 1-D, got shape {tuple(idx.shape)}")
+    return parts, idx.to(device=first.device, dtype=torch.long)
+
+
+def _gather_native(parts: list[torch.Tensor], idx: torch.Tensor) -> bool:
+    return (
+        get_backend() == "native"
+        and idx.is_cpu
+        and all(_native_group(p) == "cpu" for p in parts)
+        and not (torch.is_grad_enabled() and any(p.requires_grad for p in parts))
+    )
+
+
+def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Rows ``idx`` of ``torch.cat(parts)`` (without concatenating), as a fresh tensor.
+
+    ``parts`` are the per-shard tensors of one layer, in order (row-major ``[rows, ...]``, e.g.
+    memory-mapped shards); ``idx`` holds global row numbers, ``0 <= idx < sum of rows``, in any
+    order (an index out of range raises :class:`IndexError` naming it). The result is
+    contiguous, ``[len(idx), *row_shape]``, and owned by the caller: it never shares memory
+    with the parts. The native kernel copies the rows in ascending source order on all
+    intra-op threads, without the GIL, into a pooled buffer; the reference backend gives the
+    same values (see :func:`pyhook._reference.gather_rows`).
+
+    >>> parts = [torch.arange(6.0).reshape(3, 2), torch.arange(6.0, 10.0).reshape(2, 2)]
+    >>> gather_rows(parts, torch.tensor([4, 0, 3])).tolist()
+    [[8.0, 9.0], [0.0, 1.0], [6.0, 7.0]]
+    """
+    parts, idx = _gather_args(parts, idx)
+    if _gather_native(parts, idx):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return torch.ops.pyhook.gather_rows.default(parts, idx)
+    return _reference.gather_rows(parts, idx)
+
+
+def gather_rows_into(
+    parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int], out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`gather_rows` written into ``out`` (e.g. shared memory); returns ``out``.
+
+    ``out`` must be a contiguous CPU tensor of shape ``[len(idx), *row_shape]`` and the parts'
+    dtype; on a bad index nothing is written.
+
+    >>> out = torch.empty(2, 2)
+    >>> gather_rows_into([torch.eye(2)], [1, 0], out).tolist()
+    [[0.0, 1.0], [1.0, 0.0]]
+    """
+    parts, idx = _gather_args(parts, idx)
+    shape = (idx.numel(), *parts[0].shape[1:])
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != parts[0].dtype
+        or tuple(out.shape) != shape
+        or not out.is_contiguous()
+        or out.device != parts[0].device
+    ):
+        got = (
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"gather_rows_into: `out` must be a contiguous {parts[0].dtype} tensor of shape "
+            f"{shape} on {parts[0].device}, got {got}"
+        )
+    if _gather_native(parts, idx) and out.is_cpu:
+        torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
+    else:
+        _reference.gather_rows_into(parts, idx, out)
+    return out

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clone_tensors"]
+__all__ = ["clone_tensors", "gather_rows", "gather_rows_into"]
 
 
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -21,3 +21,46 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     [(1,), (1, 4)]
     """
     return [t.clone() for t in tensors]
+
+
+def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``torch.cat(parts)``, without concatenating: a fresh contiguous tensor.
+
+    ``idx`` is a 1-D int64 tensor with ``0 <= idx < total rows``; an index out of range
+    raises :class:`IndexError` naming it and its position (the native kernel's message).
+
+    >>> parts = [torch.arange(6.0).reshape(3, 2), torch.arange(6.0, 10.0).reshape(2, 2)]
+    >>> gather_rows(parts, torch.tensor([4, 0, 3])).tolist()
+    [[8.0, 9.0], [0.0, 1.0], [6.0, 7.0]]
+    """
+    first = parts[0]
+    row_shape = tuple(first.shape[1:])
+    starts = [0]
+    for p in parts:
+        starts.append(starts[-1] + int(p.shape[0]))
+    total = starts[-1]
+    bad = ((idx < 0) | (idx >= total)).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        raise IndexError(
+            f"gather_rows: index {int(idx[k])} (at position {k} of idx) is out of range for "
+            f"{total} rows; valid indices are 0..{total - 1}"
+        )
+    out = torch.empty((idx.numel(), *row_shape), dtype=first.dtype)
+    if len(parts) == 1:
+        return torch.index_select(first, 0, idx, out=out) if idx.numel() else out
+    part_of = torch.bucketize(idx.contiguous(), torch.tensor(starts[1:]), right=True)
+    for i in part_of.unique().tolist():
+        sel = (part_of == i).nonzero().squeeze(1)
+        out[sel] = parts[i].index_select(0, idx[sel] - starts[i])
+    return out
+
+
+def gather_rows_into(parts: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`gather_rows` written into ``out`` (contiguous, of the result's shape and dtype).
+
+    >>> out = torch.empty(2, 2)
+    >>> gather_rows_into([torch.eye(2)], torch.tensor([1, 0]), out); out.tolist()
+    [[0.0, 1.0], [1.0, 0.0]]
+    """
+    out.copy_(gather_rows(parts, idx))

@@ -40,3 +40,17 @@ def _clone_many_backward(ctx: Any, grads: list[torch.Tensor | None]) -> list[tor
 torch.library.register_autograd(
     "pyhook::clone_many", _clone_many_backward, setup_context=_clone_many_setup_context
 )
+
+
+@torch.library.register_fake("pyhook::gather_rows")
+def _gather_rows_fake(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    # One fresh contiguous tensor of len(idx) rows shaped like the parts' rows.
+    first = parts[0]
+    return first.new_empty((idx.shape[0], *first.shape[1:]))
+
+
+@torch.library.register_fake("pyhook::gather_rows_into")
+def _gather_rows_into_fake(
+    parts: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor
+) -> None:
+    return None

@@ -1,0 +1,258 @@
+"""pyhook::gather_rows / gather_rows_into (csrc/cpu/gather.cpp) against the reference
+(pyhook/_reference.py) and against an independent spec: ``torch.cat(parts)[idx]``."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from pyhook import _backend, _reference
+from pyhook._backend import gather_rows, gather_rows_into
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+
+
+def make_parts(dtype, sizes=(5, 0, 7, 3), row_shape=(6,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for n in sizes:
+        t = torch.randn((n, *row_shape), generator=g) * 100
+        parts.append(t.to(dtype))
+    return parts
+
+
+def spec(parts, idx):
+    """The definition, written independently of both backends."""
+    return torch.cat(parts)[idx]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_shape", [(6,), (), (2, 3)])
+def test_matches_cat_index(backend, dtype, row_shape):
+    parts = make_parts(dtype, row_shape=row_shape)
+    total = sum(len(p) for p in parts)
+    idx = torch.randint(0, total, (40,), generator=torch.Generator().manual_seed(1))
+    out = gather_rows(parts, idx)
+    want = spec(parts, idx)
+    assert out.dtype == dtype and out.shape == want.shape and out.is_contiguous()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_equals_reference(native, dtype):
+    parts = make_parts(dtype, sizes=(300, 1, 0, 450), row_shape=(768,))
+    # Large enough for the parallel path (> 1 MB), with repeats and a shuffled order.
+    idx = torch.randint(0, 751, (3000,), generator=torch.Generator().manual_seed(2))
+    native_out = gather_rows(parts, idx)
+    with _backend.use_backend("reference"):
+        reference_out = gather_rows(parts, idx)
+    assert torch.equal(native_out, reference_out)
+    assert torch.equal(native_out, _reference.gather_rows(parts, idx))
+
+
+def test_sorted_and_reversed_orders(backend):
+    parts = make_parts(torch.float32, sizes=(4, 9, 2))
+    for idx in (torch.arange(15), torch.arange(14, -1, -1), torch.tensor([3, 3, 3, 0])):
+        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
+
+
+def test_empty_idx(backend):
+    parts = make_parts(torch.float16)
+    out = gather_rows(parts, torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, 6) and out.dtype == torch.float16
+    assert gather_rows(parts, []).shape == (0, 6)
+    out = torch.empty(0, 6, dtype=torch.float16)
+    assert gather_rows_into(parts, torch.empty(0, dtype=torch.long), out) is out
+
+
+def test_part_without_rows_gives_shape(backend):
+    empty = torch.empty(0, 3, 4, dtype=torch.bfloat16)
+    assert gather_rows([empty], []).shape == (0, 3, 4)
+    with pytest.raises(IndexError, match=r"index 0 .* out of range for 0 rows"):
+        gather_rows([empty], [0])
+
+
+@pytest.mark.parametrize("bad", [-1, 15, 10**12])
+def test_out_of_range_is_named(backend, bad):
+    parts = make_parts(torch.float32, sizes=(5, 10))
+    idx = torch.tensor([0, 3, bad, 1])
+    with pytest.raises(
+        IndexError, match=rf"index {bad} \(at position 2 of idx\) is out of range for 15 rows"
+    ):
+        gather_rows(parts, idx)
+    out = torch.full((4, 6), 7.0)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_rows_into(parts, idx, out)
+    assert (out == 7.0).all()  # nothing written
+
+
+def test_non_contiguous_parts_and_idx(backend):
+    parts = [
+        torch.randn(20, 8, 3)[:, :, 1],  # element stride 3: rows are not dense
+        torch.randn(8, 7).t(),  # transposed
+        torch.randn(10, 8)[::2],  # every other row: dense rows, row stride 16
+        torch.randn(4, 8),
+    ]
+    assert not any(p.is_contiguous() for p in parts[:3])
+    total = sum(len(p) for p in parts)
+    idx = torch.randint(0, total, (64,), generator=torch.Generator().manual_seed(3))[::2]
+    assert not idx.is_contiguous()
+    assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
+
+
+def test_expanded_and_conj_parts(backend):
+    expanded = torch.arange(4.0).expand(5, 4)  # row stride 0
+    assert torch.equal(gather_rows([expanded], [4, 0]), expanded[[4, 0]])
+    z = torch.randn(6, 3, dtype=torch.complex64).conj()
+    assert torch.equal(gather_rows([z], [5, 1]), z[[5, 1]].resolve_conj())
+
+
+def test_output_is_owned(backend):
+    parts = make_parts(torch.float32, sizes=(6,))
+    before = parts[0].clone()
+    out = gather_rows(parts, torch.arange(6))
+    out.zero_()
+    assert torch.equal(parts[0], before)
+    for p in parts:
+        assert out.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+
+
+def test_from_memory_map(backend, tmp_path):
+    rows = torch.randn(100, 16)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(rows.numpy().tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped = torch.frombuffer(mm, dtype=torch.float32).view(100, 16)
+    parts = [mapped[:40], mapped[40:]]
+    idx = torch.randperm(100)
+    out = gather_rows(parts, idx)
+    assert torch.equal(out, rows[idx])
+    del parts, mapped, out
+
+
+def test_into_matches(backend):
+    parts = make_parts(torch.bfloat16, sizes=(3, 4))
+    idx = torch.tensor([6, 0, 2])
+    out = torch.empty(3, 6, dtype=torch.bfloat16)
+    gather_rows_into(parts, idx, out)
+    assert torch.equal(out, spec(parts, idx))
+
+
+@pytest.mark.parametrize(
+    ("parts", "idx", "err", "match"),
+    [
+        ([], [0], ValueError, "`parts` is empty"),
+        (
+            [torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)],
+            [0],
+            TypeError,
+            "part 1 has dtype",
+        ),
+        ([torch.zeros(2, 3), torch.zeros(2, 4)], [0], ValueError, "part 1 has shape"),
+        ([torch.zeros(())], [0], ValueError, "part 0 must have a row dimension"),
+        ([torch.zeros(2, 3)], torch.tensor([0.0]), TypeError, "`idx` must hold integers"),
+        ([torch.zeros(2, 3)], torch.zeros(1, 1, dtype=torch.long), ValueError, "`idx` must be 1-D"),
+    ],
+)
+def test_bad_arguments_are_named(backend, parts, idx, err, match):
+    with pytest.raises(err, match=match):
+        gather_rows(parts, idx)
+
+
+def test_bad_out_is_named(backend):
+    parts = [torch.zeros(4, 3)]
+    with pytest.raises(
+        ValueError, match=r"`out` must be a contiguous torch.float32 tensor of shape \(2, 3\)"
+    ):
+        gather_rows_into(parts, [0, 1], torch.empty(3, 2))
+    with pytest.raises(ValueError, match="`out`"):
+        gather_rows_into(parts, [0, 1], torch.empty(3, 2).t())
+
+
+def test_native_checks_without_wrapper(native):
+    """The op itself (what torch.compile or another caller reaches) names bad input too."""
+    op = torch.ops.pyhook.gather_rows.default
+    with pytest.raises(IndexError, match=r"index 9 .* out of range for 4 rows"):
+        op([torch.zeros(4, 2)], torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="`idx` must be an int64 tensor"):
+        op([torch.zeros(4, 2)], torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="part 1 has dtype"):
+        op([torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.float64)], torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="`parts` is empty"):
+        op([], torch.tensor([0]))
+
+
+def test_pool_reuses_buffers(native):
+    parts = make_parts(torch.float32, sizes=(2048,), row_shape=(256,))
+    idx = torch.randperm(2048)
+    before = _backend.pool_stats()["hits"]
+    for _ in range(3):
+        out = gather_rows(parts, idx)
+        del out
+    assert _backend.pool_stats()["hits"] >= before + 2
+
+
+def test_runs_without_the_gil(native):
+    """Another Python thread keeps running while a large gather is in the kernel."""
+    parts = [torch.randn(8192, 1024)]
+    idx = torch.randint(0, 8192, (8192 * 4,))
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        gather_rows(parts, idx)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    during = [x for x in ticks if start < x < end]
+    # Holding the GIL for the whole copy would leave no ticks inside it (the interpreter
+    # switches threads every 5 ms only between bytecodes).
+    assert end - start > 0.02 and len(during) > 100
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(native, dtype):
+    parts = make_parts(dtype, sizes=(3, 5))
+    idx = torch.tensor([7, 0, 4, 4])
+    torch.library.opcheck(torch.ops.pyhook.gather_rows.default, (parts, idx))
+    torch.library.opcheck(
+        torch.ops.pyhook.gather_rows.default, (parts, torch.empty(0, dtype=torch.long))
+    )
+    out = torch.empty(4, 6, dtype=dtype)
+    torch.library.opcheck(torch.ops.pyhook.gather_rows_into.default, (parts, idx, out))
+
+
+def test_compile(native):
+    parts = make_parts(torch.float32, sizes=(3, 5))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(a, b, idx):
+        return torch.ops.pyhook.gather_rows([a, b], idx) * 2
+
+    idx = torch.tensor([1, 7])
+    assert torch.equal(f(*parts, idx), spec(parts, idx) * 2)
+
+
+def test_reference_backend_forced_by_env():
+    """PYHOOK_BACKEND=reference gives the same rows (the backend is chosen per call)."""
+    if os.environ.get("PYHOOK_BACKEND"):
+        pytest.skip("backend forced by the environment")
+    parts = make_parts(torch.int64, sizes=(4, 4))
+    with _backend.use_backend("reference"):
+        a = gather_rows(parts, [7, 1])
+    assert torch.equal(a, gather_rows(parts, [7, 1]))
