@@ -11,6 +11,7 @@ check outputs with :func:`layer_rows`, and turn the batch's token ids into row a
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
@@ -315,7 +316,7 @@ def batch_stats(t: torch.Tensor) -> torch.Tensor:
         [[2.0, 7.0, 1.5, 2.0, 4.5, 8.0]]
     """
     n = int(t.shape[0])
-    x = t.detach().reshape(n, -1)
+    x = t.detach().reshape(n, math.prod(t.shape[1:]))
     if n == 0:
         return torch.zeros(1, 2 + 2 * x.shape[1], dtype=torch.float64, device=t.device)
     x = x.to(torch.float64)

@@ -279,7 +279,7 @@ class Recorder:
         world_size: int | None = None,
         fsync: bool = True,
         stats: bool | None = None,
-        tokens: bool = False,
+        tokens: bool = True,
     ) -> None:
         # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
@@ -347,7 +347,7 @@ class Recorder:
         self.select = select
         self.overwrite = overwrite
         self._reduction = Reduction(positions, flatten, self.dtype)
-        self._stats = bool(stats)  # TODO: default on for disk once the store hides "__" names
+        self._stats = (to == "disk") if stats is None else stats
         self._tokens = tokens
         self._writer_opts: dict[str, Any] = {
             "shard_bytes": shard_bytes,
