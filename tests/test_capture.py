@@ -122,7 +122,9 @@ def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
     served = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
     if use_backend == "native":
         # between the two thresholds: only the Recorder's lower one sends it to the pool
-        assert _backend.NATIVE_MIN_BYTES > 256 * 8 * 16 * 4 >= _backend.KEPT_MIN_BYTES > 4 * 8 * 16 * 4
+        assert (
+            _backend.NATIVE_MIN_BYTES > 256 * 8 * 16 * 4 >= _backend.KEPT_MIN_BYTES > 4 * 8 * 16 * 4
+        )
         assert served == 3  # one pooled buffer per batch of "big", none for "small"
         assert after["live_buffers"] - before["live_buffers"] == 3
     else:
@@ -402,7 +404,9 @@ def test_two_gloo_ranks_write_one_capture(tmp_path):
     with capture(model, "transformer.h.*", mask="attention_mask") as ref:
         for ids, am in gpt_batches(n=4):
             model(input_ids=ids, attention_mask=am)
-    assert sorted(f for f in os.listdir(out) if not f.startswith(".")) == [  # .lock-rNNN: writer locks
+    assert sorted(
+        f for f in os.listdir(out) if not f.startswith(".")
+    ) == [  # .lock-rNNN: writer locks
         "index-r000.json",
         "index-r001.json",
         "index.json",
@@ -470,7 +474,9 @@ def test_copy_false_detects_inplace_updates_during_and_after_the_forward():
     x = torch.randn(5, 4)
     with capture(net, ["0", "2"], copy=False) as rec:
         # ReLU(inplace=True) overwrites layer 0's output: the forward itself fails, loudly
-        with pytest.raises(CaptureModifiedError, match="layer '0'.*before the forward returned.*copy=True") as info:
+        with pytest.raises(
+            CaptureModifiedError, match="layer '0'.*before the forward returned.*copy=True"
+        ) as info:
             net(x)
         assert info.value.layer == "0"
         assert rec.batches == 0  # nothing of that batch was committed
@@ -507,3 +513,75 @@ def test_copy_false_refuses_disk(tmp_path):
     with pytest.raises(TypeError, match="copy must be a bool"):
         capture(net, "0", copy="no")
     assert not list(tmp_path.iterdir())
+
+
+# -- bad input found by the adversarial pass (issue 16, item 4) ----------------------------------
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"positions": []}, ValueError, "positions is an empty list"),
+        ({"out": 5}, TypeError, "out must be a directory path"),
+        ({"out": "OUT", "world_size": 0}, ValueError, "world_size must be an int >= 1"),
+        (
+            {"out": "OUT", "rank": 2, "world_size": 2},
+            ValueError,
+            r"rank must be .*\[0, world_size=2\)",
+        ),
+        ({"out": "OUT", "overwrite": "no"}, TypeError, "overwrite must be a bool"),
+        ({"out": "OUT", "meta": {"when": object()}}, TypeError, "meta must be a dict of JSON"),
+        ({"out": "OUT", "settings": [1]}, TypeError, "settings must be a dict"),
+        ({"out": "OUT", "shard_bytes": 0}, ValueError, "shard_bytes"),
+        ({"out": "OUT", "max_pending_shards": 0}, ValueError, "max_pending_shards"),
+        ({"stats": "yes"}, TypeError, "stats must be"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_hook_or_file(tmp_path, kwargs, exc, match):
+    model = gpt2()
+    if kwargs.get("out") == "OUT":
+        kwargs = {**kwargs, "out": tmp_path / "acts"}
+    with pytest.raises(exc, match=match):
+        capture(model, "transformer.h.*", **kwargs)  # refused when made, not at __enter__
+    assert all_hooks(model) == 0
+    assert not (tmp_path / "acts").exists()  # nothing written
+
+
+def test_overwrite_no_keeps_the_previous_capture(tmp_path):
+    net = nn.Sequential(nn.Linear(2, 2))
+    with capture(net, "0", out=tmp_path):
+        net(torch.randn(3, 2))
+    with pytest.raises(TypeError, match="overwrite must be a bool"):
+        capture(net, "0", out=tmp_path, positions=0, overwrite="no")
+    assert open_capture(tmp_path).rows("0") == 3
+
+
+class _Returns(nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.make = make
+
+    def forward(self, x):
+        return self.make(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda h: None, r"layer 'inner' returned None"),
+        (lambda h: torch.empty(h.shape, device="meta"), r"layer 'inner'.*meta device"),
+        (
+            lambda h: torch.nested.nested_tensor([h[0], h[1, :2]]),
+            r"layer 'inner'.*nested \(ragged\) tensor",
+        ),
+        (lambda h: {"no": "tensor"}, r"layer 'inner'.*holds no tensor"),
+    ],
+    ids=["none", "meta", "nested", "no-tensor"],
+)
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_layer_outputs_without_values_are_named(tmp_path, make, match, to):
+    net = nn.Sequential()
+    net.add_module("inner", _Returns(make))
+    opts = {"out": tmp_path} if to == "disk" else {}
+    with pytest.raises(TypeError, match=match), capture(net, "inner", **opts):
+        net(torch.randn(2, 3, 4))
+    assert all_hooks(net) == 0
