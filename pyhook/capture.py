@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import _backend
 from ._compiled import unwrap_compiled
 from ._hooks import HookSet, compiled_path
 from ._record import (
@@ -55,7 +56,7 @@ from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
-from .offload import Offloader, PendingCopy, check_byte_count
+from .offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
 from .store import ShardWriter, dtype_name, parse_dtype
 
 __all__ = [
@@ -156,6 +157,10 @@ def resolve_layers(
         named = dict(model.named_modules())
     order = {n: i for i, n in enumerate(named)}  # dicts keep named_modules' order
     return sorted(found.items(), key=lambda kv: order.get(kv[0], -1))
+
+
+# Joined host results from this size on give the freed batch buffers back to the system.
+_TRIM_BYTES = 16 << 20
 
 
 class _Note:
@@ -270,9 +275,10 @@ class Recorder:
         copy: bool = True,
         select: Callable[[Any], torch.Tensor] | None = None,
         overwrite: bool = False,
-        shard_bytes: int = 256 << 20,
-        max_pending_shards: int = 2,
-        max_inflight_bytes: int = 1 << 30,
+        shard_bytes: int | None = None,
+        max_pending_shards: int | None = None,
+        max_inflight_bytes: int | None = None,
+        max_host_bytes: int = 256 << 20,
         meta: dict[str, Any] | None = None,
         settings: dict[str, Any] | None = None,
         rank: int | None = None,
@@ -329,10 +335,24 @@ class Recorder:
             raise TypeError(
                 f"select must be callable (output -> tensor), got {type(select).__name__}"
             )
+        # Host memory: the capture's buffers (rows waiting for the disk, pooled copies, copies
+        # in flight) are sized from one budget, so that a disk capture of any size holds about
+        # max_host_bytes beyond the forward's own memory; each setting can be raised for speed.
+        check_byte_count("max_host_bytes", max_host_bytes, 4)
+        share = max_host_bytes // 4
+        if shard_bytes is None:
+            shard_bytes = share  # a batch larger than this is a shard of its own
+        if max_pending_shards is None:
+            max_pending_shards = 1
+        if max_inflight_bytes is None:
+            max_inflight_bytes = share
         check_byte_count("shard_bytes", shard_bytes, 1)
         if not _is_int(max_pending_shards) or max_pending_shards < 1:
             raise ValueError(f"max_pending_shards must be an int >= 1, got {max_pending_shards!r}")
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
+        self.max_host_bytes = max_host_bytes
+        self._pool_share = share
+        self._saved_pool_limit: int | None = None
         _check_json("meta", meta)
         _check_json("settings", settings)
         self._rank, self._world = self._dist_info(rank, world_size)
@@ -379,6 +399,7 @@ class Recorder:
         # copy=False: (tensor, version) of each kept reference, checked on read
         self._guards: dict[str, list[Any]] = {n: [] for n in self.layers}
         self._extra: dict[str, list[torch.Tensor]] = {}  # reserved tensors of host captures
+        self._joined: dict[str, tuple[torch.Tensor, int]] = {}  # rec[layer] and its batches
         self._note: _Note | None = None
         self._notes: dict[int, _Note] = {}  # compiled path: notes by batch number
         self._path: EagerPath | CompiledPath = self._new_path(weakref.proxy(self))
@@ -395,7 +416,9 @@ class Recorder:
     @property
     def _offloader(self) -> Offloader:
         if self._offloader_ is None:
-            self._offloader_ = Offloader(max_inflight_bytes=self._max_inflight_bytes)
+            self._offloader_ = Offloader(
+                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_share
+            )
         return self._offloader_
 
     @staticmethod
@@ -445,6 +468,7 @@ class Recorder:
                 **self._writer_opts,
             )
             self.examples_done = self._writer.examples_done
+            self._limit_pool()
         try:
             with self._hooks.registering():
                 self._path.install(self._hooks)
@@ -452,8 +476,28 @@ class Recorder:
             if self._writer is not None:
                 self._writer.abort()
                 self._writer = None
+            self._give_back_memory()
             raise
         return self
+
+    def _limit_pool(self) -> None:
+        """During a disk capture, the native pool keeps at most a share of max_host_bytes idle:
+        buffers the writer gives back are reused by the next batches, not hoarded."""
+        limit = _backend.pool_stats()["limit_bytes"]
+        if _backend.native_available() and limit > self._pool_share:
+            self._saved_pool_limit = limit
+            _backend.set_pool_limit(self._pool_share)
+
+    def _give_back_memory(self) -> None:
+        """After a disk capture: the pools' idle buffers and glibc's free pages go back to the
+        operating system (the process returns to about its RSS before the capture)."""
+        if self._saved_pool_limit is not None:
+            if _backend.pool_stats()["limit_bytes"] == self._pool_share:  # nobody changed it
+                _backend.set_pool_limit(self._saved_pool_limit)
+            self._saved_pool_limit = None
+        if self._offloader_ is not None:
+            self._offloader_.empty_pool()
+        trim_host_memory()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
@@ -461,6 +505,8 @@ class Recorder:
             self._finish(exc_type, exc, tb)
         finally:
             self._path.rec = weakref.proxy(self)
+            if self.to == "disk":
+                self._give_back_memory()
 
     def _finish(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -689,6 +735,9 @@ class Recorder:
         return out
 
     def __getitem__(self, layer: str) -> torch.Tensor:
+        joined = self._joined.get(layer)
+        if joined is not None and joined[1] == len(self._results.get(layer, ())):
+            return joined[0]
         parts = self.parts(layer)
         if not parts:
             raise KeyError(
@@ -697,12 +746,25 @@ class Recorder:
         if len(parts) == 1:
             return parts[0]
         try:
-            return torch.cat(parts)
+            out = torch.cat(parts)
         except RuntimeError as e:
             raise ValueError(
                 f"rows of layer {layer!r} differ in shape between batches ({[tuple(p.shape) for p in parts[:4]]}...); "
                 "use rec.parts(layer), or flatten=True / a fixed sequence length"
             ) from e
+        if self.copy:
+            # The rows are held once: the batches become views of the joined rows, and their
+            # own buffers are freed (copy=False's are the model's tensors: left alone).
+            views, at = [], 0
+            for p in parts:
+                views.append(out[at : at + p.shape[0]])
+                at += p.shape[0]
+            self._results[layer] = views
+            self._joined[layer] = (out, len(views))
+            del parts, views
+            if out.is_cpu and out.nbytes >= _TRIM_BYTES:
+                trim_host_memory()
+        return out
 
     def results(self) -> dict[str, torch.Tensor]:
         """``{layer: rows}`` for every captured layer."""
@@ -803,8 +865,12 @@ def capture(
     callable ``(args, kwargs) -> mask``) selecting the valid tokens; ``flatten`` makes tokens the
     rows; ``dtype`` casts on the device before the copy. Further options of :class:`Recorder`:
     ``select`` (output -> tensor; default the first tensor of the output), ``overwrite``,
-    ``shard_bytes``, ``max_pending_shards``, ``max_inflight_bytes``, ``meta``, ``settings``,
-    ``rank``/``world_size`` (default: from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``).
+    ``meta``, ``settings``, ``rank``/``world_size`` (default: from ``torch.distributed`` or
+    ``RANK``/``WORLD_SIZE``); ``stats`` (per-layer statistics while capturing, default on for
+    disk captures), ``tokens`` (keep token ids/row index from ``input_ids``, default on);
+    host memory: ``max_host_bytes`` (default 256 MiB) sizes ``shard_bytes`` (default a quarter
+    of it), ``max_pending_shards`` (1), ``max_inflight_bytes`` (a quarter) and the buffer
+    pools; raise it (e.g. ``1 << 30``) for speed when memory is plentiful.
     """
     return Recorder(
         model,

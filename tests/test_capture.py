@@ -116,8 +116,13 @@ def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
             for x in xs:
                 net(x)
         after = _backend.pool_stats()
-        assert torch.equal(rec["big"], torch.cat(ref["big"]))
+        parts = rec.parts("big")
+        assert len({p.untyped_storage().data_ptr() for p in parts}) == 3  # one buffer a batch
+        del parts
+        big = rec["big"]
+        assert torch.equal(big, torch.cat(ref["big"]))
         assert torch.equal(rec["small"], torch.cat(ref["small"]))
+        joined = _backend.pool_stats()
         parts = rec.parts("big")
     served = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
     if use_backend == "native":
@@ -127,10 +132,13 @@ def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
         )
         assert served == 3  # one pooled buffer per batch of "big", none for "small"
         assert after["live_buffers"] - before["live_buffers"] == 3
+        # rec["big"] joined the batches: they are views of it now, their buffers went back
+        assert joined["live_buffers"] == before["live_buffers"]
     else:
         assert served == 0
-    assert len({p.untyped_storage().data_ptr() for p in parts}) == 3
-    del rec, parts
+    assert {p.untyped_storage().data_ptr() for p in parts} == {big.untyped_storage().data_ptr()}
+    assert rec["big"] is big  # joined once: later reads return the same rows, no new copy
+    del rec, parts, big
     if use_backend == "native":  # dropping the rows gives the buffers back
         assert _backend.pool_stats()["live_buffers"] == before["live_buffers"]
 
@@ -585,3 +593,39 @@ def test_layer_outputs_without_values_are_named(tmp_path, make, match, to):
     with pytest.raises(TypeError, match=match), capture(net, "inner", **opts):
         net(torch.randn(2, 3, 4))
     assert all_hooks(net) == 0
+
+
+# -- host memory (issue 19, item 5) ------------------------------------------------------------
+def test_host_results_hold_the_rows_once():
+    net = nn.Sequential(nn.Linear(64, 256))
+    with capture(net, "0") as rec:
+        for _ in range(4):
+            net(torch.randn(8, 16, 64))
+        first = rec["0"]
+        net(torch.randn(8, 16, 64))  # a batch after a read: joined again, with the new rows
+    rows = rec["0"]
+    assert rows.shape == (5 * 8 * 16, 256) and torch.equal(rows[: first.shape[0]], first)
+    storages = {p.untyped_storage().data_ptr() for p in rec.parts("0")}
+    assert storages == {rows.untyped_storage().data_ptr()}  # every batch is a view of the rows
+    assert rec.results()["0"] is rows
+
+
+def test_disk_capture_sizes_its_buffers_from_max_host_bytes(tmp_path):
+    from pyhook import _backend
+
+    net = nn.Sequential(nn.Linear(4, 4))
+    rec = capture(net, "0", out=tmp_path, max_host_bytes=64 << 20)
+    assert rec._writer_opts["shard_bytes"] == 16 << 20
+    assert rec._writer_opts["max_pending"] == 1
+    limit = _backend.pool_stats()["limit_bytes"]
+    with rec:
+        if _backend.native_available() and limit > 16 << 20:
+            assert _backend.pool_stats()["limit_bytes"] == 16 << 20  # the pool is sized down
+        net(torch.randn(3, 4))
+    assert _backend.pool_stats()["limit_bytes"] == limit  # and restored on close
+    assert _backend.pool_stats()["cached_bytes"] == 0  # idle buffers given back
+    explicit = capture(net, "0", out=tmp_path, shard_bytes=1 << 20, max_pending_shards=3)
+    assert explicit._writer_opts["shard_bytes"] == 1 << 20
+    assert explicit._writer_opts["max_pending"] == 3
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        capture(net, "0", out=tmp_path, max_host_bytes=0)
