@@ -85,6 +85,7 @@ def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
     import torch
 
     from pyhook.capture import capture
+    from pyhook.offload import trim_host_memory
 
     net = model()
     g = torch.Generator().manual_seed(1)
@@ -99,6 +100,7 @@ def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
             net(input_ids=ids[i % 4])
         fwd_time = (time.perf_counter() - t0) / fwd_batches
         fwd_peak = sampler.peak
+        trim_host_memory()  # "before" and "after" are both measured trimmed (close trims)
         before = sampler.reset()
         opts: dict = {}
         if config == "disk-1GiB":
@@ -118,11 +120,11 @@ def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
                 nbytes = sum(t.nbytes for t in res.values())
         cap_peak = sampler.peak
         if config == "host-results":
-            del rec
+            trim_host_memory()
             result["results_bytes"] = nbytes
             result["held_over_rows"] = (sampler.rss() - before) / nbytes
             result["results_call_extra"] = sampler.rss() - held_before
-            del res
+            del rec, res
         import gc
 
         gc.collect()
@@ -162,7 +164,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, batches, args.fwd_batches, out_dir)))
         return
-    print(f"# bench_memory: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    print(
+        f"# bench_memory: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}"
+    )
     print(
         f"# GPT-2-small shape ({BLOCKS} blocks x {WIDTH}), {BATCH}x{TOKENS} tokens a batch, "
         f"{BLOCKS * BATCH * TOKENS * WIDTH * 4 / MB:.1f} MB captured a batch"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -353,6 +354,8 @@ class Recorder:
         self.max_host_bytes = max_host_bytes
         self._pool_share = share
         self._saved_pool_limit: int | None = None
+        self._held = 0  # bytes of rows handed to the writer and not yet written
+        self._held_cv = threading.Condition()
         _check_json("meta", meta)
         _check_json("settings", settings)
         self._rank, self._world = self._dist_info(rank, world_size)
@@ -455,6 +458,7 @@ class Recorder:
         self._path = self._new_path(self)
         self._note = None
         self._notes = {}
+        self._held = 0
         if self.to == "disk":
             assert self.out is not None
             self._writer = ShardWriter(
@@ -698,7 +702,17 @@ class Recorder:
         tensors ``extra``, to the writer (disk) or the in-memory results."""
         if self.to == "disk":
             assert self._writer is not None
-            self._writer.add({**rows, **extra}, examples, wait=wait)
+            batch = {**rows, **extra}
+            nbytes = sum(t.nbytes for t in batch.values())
+            self._wait_for_room(nbytes)
+            with self._held_cv:
+                self._held += nbytes
+            try:
+                self._writer.add(batch, examples, wait=wait)
+            except BaseException:
+                with self._held_cv:
+                    self._held -= nbytes
+                raise
         else:
             for name, p in rows.items():
                 self._results[name].append(p)
@@ -712,9 +726,26 @@ class Recorder:
             self.rows[name] += int(p.shapes[0][0] if isinstance(p, PendingCopy) else p.shape[0])
             self.bytes += p.nbytes
 
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Back-pressure on host memory: a batch goes to the writer once the rows it still
+        holds leave room for it within max_host_bytes (or it holds none)."""
+        with self._held_cv:
+            if self._held == 0 or self._held + nbytes <= self.max_host_bytes:
+                return
+        assert self._writer is not None
+        self._writer.flush()  # what it buffers becomes a shard, so that it can be released
+        with self._held_cv:
+            while self._held > 0 and self._held + nbytes > self.max_host_bytes:
+                self._held_cv.wait(0.1)
+
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
+        # Called by the writer thread once a batch is on disk.
         if not self._compiled:  # compiled batches hold no pooled buffers
             self._offloader.release(list(batch.values()))
+        nbytes = sum(t.nbytes for t in batch.values())
+        with self._held_cv:
+            self._held -= nbytes
+            self._held_cv.notify_all()
 
     # -- results -----------------------------------------------------------------------------
     def parts(self, layer: str) -> list[torch.Tensor]:
