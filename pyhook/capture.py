@@ -886,8 +886,8 @@ def capture(
         >>> with capture(gpt, "h.*", out=out, mask="attention_mask") as rec:
         ...     _ = gpt(input_ids=ids, attention_mask=am)
         >>> r = pyhook.store.open_capture(out)
-        >>> r.layers, r["h.1"].shape  # 7 + 5 valid tokens
-        (['h.0', 'h.1'], torch.Size([12, 16]))
+        >>> r["h.0"].shape, r["h.1"].shape  # 7 + 5 valid tokens
+        (torch.Size([12, 16]), torch.Size([12, 16]))
 
     Arguments: ``layers`` are exact names, globs (``transformer.h.*``) or submodules;
     ``to``/``out`` choose the destination (``"device"``, ``"host"`` (default), ``"disk"``);

@@ -202,3 +202,29 @@ def test_annotate_refuses_bad_arguments(kwargs, match):
     with capture(emb, "0") as rec, pytest.raises((TypeError, ValueError), match=match):
         rec.annotate(**kwargs)
     assert all_hooks(emb) == 0
+
+
+def test_annotate_keep_on_a_compiled_model():
+    emb = nn.Sequential(nn.Embedding(20, 3), nn.Linear(3, 3))
+    compiled = torch.compile(emb, backend="eager")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    keep = torch.tensor([[False, True, True], [True, True, False]])
+    with torch.no_grad(), capture(compiled, ["0", "1"], stats=True) as rec:
+        for _ in range(2):
+            rec.annotate(ids, keep)
+            compiled(ids)
+    with torch.no_grad():
+        want = emb(ids)[keep]
+    assert torch.equal(rec["1"], torch.cat([want, want]))
+    assert rec.tokens.tolist() == [2, 3, 4, 5] * 2
+    assert rec.row_index.tolist() == [
+        [0, 1],
+        [0, 2],
+        [1, 0],
+        [1, 1],
+        [2, 1],
+        [2, 2],
+        [3, 0],
+        [3, 1],
+    ]
+    assert int(rec.stats("1")["count"]) == 8
