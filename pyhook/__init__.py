@@ -30,6 +30,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 
 from __future__ import annotations
 
+import importlib as _importlib
+
 from . import _startup  # noqa: F401  (first: Ctrl-C while the command imports torch)
 from ._backend import (
     empty_pool,
@@ -84,6 +86,10 @@ from .store import (
 )
 from .trace import CallRecord, Trace, TraceDict
 from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
+
+# The module pyhook.annotations (this name was bound to the __future__ feature above, which
+# would hide the submodule from `from pyhook import annotations`).
+annotations = _importlib.import_module(".annotations", __name__)
 
 __all__ = [
     "__version__",

@@ -29,23 +29,35 @@ Example::
 
 from __future__ import annotations
 
-import inspect
+import json
 import os
 import re
-import warnings
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from . import _backend
-from ._compiled import call_outside, unwrap_compiled
-from ._hooks import HookSet, check_not_compiled, compiled_path
-from ._tree import tensor_leaves
+from ._compiled import unwrap_compiled
+from ._hooks import HookSet, compiled_path
+from ._record import (
+    CaptureModifiedError,
+    MaskSpec,
+    Positions,
+    Reduction,
+    check_guard,
+    check_mask_name,
+    positions_repr,
+    row_annotations,
+)
+from ._record_compiled import CompiledPath
+from ._record_eager import EagerPath
 from ._version import __version__
 from .modules import LayerNotFoundError, resolve_module
-from .offload import Offloader, PendingCopy, check_byte_count
+from .offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
 from .points import all_points, module_path, resolve_targets
 from .store import ShardWriter, dtype_name, parse_dtype
 
@@ -58,32 +70,9 @@ __all__ = [
     "resolve_layers",
 ]
 
-Positions = Union[int, Literal["last"], slice, Sequence[int], None]  # noqa: UP007 (runtime alias on 3.10)
-MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]  # noqa: UP007
 Destination = Literal["device", "host", "disk"]
 
 _GLOB_CHARS = re.compile(r"[*?]")
-
-
-class CaptureModifiedError(RuntimeError):
-    """A tensor kept by reference (``copy=False``) was modified in place after it was captured.
-
-    Example::
-
-        >>> import torch
-        >>> from pyhook.capture import capture, CaptureModifiedError
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True))
-        >>> with capture(net, "0", copy=False) as rec:
-        ...     try:
-        ...         _ = net(torch.randn(3, 2))  # ReLU(inplace=True) overwrites layer 0's output
-        ...     except CaptureModifiedError as e:
-        ...         print(e.layer)
-        0
-    """
-
-    def __init__(self, layer: str, message: str) -> None:
-        super().__init__(message)
-        self.layer = layer
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
@@ -177,103 +166,63 @@ def resolve_layers(
     return sorted(found.items(), key=lambda kv: order.get(module_path(*kv), -1))
 
 
-def _check_mask_name(model: nn.Module, mask: str) -> bool:
-    """A misspelled mask name would silently keep every token: refuse names that the model's
-    forward cannot take. True when only a ``**kwargs`` could take it (checked per call)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    if mask in params:
-        return False
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return True
-    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    raise ValueError(
-        f"mask {mask!r} is not an argument of {type(model).__name__}.forward; its arguments "
-        f"are: {', '.join(names) or '(none)'}"
+# Joined host results from this size on give the freed batch buffers back to the system.
+_TRIM_BYTES = 16 << 20
+
+
+class _Note:
+    """What :meth:`Recorder.annotate` says about the next forward."""
+
+    __slots__ = ("examples", "keep", "texts", "token_ids")
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        examples: torch.Tensor | None,
+        texts: list[str] | None,
+    ) -> None:
+        self.token_ids = token_ids
+        self.keep = keep
+        self.examples = examples
+        self.texts = texts
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_positions_arg(positions: Any) -> None:
+    ok = (
+        positions is None
+        or positions == "last"
+        or _is_int(positions)
+        or isinstance(positions, slice)
+        or (isinstance(positions, (list, tuple)) and all(_is_int(p) for p in positions))
     )
-
-
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """Examples in a call: dim 0 of its first tensor argument (None if it has none)."""
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return int(v.shape[0]) if v.dim() else None
-    return None
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if type(output) is tuple and output and isinstance(output[0], torch.Tensor):
-        return output[0]  # the usual (hidden_states, ...) block output: skip the tree walk
-    leaves = tensor_leaves(output)
-    if not leaves:
-        raise TypeError(f"the layer output ({type(output).__name__}) holds no tensor")
-    return leaves[0]
-
-
-def _layer_rows(name: str, output: Any, select: Callable[[Any], Any] | None) -> torch.Tensor:
-    """The tensor capture stores for layer ``name`` (``select(output)``, or the output's first
-    tensor), checked: a dense tensor. Shared by the eager and the compiled layer hooks."""
-    if select is not None:
-        raw = select(output)
-        if not isinstance(raw, torch.Tensor):
-            raise TypeError(
-                f"layer {name!r}: select returned {type(raw).__name__}, expected a tensor"
-            )
-    else:
-        raw = _first_tensor(output)
-    if raw.layout != torch.strided:
-        raise TypeError(
-            f"layer {name!r}: its output is a {raw.layout} tensor; capture stores dense "
-            "rows (pass select=lambda out: out.to_dense(), or capture another layer)"
+    if not ok:
+        raise ValueError(
+            f"positions must be None, an int, 'last', a slice or a list of ints, got {positions!r}"
         )
-    return raw
+    if isinstance(positions, (list, tuple)) and not positions:
+        raise ValueError(
+            "positions is an empty list, which would keep no token of any example; pass None "
+            "for every token, 'last', an int, a slice or a non-empty list of ints"
+        )
 
 
-class _Batch:
-    """One forward's rows on a compiled model, linked to the batch before it (see _drain)."""
-
-    __slots__ = ("first", "mask", "prev", "rows")
-
-    def __init__(self, prev: _Batch | None, rows: dict[str, Any], first: Any, mask: Any) -> None:
-        self.prev = prev
-        self.rows = rows
-        self.first = first
-        self.mask = mask
-
-
-def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
-
-
-def _positional_index(model: nn.Module, mask: Any) -> int | None:
-    """Where a mask named ``mask`` sits among ``model.forward``'s positional parameters."""
-    if not isinstance(mask, str):
-        return None
+def _check_json(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of JSON values, got {type(value).__name__}")
     try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    for i, p in enumerate(params):
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return None
-        if p.name == mask:
-            return i
-    return None
-
-
-def _positions_repr(p: Positions) -> Any:
-    if isinstance(p, slice):
-        return {"slice": [p.start, p.stop, p.step]}
-    if isinstance(p, (list, tuple)):
-        return list(p)
-    return p
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be a dict of JSON values (str, numbers, bools, lists, dicts), "
+            f"it is stored in the capture's index: {e}"
+        ) from None
 
 
 class Recorder:
@@ -294,7 +243,10 @@ class Recorder:
     body raises. One batch = one call of ``model``: a pre-hook on ``model`` starts it (and reads
     the mask), the layer hooks reduce and start the copy of each output as soon as it exists,
     and a hook after ``model`` commits the batch. A forward that raises commits nothing; if a
-    layer runs several times in one forward, the last call is kept.
+    layer runs several times in one forward, the last call is kept. The work is done by one of
+    two paths, :class:`pyhook._record_eager.EagerPath` or, for compiled models,
+    :class:`pyhook._record_compiled.CompiledPath`; this class holds the settings, the
+    destination and the counters.
 
     A forward that raises while the loop goes on (the caller skips that batch) stores no rows,
     but its examples still count in :attr:`examples` (and :attr:`skipped`), and with
@@ -307,6 +259,13 @@ class Recorder:
     for ``to="disk"`` read the directory with :func:`pyhook.store.open_capture`. With ``to="disk"``
     an existing capture with the same settings is resumed: :attr:`examples_done` tells how many
     examples of the data are already stored (skip them).
+
+    Token bookkeeping and statistics (see docs/store-format.md): for token rows, the token id
+    and ``(example, position)`` of every row are kept next to the rows (:attr:`tokens`,
+    :attr:`row_index`; on disk the reserved tensors ``__token_ids__``/``__row_index__``), from
+    :meth:`annotate` or, without it, from an integer ``input_ids`` argument; ``stats=True``
+    (the default for disk captures) keeps per-layer count, mean, variance and mean row norm,
+    computed on the device while capturing (:meth:`stats`).
     """
 
     def __init__(
@@ -323,15 +282,19 @@ class Recorder:
         copy: bool = True,
         select: Callable[[Any], torch.Tensor] | None = None,
         overwrite: bool = False,
-        shard_bytes: int = 256 << 20,
-        max_pending_shards: int = 2,
-        max_inflight_bytes: int = 1 << 30,
+        shard_bytes: int | None = None,
+        max_pending_shards: int | None = None,
+        max_inflight_bytes: int | None = None,
+        max_host_bytes: int = 256 << 20,
         meta: dict[str, Any] | None = None,
         settings: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         fsync: bool = True,
+        stats: bool | None = None,
+        tokens: bool = True,
     ) -> None:
+        # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         model = unwrap_compiled(model)  # names resolve as in the eager model
@@ -339,39 +302,37 @@ class Recorder:
             to = "disk" if out is not None else "host"
         if to not in ("device", "host", "disk"):
             raise ValueError(f"to must be 'device', 'host' or 'disk', got {to!r}")
+        if out is not None and not isinstance(out, (str, os.PathLike)):
+            raise TypeError(
+                f"out must be a directory path (str or os.PathLike), got {type(out).__name__}: "
+                f"{out!r}"
+            )
         if to == "disk" and out is None:
             raise ValueError("to='disk' needs out=<directory>")
         if to != "disk" and out is not None:
             raise ValueError(f"out= is only used with to='disk' (got to={to!r})")
-        if not (
-            positions is None
-            or positions == "last"
-            or (isinstance(positions, int) and not isinstance(positions, bool))
-            or isinstance(positions, slice)
-            or (isinstance(positions, (list, tuple)) and all(isinstance(p, int) for p in positions))
-        ):
-            raise ValueError(
-                f"positions must be None, an int, 'last', a slice or a list of ints, got {positions!r}"
-            )
+        _check_positions_arg(positions)
         if mask is not None and not isinstance(mask, str) and not callable(mask):
             raise TypeError(
                 "mask must be the name of a forward argument (e.g. 'attention_mask') or a callable "
                 f"(args, kwargs) -> bool tensor [batch, tokens], got {type(mask).__name__}"
             )
         # a mask name only forward(**kwargs) could take: warned about once if a call lacks it
-        self._mask_unlisted = isinstance(mask, str) and _check_mask_name(model, mask)
-        if not isinstance(flatten, bool):
-            raise TypeError(f"flatten must be a bool, got {flatten!r}")
-        per_example = positions == "last" or (
-            isinstance(positions, int) and not isinstance(positions, bool)
-        )
+        self._mask_unlisted = isinstance(mask, str) and check_mask_name(model, mask)
+        for flag, value in (("flatten", flatten), ("copy", copy), ("overwrite", overwrite)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        for flag, value in (("fsync", fsync), ("tokens", tokens)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        if stats is not None and not isinstance(stats, bool):
+            raise TypeError(f"stats must be a bool or None, got {stats!r}")
+        per_example = positions == "last" or _is_int(positions)
         if mask is not None and not flatten and not per_example:
             raise ValueError(
                 "mask selects tokens, which needs flatten=True (rows = valid tokens) or positions "
                 "'last'/int (rows = examples)"
             )
-        if not isinstance(copy, bool):
-            raise TypeError(f"copy must be a bool, got {copy!r}")
         if not copy and to == "disk":
             raise ValueError(
                 "copy=False keeps references to the model's own output tensors, which the "
@@ -381,6 +342,29 @@ class Recorder:
             raise TypeError(
                 f"select must be callable (output -> tensor), got {type(select).__name__}"
             )
+        # Host memory: the capture's buffers (rows waiting for the disk, pooled copies, copies
+        # in flight) are sized from one budget, so that a disk capture of any size holds about
+        # max_host_bytes beyond the forward's own memory; each setting can be raised for speed.
+        check_byte_count("max_host_bytes", max_host_bytes, 4)
+        share = max_host_bytes // 4
+        if shard_bytes is None:
+            shard_bytes = share  # a batch larger than this is a shard of its own
+        if max_pending_shards is None:
+            max_pending_shards = 1
+        if max_inflight_bytes is None:
+            max_inflight_bytes = share
+        check_byte_count("shard_bytes", shard_bytes, 1)
+        if not _is_int(max_pending_shards) or max_pending_shards < 1:
+            raise ValueError(f"max_pending_shards must be an int >= 1, got {max_pending_shards!r}")
+        check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
+        self.max_host_bytes = max_host_bytes
+        self._pool_share = share
+        self._saved_pool_limit: int | None = None
+        self._held = 0  # bytes of rows handed to the writer and not yet written
+        self._held_cv = threading.Condition()
+        _check_json("meta", meta)
+        _check_json("settings", settings)
+        self._rank, self._world = self._dist_info(rank, world_size)
         self.model = model
         self.to = to
         self.out = os.fspath(out) if out is not None else None
@@ -391,6 +375,9 @@ class Recorder:
         self.copy = copy
         self.select = select
         self.overwrite = overwrite
+        self._reduction = Reduction(positions, flatten, self.dtype)
+        self._stats = (to == "disk") if stats is None else stats
+        self._tokens = tokens
         self._writer_opts: dict[str, Any] = {
             "shard_bytes": shard_bytes,
             "max_pending": max_pending_shards,
@@ -399,19 +386,14 @@ class Recorder:
         self._modules = resolve_layers(model, layers)  # raises before anything is registered
         self.layers = [n for n, _ in self._modules]
         # A compiled model (or one with compiled layers): hooks go through dispatchers, and the
-        # batches are built in code dynamo traces, then finished lazily (see _drain).
+        # batches are built in code dynamo traces, then finished lazily.
         self._compiled = any(
             compiled_path(model, module_path(n, m)) is not None for n, m in self._modules
         )
-        self._chead: _Batch = _Batch(None, {}, None, None)
-        self._cbatch: dict[str, Any] = {}
-        self._cfirst: torch.Tensor | None = None
-        self._cmask: torch.Tensor | None = None
-        self._mask_pos = _positional_index(model, mask) if self._compiled else None
         self.meta = {"model": type(model).__name__, **(meta or {})}
         self.settings = {
             "layers": self.layers,
-            "positions": _positions_repr(positions),
+            "positions": positions_repr(positions),
             "mask": mask
             if isinstance(mask, str) or mask is None
             else getattr(mask, "__name__", "callable"),
@@ -419,39 +401,49 @@ class Recorder:
             "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
             **(settings or {}),
         }
-        self._rank, self._world = self._dist_info(rank, world_size)
-        check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self._max_inflight_bytes = max_inflight_bytes
         # Made on first use: host captures of CPU tensors never need the engine.
         self._offloader_: Offloader | None = None
         self._hooks = HookSet()
         self._writer: ShardWriter | None = None
         self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
-        self._pending: dict[str, Any] = {}
-        # copy=False: (tensor, version) of each kept reference, checked at commit and on read
+        # copy=False: (tensor, version) of each kept reference, checked on read
         self._guards: dict[str, list[Any]] = {n: [] for n in self.layers}
-        self._pending_guard: dict[str, tuple[torch.Tensor, int]] = {}
-        self._batch_mask: torch.Tensor | None = None
-        self._batch_examples: int | None = None
-        self._sig: inspect.Signature | None = None
+        self._extra: dict[str, list[torch.Tensor]] = {}  # reserved tensors of host captures
+        self._joined: dict[str, tuple[torch.Tensor, int]] = {}  # rec[layer] and its batches
+        self._note: _Note | None = None
+        self._notes: dict[int, _Note] = {}  # compiled path: notes by batch number
+        self._path: EagerPath | CompiledPath = self._new_path(weakref.proxy(self))
         self.examples = 0
         self.skipped = 0
-        self._in_forward = False  # a forward began and has not committed (yet, or it raised)
         self.examples_done = 0
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
         self.bytes = 0
         self.batches = 0
 
+    def _new_path(self, rec: Any) -> EagerPath | CompiledPath:
+        return CompiledPath(rec) if self._compiled else EagerPath(rec)
+
     @property
     def _offloader(self) -> Offloader:
         if self._offloader_ is None:
-            self._offloader_ = Offloader(max_inflight_bytes=self._max_inflight_bytes)
+            self._offloader_ = Offloader(
+                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_share
+            )
         return self._offloader_
 
     @staticmethod
     def _dist_info(rank: int | None, world: int | None) -> tuple[int, int]:
         if rank is not None or world is not None:
-            return int(rank or 0), int(world or 1)
+            if world is None:
+                world = 1
+            if not _is_int(world) or world < 1:
+                raise ValueError(f"world_size must be an int >= 1 (processes), got {world!r}")
+            if rank is None:
+                rank = 0
+            if not _is_int(rank) or not 0 <= rank < world:
+                raise ValueError(f"rank must be an int in [0, world_size={world}), got {rank!r}")
+            return rank, world
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
@@ -469,7 +461,12 @@ class Recorder:
     def __enter__(self) -> Recorder:
         if self._hooks.active:
             raise RuntimeError("this Recorder is already active")
-        self._in_forward = False
+        # The path holds this Recorder strongly while its hooks are registered (the model keeps
+        # them), weakly otherwise: no reference cycle keeps captured rows alive.
+        self._path = self._new_path(self)
+        self._note = None
+        self._notes = {}
+        self._held = 0
         if self.to == "disk":
             assert self.out is not None
             self._writer = ShardWriter(
@@ -483,46 +480,57 @@ class Recorder:
                 **self._writer_opts,
             )
             self.examples_done = self._writer.examples_done
+            self._limit_pool()
         try:
             with self._hooks.registering():
-                if self._compiled:
-                    for name, module in self._modules:
-                        check_not_compiled(self.model, module_path(name, module), who="capture")
-                    self._chead = _Batch(None, {}, None, None)
-                    self._hooks.forward_pre(
-                        self.model, self._begin_compiled, with_kwargs=True, prepend=True
-                    )
-                    for name, module in self._modules:
-                        self._hooks.forward(module, self._make_compiled_hook(name))
-                    self._hooks.forward(self.model, self._commit_compiled)
-                else:
-                    self._hooks.forward_pre(self.model, self._begin, with_kwargs=True, prepend=True)
-                    for name, module in self._modules:
-                        self._hooks.forward(module, self._make_hook(name))
-                    self._hooks.forward(self.model, self._commit)
+                self._path.install(self._hooks)
         except BaseException:
             if self._writer is not None:
                 self._writer.abort()
                 self._writer = None
+            self._give_back_memory()
             raise
         return self
 
+    def _limit_pool(self) -> None:
+        """During a disk capture, the native pool keeps at most a share of max_host_bytes idle:
+        buffers the writer gives back are reused by the next batches, not hoarded."""
+        limit = _backend.pool_stats()["limit_bytes"]
+        if _backend.native_available() and limit > self._pool_share:
+            self._saved_pool_limit = limit
+            _backend.set_pool_limit(self._pool_share)
+
+    def _give_back_memory(self) -> None:
+        """After a disk capture: the pools' idle buffers and glibc's free pages go back to the
+        operating system (the process returns to about its RSS before the capture)."""
+        if self._saved_pool_limit is not None:
+            if _backend.pool_stats()["limit_bytes"] == self._pool_share:  # nobody changed it
+                _backend.set_pool_limit(self._saved_pool_limit)
+            self._saved_pool_limit = None
+        if self._offloader_ is not None:
+            self._offloader_.empty_pool()
+        trim_host_memory()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
-        self._discard_pending()
-        if self._compiled:
-            try:
-                self._drain()
-            except BaseException:
-                if self._writer is not None:
-                    writer, self._writer = self._writer, None
-                    writer.abort()
-                raise
-        if self._in_forward:
-            self._in_forward = False
-            if exc_type is None:
-                # The last forward raised and the loop went on: its examples were consumed.
-                self._skip(self._batch_examples or 0)
+        try:
+            self._finish(exc_type, exc, tb)
+        finally:
+            self._path.rec = weakref.proxy(self)
+            if self.to == "disk":
+                self._give_back_memory()
+
+    def _finish(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if isinstance(self._path, CompiledPath):
+                self._path.finish()
+            else:
+                self._path.finish(exc_type)
+        except BaseException:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.abort()
+            raise
         if self._writer is not None:
             writer, self._writer = self._writer, None
             if exc_type is None:
@@ -537,23 +545,6 @@ class Recorder:
     def close(self) -> None:
         """Same as leaving the ``with`` block without error."""
         self.__exit__(None, None, None)
-
-    # -- hooks -------------------------------------------------------------------------------
-    def _discard_pending(self) -> None:
-        for p in self._pending.values():
-            if isinstance(p, PendingCopy) and self.to == "disk":
-                self._offloader.release(p.wait())
-        # Cleared in place: the layer hooks hold these dicts.
-        self._pending.clear()
-        self._pending_guard.clear()
-
-    def _skip(self, examples: int) -> None:
-        """Count the examples of a forward that raised and was skipped by the caller's loop:
-        they were consumed from the data, so they move the resume point (examples_done) too."""
-        self.skipped += examples
-        self.examples += examples
-        if self._writer is not None and examples:
-            self._writer.add({}, examples, skipped=True)
 
     def retry(self) -> None:
         """The forward that just raised will be run again (e.g. in halves after running out of
@@ -573,316 +564,196 @@ class Recorder:
             >>> rec.examples, rec.skipped
             (4, 0)
         """
-        self._in_forward = False
+        if isinstance(self._path, EagerPath):
+            self._path.retry()
 
-    def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._discard_pending()  # leftovers of a forward that raised
-        if self._in_forward:  # the previous forward raised, and the caller went on
-            self._skip(self._batch_examples or 0)
-        self._batch_mask = None
-        # Examples come from the inputs: the first captured layer may broadcast over the batch
-        # (a position embedding's [1, tokens, hidden]); a layer's dim 0 is the fallback.
-        self._batch_examples = _batch_size(args, kwargs)
-        self._in_forward = True
-        if self.mask is None:
-            return
-        if callable(self.mask):
-            m = self.mask(args, kwargs)
-        else:
-            m = kwargs.get(self.mask)
-            if m is None and args:
-                if self._sig is None:
-                    self._sig = inspect.signature(self.model.forward)
-                try:
-                    m = self._sig.bind_partial(*args, **kwargs).arguments.get(self.mask)
-                except TypeError:
-                    m = None
-        if m is None and self._mask_unlisted:
-            self._mask_unlisted = False  # warn once: maybe a misspelling
-            warnings.warn(
-                f"mask {self.mask!r} was not among the arguments of this call of "
-                f"{type(self.model).__name__} ({', '.join(kwargs) or 'positional only'}); "
-                "its tokens are not masked",
-                stacklevel=2,
+    def annotate(
+        self,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        examples: torch.Tensor | None = None,
+        texts: Sequence[str] | None = None,
+    ) -> None:
+        """Describe the next forward's batch: its token ids ``[batch, tokens]``, which tokens
+        to store (``keep``, bool ``[batch, tokens]``: e.g. no BOS, EOS or padding rows), the
+        example (or context) index of each batch row (default: counted by the recorder) and
+        the examples' texts. Call it right before each forward.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.capture import capture
+            >>> emb = torch.nn.Sequential(torch.nn.Embedding(10, 3))
+            >>> ids = torch.tensor([[1, 2, 3], [4, 5, 0]])
+            >>> keep = torch.tensor([[False, True, True], [True, True, False]])  # no BOS, no pad
+            >>> with capture(emb, "0") as rec:
+            ...     rec.annotate(ids, keep, texts=["a b", "c d"])
+            ...     _ = emb(ids)
+            >>> rec["0"].shape[0], rec.tokens.tolist(), rec.row_index.tolist()
+            (4, [2, 3, 4, 5], [[0, 1], [0, 2], [1, 0], [1, 1]])
+        """
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 2:
+            raise TypeError(
+                "annotate: token_ids must be an integer tensor [batch, tokens], got "
+                f"{getattr(token_ids, 'shape', type(token_ids).__name__)!r}"
             )
-        if m is not None:
-            if not isinstance(m, torch.Tensor) or m.dim() != 2:
+        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+            raise TypeError(f"annotate: token_ids must hold integers, got {token_ids.dtype}")
+        b, n = token_ids.shape
+        if keep is not None:
+            if not isinstance(keep, torch.Tensor) or tuple(keep.shape) != (b, n):
                 raise ValueError(
-                    f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}"
+                    f"annotate: keep must be a bool tensor of token_ids' shape {(b, n)}, got "
+                    f"{getattr(keep, 'shape', type(keep).__name__)!r}"
                 )
-            self._batch_mask = m.detach().bool()
-            self._batch_examples = int(m.shape[0])
+            keep = keep.detach().bool()
+        if examples is not None:
+            examples = torch.as_tensor(examples)
+            if examples.shape != (b,) or examples.is_floating_point():
+                raise ValueError(
+                    f"annotate: examples must be {b} integer indices (one per batch row), got "
+                    f"{tuple(examples.shape)} {examples.dtype}"
+                )
+            examples = examples.to("cpu", torch.long)
+        if texts is not None:
+            texts = list(texts)
+            if len(texts) != b or not all(isinstance(s, str) for s in texts):
+                raise ValueError(f"annotate: texts must be {b} strings (one per batch row)")
+        note = _Note(token_ids.detach(), keep, examples, texts)
+        if isinstance(self._path, CompiledPath):
+            self._path.drain()  # batches before this one are finished: the next one is numbered
+            self._notes[self._path.drained] = note
+        else:
+            self._note = note
 
-    def _reduce(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t, mask = self._select_positions(name, t.detach(), self._batch_mask)
-        if t.dim() >= 3 and self.flatten:
-            t = t[mask] if mask is not None else t.reshape(-1, *t.shape[2:])
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t
+    def _take_note(self, number: int | None = None) -> _Note | None:
+        if number is not None:
+            return self._notes.pop(number, None)
+        note, self._note = self._note, None
+        return note
 
-    def _select_positions(
-        self, name: str, t: torch.Tensor, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows of ``positions`` (eager and compiled captures alike): ``t`` reduced to them
-        and the mask of the tokens kept (None once positions picked one token per example)."""
-        has_tokens = t.dim() >= 3
-        if has_tokens and mask is not None and tuple(t.shape[:2]) != tuple(mask.shape):
-            raise ValueError(
-                f"layer {name!r}: output shape {tuple(t.shape)} does not start with the mask's "
-                f"[batch, tokens] {tuple(mask.shape)}"
+    # -- what the paths hand over ---------------------------------------------------------
+    def _skip(self, examples: int) -> None:
+        """Count the examples of a forward that raised and was skipped by the caller's loop:
+        they were consumed from the data, so they move the resume point (examples_done) too."""
+        self.skipped += examples
+        self.examples += examples
+        if self._writer is not None and examples:
+            self._writer.add({}, examples, skipped=True)
+
+    def _annotations(
+        self,
+        note: _Note | None,
+        token_ids: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        examples: int,
+        grids: dict[str, Any],
+        counts: dict[str, int],
+    ) -> dict[str, torch.Tensor]:
+        """The reserved tensors of one batch (host, int64/uint8): ``__token_ids__`` and
+        ``__row_index__`` when every layer gives token rows of one layout, the texts."""
+        extra: dict[str, torch.Tensor] = {}
+        if note is not None and note.texts is not None:
+            enc = [s.encode("utf-8") for s in note.texts]
+            extra["__text_lengths__"] = torch.tensor([len(e) for e in enc], dtype=torch.long)
+            blob = b"".join(enc)
+            extra["__text_bytes__"] = (
+                torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                if blob
+                else torch.empty(0, dtype=torch.uint8)
             )
-        if mask is not None and mask.device != t.device:
-            mask = mask.to(t.device, non_blocking=True)
-        p = self.positions
-        if has_tokens and p is not None:
-            if p == "last":
-                if mask is not None:
-                    # Last valid token, for left or right padding alike.
-                    steps = torch.arange(1, mask.shape[1] + 1, device=t.device)
-                    idx = (mask * steps).argmax(dim=1)
-                    t = t[torch.arange(t.shape[0], device=t.device), idx]
-                else:
-                    t = t[:, -1]
-                mask = None
-            elif isinstance(p, int):
-                self._check_positions(name, t, [p])
-                t = t[:, p]
-                mask = None
-            else:
-                if not isinstance(p, slice):
-                    self._check_positions(name, t, p)
-                sel = p if isinstance(p, slice) else torch.tensor(list(p), device=t.device)
-                t = t[:, sel]
-                if mask is not None:
-                    mask = mask[:, sel]
-        return t, mask
+        if (token_ids is None and note is None) or not grids:
+            return extra
+        shapes = set(grids.values())
+        if len(shapes) != 1 or None in shapes:
+            return extra  # rows of different layouts: no single row annotation describes them
+        (shape,) = shapes
+        if token_ids is not None and tuple(token_ids.shape) != shape:
+            token_ids = None
+        if mask is not None and tuple(mask.shape) != shape:
+            return extra
+        if note is not None and note.examples is not None:
+            index = note.examples
+        else:
+            start = self.examples_done + self.examples
+            index = torch.arange(start, start + shape[0], dtype=torch.long)
+        ids, rows = row_annotations(self._reduction, token_ids, mask, index)
+        if any(c != rows.shape[0] for c in counts.values()):
+            return extra
+        if ids is not None:
+            extra["__token_ids__"] = ids
+        extra["__row_index__"] = rows
+        return extra
 
-    def _check_positions(self, name: str, t: torch.Tensor, positions: Sequence[int]) -> None:
-        tokens = int(t.shape[1])
-        bad = [q for q in positions if not -tokens <= q < tokens]
-        if bad:
-            raise ValueError(
-                f"layer {name!r}: positions={self.positions!r} reaches token {bad[0]}, but this "
-                f"batch has {tokens} tokens (output shape {tuple(t.shape)})"
-            )
+    def _stats_to_host(
+        self, stats: dict[str, torch.Tensor], *, wait: bool = False
+    ) -> dict[str, Any]:
+        """Per-batch statistics rows moved off the device (tiny; asynchronous on CUDA)."""
+        if self.to == "device" or all(s.is_cpu for s in stats.values()):
+            return stats
+        out: dict[str, Any] = {}
+        for name, s in stats.items():
+            p = self._offloader.submit([s], copy=False, pooled=False)
+            out[name] = p.wait()[0] if wait else p
+        return out
 
-    def _make_hook(self, name: str) -> Callable[..., None]:
-        # Everything that does not change between calls is read once here: the hook runs once
-        # per layer per forward, and at a few microseconds of Python it is most of the cost of
-        # capturing a small activation.
-        select = self.select
-        reduces = not (
-            self.positions is None and self.mask is None and self.dtype is None and not self.flatten
-        )
-        by_reference = not self.copy
-        to = self.to
-        pending = self._pending  # never rebound: cleared in place
-        pending_guard = self._pending_guard
-        clone_one = _backend.clone_one
-        kept_min = _backend.KEPT_MIN_BYTES
-
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            raw = _layer_rows(name, output, select)
-            if self._batch_examples is None:
-                self._batch_examples = int(raw.shape[0]) if raw.dim() else 1
-            if reduces:
-                # _reduce starts from a detached tensor, so nothing in it is recorded by autograd.
-                t = self._reduce(name, raw)
-                # Copy only when t may alias memory the model owns (an un-reduced output or a
-                # view), unless copy=False: then keep the reference, check its version later.
-                needs_copy = t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-            else:
-                t = raw.detach()
-                needs_copy = True
-            if t.dim() == 0:
-                t = t.reshape(1)  # a scalar output (a loss, a score): one row per forward
-            if by_reference:
-                if needs_copy and not t.is_inference():
-                    needs_copy = False
-                    pending_guard[name] = (t, t._version)
-                else:
-                    pending_guard.pop(name, None)
-            if to == "disk":
-                old = pending.pop(name, None)
-                if old is not None:  # the layer ran twice in this forward: the last call is kept
-                    self._offloader.release(old.wait())
-                pending[name] = self._offloader.submit([t], copy=needs_copy, pooled=True)
-            elif to == "device" or t.is_cpu:
-                # Host memory already (or staying on the device): a synchronous copy, nothing
-                # to overlap and no engine to go through.
-                # Every batch's copy is kept, so malloc would hand out fresh (faulting)
-                # pages: the native pool recycles mapped buffers from a smaller size on.
-                pending[name] = clone_one(t, kept_min) if needs_copy else t
-            else:
-                pending[name] = self._offloader.submit([t], copy=needs_copy, pooled=False)
-
-        return hook
-
-    def _commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        self._in_forward = False
-        guards = dict(self._pending_guard)
-        self._pending_guard.clear()
-        for name, guard in guards.items():
-            self._check(name, guard, "before the forward returned")
-        pending = dict(self._pending)
-        self._pending.clear()
-        examples = self._batch_examples or 0
-        rows = self.rows
+    def _add(
+        self,
+        rows: dict[str, Any],
+        examples: int,
+        extra: dict[str, torch.Tensor],
+        *,
+        wait: Callable[[], Any] | None = None,
+        guards: dict[str, tuple[torch.Tensor, int]] | None = None,
+    ) -> None:
+        """One finished batch: ``rows`` (layer -> tensor or PendingCopy) and the reserved
+        tensors ``extra``, to the writer (disk) or the in-memory results."""
         if self.to == "disk":
             assert self._writer is not None
-            batch = {name: p._host[0] for name, p in pending.items()}  # shapes only until waited
-            waits = list(pending.values())
+            batch = {**rows, **extra}
+            nbytes = sum(t.nbytes for t in batch.values())
+            self._wait_for_room(nbytes)
+            with self._held_cv:
+                self._held += nbytes
             try:
-                self._writer.add(batch, examples, wait=lambda: [p.wait() for p in waits])
+                self._writer.add(batch, examples, wait=wait)
             except BaseException:
-                for p in waits:  # refused (e.g. a shape change): nothing of it is counted
-                    self._offloader.release(p.wait())
+                with self._held_cv:
+                    self._held -= nbytes
                 raise
-            self.batches += 1
-            self.examples += examples
-            for name, t in batch.items():
-                rows[name] += int(t.shape[0])
-                self.bytes += t.nbytes
-            return
+        else:
+            for name, p in rows.items():
+                self._results[name].append(p)
+            for name, guard in (guards or {}).items():
+                self._guards[name].append(guard)
+            for name, t in extra.items():
+                self._extra.setdefault(name, []).append(t)
         self.batches += 1
         self.examples += examples
-        results, kept = self._results, self._guards
-        for name, guard in guards.items():
-            kept[name].append(guard)
-        for name, p in pending.items():
-            results[name].append(p)
-            rows[name] += int(p.shapes[0][0] if isinstance(p, PendingCopy) else p.shape[0])
+        for name, p in rows.items():
+            self.rows[name] += int(p.shapes[0][0] if isinstance(p, PendingCopy) else p.shape[0])
             self.bytes += p.nbytes
 
-    @staticmethod
-    def _check(name: str, guard: tuple[torch.Tensor, int] | None, when: str) -> None:
-        if guard is not None and guard[0]._version != guard[1]:
-            raise CaptureModifiedError(
-                name,
-                f"layer {name!r}: its output was modified in place {when}, after it was captured "
-                "with copy=False (kept by reference), so the captured values are gone; capture "
-                "with copy=True (the default) for this model",
-            )
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Back-pressure on host memory: a batch goes to the writer once the rows it still
+        holds leave room for it within max_host_bytes (or it holds none)."""
+        with self._held_cv:
+            if self._held == 0 or self._held + nbytes <= self.max_host_bytes:
+                return
+        assert self._writer is not None
+        self._writer.flush()  # what it buffers becomes a shard, so that it can be released
+        with self._held_cv:
+            while self._held > 0 and self._held + nbytes > self.max_host_bytes:
+                self._held_cv.wait(0.1)
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
+        # Called by the writer thread once a batch is on disk.
         if not self._compiled:  # compiled batches hold no pooled buffers
             self._offloader.release(list(batch.values()))
-
-    # -- compiled models ------------------------------------------------------------------------
-    # The hooks below run inside code compiled by torch.compile, so they only use what dynamo
-    # traces without a graph break or a recompilation per batch: tensor ops, attributes set on
-    # the Recorder, a dict made in the same forward, and a new _Batch linked in front of the
-    # previous one (a list that grows would be guarded on its length). Everything data-dependent
-    # (masked rows, host copies of device tensors, counters) is finished by _drain, in eager
-    # Python, when results are read or the block exits.
-    def _begin_compiled(
-        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        self._cbatch = {}
-        self._cmask = None
-        self._cfirst = _first_input(args, kwargs)
-        mask = self.mask
-        if mask is None:
-            return
-        if callable(mask):
-            m = mask(args, kwargs)
-        else:
-            m = kwargs.get(mask)
-            pos = self._mask_pos
-            if m is None and pos is not None and len(args) > pos:
-                m = args[pos]
-        if m is not None:
-            if not isinstance(m, torch.Tensor) or m.dim() != 2:
-                raise ValueError(
-                    f"mask {self.mask!r} must be a tensor [batch, tokens], got {getattr(m, 'shape', m)!r}"
-                )
-            self._cmask = m.detach().bool()
-
-    def _make_compiled_hook(self, name: str) -> Callable[..., None]:
-        select = self.select
-        reduces = not (
-            self.positions is None and self.mask is None and self.dtype is None and not self.flatten
-        )
-
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            raw = _layer_rows(name, output, select)
-            t, mask = self._reduce_compiled(name, raw.detach()) if reduces else (raw.detach(), None)
-            if t.dim() == 0:
-                t = t.reshape(1)
-            # Always a copy: in a graph the compiler removes it when nothing else could change
-            # the values (and copy=False's by-reference rows have no meaning there).
-            self._cbatch[name] = (t.clone(), mask)
-
-        return hook
-
-    def _reduce_compiled(
-        self, name: str, t: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_reduce` without the data-dependent step: rows selected by a mask are left
-        for :meth:`_drain` (the returned mask), so the graph keeps static shapes."""
-        t, mask = self._select_positions(name, t, self._cmask)
-        if t.dim() >= 3 and self.flatten:
-            if mask is None:
-                t = t.reshape(-1, *t.shape[2:])
-        else:
-            mask = None
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t, mask
-
-    def _commit_compiled(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        batch = self._cbatch
-        self._chead = _Batch(self._chead, batch, self._cfirst, self._cmask)
-        self._cbatch = {}
-        if self.to == "disk" or any(t.is_cuda for t, _ in batch.values()):
-            # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
-            # in a CUDA graph's memory pool that the next replay overwrites: one graph break,
-            # at the end of the forward, finishes the batch at once (see docs/compile.md).
-            call_outside(self._drain)
-
-    def _drain(self) -> None:
-        """Finish the batches compiled code linked since the last drain (eager, in order)."""
-        node, batches = self._chead, []
-        while node.prev is not None:
-            batches.append(node)
-            node = node.prev
-        self._chead = node
-        for b in reversed(batches):
-            examples = None
-            if b.mask is not None:
-                examples = int(b.mask.shape[0])
-            elif b.first is not None and b.first.dim():
-                examples = int(b.first.shape[0])
-            elif self.mask is not None and self._mask_unlisted:
-                self._mask_unlisted = False
-                warnings.warn(
-                    f"mask {self.mask!r} was not among the arguments of a call of "
-                    f"{type(self.model).__name__}; its tokens are not masked",
-                    stacklevel=2,
-                )
-            rows_of: dict[str, torch.Tensor] = {}
-            for name, (t, mask) in b.rows.items():
-                if mask is not None:
-                    t = t[mask.to(t.device)]
-                if self.to != "device" and not t.is_cpu:
-                    t = t.to("cpu")
-                elif t.is_cuda:
-                    t = t.clone()  # out of a CUDA graph's pool, before the next replay
-                if examples is None:
-                    examples = int(t.shape[0])
-                rows_of[name] = t
-            if self.to == "disk":
-                assert self._writer is not None
-                self._writer.add(rows_of, examples or 0)
-            else:
-                for name, t in rows_of.items():
-                    self._results[name].append(t)
-            self.batches += 1
-            self.examples += examples or 0
-            for name, t in rows_of.items():
-                self.rows[name] += int(t.shape[0])
-                self.bytes += t.nbytes
+        nbytes = sum(t.nbytes for t in batch.values())
+        with self._held_cv:
+            self._held -= nbytes
+            self._held_cv.notify_all()
 
     # -- results -----------------------------------------------------------------------------
     def parts(self, layer: str) -> list[torch.Tensor]:
@@ -893,16 +764,19 @@ class Recorder:
             )
         if layer not in self._results:
             raise KeyError(f"layer {layer!r} was not captured; captured layers: {self.layers}")
-        if self._compiled:
-            self._drain()
+        if isinstance(self._path, CompiledPath):
+            self._path.drain()
         out = [p.wait()[0] if isinstance(p, PendingCopy) else p for p in self._results[layer]]
         # Checked after the waits: an unchanged version once a copy has finished means no
         # in-place update was issued before the copy read the values.
         for guard in self._guards[layer]:
-            self._check(layer, guard, "after the forward")
+            check_guard(layer, guard, "after the forward")
         return out
 
     def __getitem__(self, layer: str) -> torch.Tensor:
+        joined = self._joined.get(layer)
+        if joined is not None and joined[1] == len(self._results.get(layer, ())):
+            return joined[0]
         parts = self.parts(layer)
         if not parts:
             raise KeyError(
@@ -911,16 +785,83 @@ class Recorder:
         if len(parts) == 1:
             return parts[0]
         try:
-            return torch.cat(parts)
+            out = torch.cat(parts)
         except RuntimeError as e:
             raise ValueError(
                 f"rows of layer {layer!r} differ in shape between batches ({[tuple(p.shape) for p in parts[:4]]}...); "
                 "use rec.parts(layer), or flatten=True / a fixed sequence length"
             ) from e
+        if self.copy:
+            # The rows are held once: the batches become views of the joined rows, and their
+            # own buffers are freed (copy=False's are the model's tensors: left alone).
+            views, at = [], 0
+            for p in parts:
+                views.append(out[at : at + p.shape[0]])
+                at += p.shape[0]
+            self._results[layer] = views
+            self._joined[layer] = (out, len(views))
+            del parts, views
+            if out.is_cpu and out.nbytes >= _TRIM_BYTES:
+                trim_host_memory()
+        return out
 
     def results(self) -> dict[str, torch.Tensor]:
         """``{layer: rows}`` for every captured layer."""
         return {n: self[n] for n in self.layers if self._results[n]}
+
+    def _extra_rows(self, name: str) -> torch.Tensor | None:
+        if self.to == "disk":
+            raise RuntimeError(
+                f"to='disk' keeps nothing in memory; read {self.out!r} with "
+                "pyhook.store.open_capture and pyhook.annotations"
+            )
+        if isinstance(self._path, CompiledPath):
+            self._path.drain()
+        parts = self._extra.get(name)
+        if not parts or len(parts) != self.batches:
+            return None  # some batch had none: rows would not line up
+        return torch.cat([p.to("cpu") for p in parts])
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """Token id of every row (int64 ``[rows]``, aligned with each layer's rows), or None
+        when the batches had no token ids (see :meth:`annotate`). Host and device captures."""
+        return self._extra_rows("__token_ids__")
+
+    @property
+    def row_index(self) -> torch.Tensor | None:
+        """``(example, position)`` of every row (int64 ``[rows, 2]``), or None when absent."""
+        return self._extra_rows("__row_index__")
+
+    def stats(self, layer: str) -> dict[str, torch.Tensor]:
+        """Statistics of ``layer``'s rows, computed while capturing (``stats=True``):
+        ``count``, per-dimension ``mean`` and ``var`` (population variance), ``norm_mean``
+        (mean L2 norm of the rows), float64 tensors.
+
+        Example::
+
+            >>> import torch
+            >>> from pyhook.capture import capture
+            >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+            >>> with capture(net, "0", stats=True) as rec:
+            ...     for _ in range(3):
+            ...         _ = net(torch.randn(5, 4))
+            >>> s = rec.stats("0"); var, mean = torch.var_mean(rec["0"].double(), 0, correction=0)
+            >>> int(s["count"]), torch.allclose(s["mean"], mean), torch.allclose(s["var"], var)
+            (15, True, True)
+        """
+        from .annotations import merge_stats
+
+        if layer not in self._results:
+            raise KeyError(f"layer {layer!r} was not captured; captured layers: {self.layers}")
+        if not self._stats:
+            raise LookupError(
+                f"no statistics for layer {layer!r}: capture with stats=True to compute them"
+            )
+        rows = self._extra_rows(f"__stats__.{layer}")
+        if rows is None:
+            raise LookupError(f"no statistics for layer {layer!r} yet (no forward ran)")
+        return merge_stats(rows)
 
     def __repr__(self) -> str:
         state = "recording" if self._hooks.active else "idle"
@@ -953,8 +894,8 @@ def capture(
         >>> with capture(gpt, "h.*", out=out, mask="attention_mask") as rec:
         ...     _ = gpt(input_ids=ids, attention_mask=am)
         >>> r = pyhook.store.open_capture(out)
-        >>> r.layers, r["h.1"].shape  # 7 + 5 valid tokens
-        (['h.0', 'h.1'], torch.Size([12, 16]))
+        >>> r["h.0"].shape, r["h.1"].shape  # 7 + 5 valid tokens
+        (torch.Size([12, 16]), torch.Size([12, 16]))
 
     Arguments: ``layers`` are exact names, globs (``transformer.h.*``) or submodules;
     ``to``/``out`` choose the destination (``"device"``, ``"host"`` (default), ``"disk"``);
@@ -963,8 +904,12 @@ def capture(
     callable ``(args, kwargs) -> mask``) selecting the valid tokens; ``flatten`` makes tokens the
     rows; ``dtype`` casts on the device before the copy. Further options of :class:`Recorder`:
     ``select`` (output -> tensor; default the first tensor of the output), ``overwrite``,
-    ``shard_bytes``, ``max_pending_shards``, ``max_inflight_bytes``, ``meta``, ``settings``,
-    ``rank``/``world_size`` (default: from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``).
+    ``meta``, ``settings``, ``rank``/``world_size`` (default: from ``torch.distributed`` or
+    ``RANK``/``WORLD_SIZE``); ``stats`` (per-layer statistics while capturing, default on for
+    disk captures), ``tokens`` (keep token ids/row index from ``input_ids``, default on);
+    host memory: ``max_host_bytes`` (default 256 MiB) sizes ``shard_bytes`` (default a quarter
+    of it), ``max_pending_shards`` (1), ``max_inflight_bytes`` (a quarter) and the buffer
+    pools; raise it (e.g. ``1 << 30``) for speed when memory is plentiful.
     """
     return Recorder(
         model,

@@ -46,7 +46,7 @@ import torch
 
 from . import _backend
 
-__all__ = ["Offloader", "PendingCopy", "PinnedPool", "ReferenceOffloader"]
+__all__ = ["Offloader", "PendingCopy", "PinnedPool", "ReferenceOffloader", "trim_host_memory"]
 
 _STATS_KEYS = (
     "inflight_bytes",
@@ -67,6 +67,43 @@ def _bucket(nbytes: int) -> int:
     while size < nbytes:
         size <<= 1
     return size
+
+
+_libc: Any = None
+
+
+def trim_host_memory() -> None:
+    """Give idle host memory back to the operating system: the native capture-buffer pool's
+    idle buffers, then the C allocator's free heap pages (``malloc_trim(0)`` on glibc).
+
+    Freed capture buffers otherwise stay in the process (pooled for reuse, or kept by glibc's
+    heap), so its resident size would stay at the capture's peak. :class:`~pyhook.capture.
+    Recorder` calls this when a disk capture closes and after :meth:`~pyhook.capture.Recorder.
+    results` joined a host capture's batches.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.offload import trim_host_memory
+        >>> x = torch.ones(1 << 22); del x
+        >>> trim_host_memory()  # never raises; a no-op where there is nothing to trim
+    """
+    global _libc
+    _backend.empty_pool()
+    if _libc is None:
+        _libc = False
+        try:
+            import ctypes
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            lib = ctypes.CDLL(name) if name else None
+            if lib is not None and hasattr(lib, "malloc_trim"):  # glibc only
+                _libc = lib
+        except OSError:
+            pass
+    if _libc:
+        _libc.malloc_trim(0)
 
 
 def check_byte_count(name: str, value: object, low: int) -> None:

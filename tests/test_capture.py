@@ -116,19 +116,29 @@ def test_large_copies_come_from_the_pool_and_are_exact(use_backend):
             for x in xs:
                 net(x)
         after = _backend.pool_stats()
-        assert torch.equal(rec["big"], torch.cat(ref["big"]))
+        parts = rec.parts("big")
+        assert len({p.untyped_storage().data_ptr() for p in parts}) == 3  # one buffer a batch
+        del parts
+        big = rec["big"]
+        assert torch.equal(big, torch.cat(ref["big"]))
         assert torch.equal(rec["small"], torch.cat(ref["small"]))
+        joined = _backend.pool_stats()
         parts = rec.parts("big")
     served = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
     if use_backend == "native":
         # between the two thresholds: only the Recorder's lower one sends it to the pool
-        assert _backend.NATIVE_MIN_BYTES > 256 * 8 * 16 * 4 >= _backend.KEPT_MIN_BYTES > 4 * 8 * 16 * 4
+        assert (
+            _backend.NATIVE_MIN_BYTES > 256 * 8 * 16 * 4 >= _backend.KEPT_MIN_BYTES > 4 * 8 * 16 * 4
+        )
         assert served == 3  # one pooled buffer per batch of "big", none for "small"
         assert after["live_buffers"] - before["live_buffers"] == 3
+        # rec["big"] joined the batches: they are views of it now, their buffers went back
+        assert joined["live_buffers"] == before["live_buffers"]
     else:
         assert served == 0
-    assert len({p.untyped_storage().data_ptr() for p in parts}) == 3
-    del rec, parts
+    assert {p.untyped_storage().data_ptr() for p in parts} == {big.untyped_storage().data_ptr()}
+    assert rec["big"] is big  # joined once: later reads return the same rows, no new copy
+    del rec, parts, big
     if use_backend == "native":  # dropping the rows gives the buffers back
         assert _backend.pool_stats()["live_buffers"] == before["live_buffers"]
 
@@ -402,7 +412,9 @@ def test_two_gloo_ranks_write_one_capture(tmp_path):
     with capture(model, "transformer.h.*", mask="attention_mask") as ref:
         for ids, am in gpt_batches(n=4):
             model(input_ids=ids, attention_mask=am)
-    assert sorted(f for f in os.listdir(out) if not f.startswith(".")) == [  # .lock-rNNN: writer locks
+    assert sorted(
+        f for f in os.listdir(out) if not f.startswith(".")
+    ) == [  # .lock-rNNN: writer locks
         "index-r000.json",
         "index-r001.json",
         "index.json",
@@ -470,7 +482,9 @@ def test_copy_false_detects_inplace_updates_during_and_after_the_forward():
     x = torch.randn(5, 4)
     with capture(net, ["0", "2"], copy=False) as rec:
         # ReLU(inplace=True) overwrites layer 0's output: the forward itself fails, loudly
-        with pytest.raises(CaptureModifiedError, match="layer '0'.*before the forward returned.*copy=True") as info:
+        with pytest.raises(
+            CaptureModifiedError, match="layer '0'.*before the forward returned.*copy=True"
+        ) as info:
             net(x)
         assert info.value.layer == "0"
         assert rec.batches == 0  # nothing of that batch was committed
@@ -507,3 +521,125 @@ def test_copy_false_refuses_disk(tmp_path):
     with pytest.raises(TypeError, match="copy must be a bool"):
         capture(net, "0", copy="no")
     assert not list(tmp_path.iterdir())
+
+
+# -- bad input found by the adversarial pass (issue 16, item 4) ----------------------------------
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"positions": []}, ValueError, "positions is an empty list"),
+        ({"out": 5}, TypeError, "out must be a directory path"),
+        ({"out": "OUT", "world_size": 0}, ValueError, "world_size must be an int >= 1"),
+        (
+            {"out": "OUT", "rank": 2, "world_size": 2},
+            ValueError,
+            r"rank must be .*\[0, world_size=2\)",
+        ),
+        ({"out": "OUT", "overwrite": "no"}, TypeError, "overwrite must be a bool"),
+        ({"out": "OUT", "meta": {"when": object()}}, TypeError, "meta must be a dict of JSON"),
+        ({"out": "OUT", "settings": [1]}, TypeError, "settings must be a dict"),
+        ({"out": "OUT", "shard_bytes": 0}, ValueError, "shard_bytes"),
+        ({"out": "OUT", "max_pending_shards": 0}, ValueError, "max_pending_shards"),
+        ({"stats": "yes"}, TypeError, "stats must be"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_hook_or_file(tmp_path, kwargs, exc, match):
+    model = gpt2()
+    if kwargs.get("out") == "OUT":
+        kwargs = {**kwargs, "out": tmp_path / "acts"}
+    with pytest.raises(exc, match=match):
+        capture(model, "transformer.h.*", **kwargs)  # refused when made, not at __enter__
+    assert all_hooks(model) == 0
+    assert not (tmp_path / "acts").exists()  # nothing written
+
+
+def test_overwrite_no_keeps_the_previous_capture(tmp_path):
+    net = nn.Sequential(nn.Linear(2, 2))
+    with capture(net, "0", out=tmp_path):
+        net(torch.randn(3, 2))
+    with pytest.raises(TypeError, match="overwrite must be a bool"):
+        capture(net, "0", out=tmp_path, positions=0, overwrite="no")
+    assert open_capture(tmp_path).rows("0") == 3
+
+
+class _Returns(nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.make = make
+
+    def forward(self, x):
+        return self.make(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda h: None, r"layer 'inner' returned None"),
+        (lambda h: torch.empty(h.shape, device="meta"), r"layer 'inner'.*meta device"),
+        (
+            lambda h: torch.nested.nested_tensor([h[0], h[1, :2]]),
+            r"layer 'inner'.*nested \(ragged\) tensor",
+        ),
+        (lambda h: {"no": "tensor"}, r"layer 'inner'.*holds no tensor"),
+    ],
+    ids=["none", "meta", "nested", "no-tensor"],
+)
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_layer_outputs_without_values_are_named(tmp_path, make, match, to):
+    net = nn.Sequential()
+    net.add_module("inner", _Returns(make))
+    opts = {"out": tmp_path} if to == "disk" else {}
+    with pytest.raises(TypeError, match=match), capture(net, "inner", **opts):
+        net(torch.randn(2, 3, 4))
+    assert all_hooks(net) == 0
+
+
+# -- host memory (issue 19, item 5) ------------------------------------------------------------
+def test_host_results_hold_the_rows_once():
+    net = nn.Sequential(nn.Linear(64, 256))
+    with capture(net, "0") as rec:
+        for _ in range(4):
+            net(torch.randn(8, 16, 64))
+        first = rec["0"]
+        net(torch.randn(8, 16, 64))  # a batch after a read: joined again, with the new rows
+    rows = rec["0"]
+    assert rows.shape == (5 * 8 * 16, 256) and torch.equal(rows[: first.shape[0]], first)
+    storages = {p.untyped_storage().data_ptr() for p in rec.parts("0")}
+    assert storages == {rows.untyped_storage().data_ptr()}  # every batch is a view of the rows
+    assert rec.results()["0"] is rows
+
+
+def test_disk_capture_sizes_its_buffers_from_max_host_bytes(tmp_path):
+    from pyhook import _backend
+
+    net = nn.Sequential(nn.Linear(4, 4))
+    rec = capture(net, "0", out=tmp_path, max_host_bytes=64 << 20)
+    assert rec._writer_opts["shard_bytes"] == 16 << 20
+    assert rec._writer_opts["max_pending"] == 1
+    limit = _backend.pool_stats()["limit_bytes"]
+    with rec:
+        if _backend.native_available() and limit > 16 << 20:
+            assert _backend.pool_stats()["limit_bytes"] == 16 << 20  # the pool is sized down
+        net(torch.randn(3, 4))
+    assert _backend.pool_stats()["limit_bytes"] == limit  # and restored on close
+    assert _backend.pool_stats()["cached_bytes"] == 0  # idle buffers given back
+    explicit = capture(net, "0", out=tmp_path, shard_bytes=1 << 20, max_pending_shards=3)
+    assert explicit._writer_opts["shard_bytes"] == 1 << 20
+    assert explicit._writer_opts["max_pending"] == 3
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        capture(net, "0", out=tmp_path, max_host_bytes=0)
+
+
+def test_a_small_host_budget_still_completes_in_order(tmp_path):
+    # Batches smaller and larger than the whole budget, in mixed order: the back-pressure
+    # flushes and waits, never deadlocks, and the rows arrive complete and in order.
+    net = nn.Sequential(nn.Linear(8, 64))
+    xs = [torch.randn(n, 8) for n in (1, 30, 2, 3, 100, 1, 1, 40)]  # 256 B a row
+    with capture(net, "0", out=tmp_path, max_host_bytes=8192, stats=False) as rec:
+        for x in xs:
+            net(x)
+        assert rec._held <= 100 * 256  # never more than the budget or one batch held
+    with torch.no_grad():
+        want = torch.cat([net(x) for x in xs])
+    assert torch.equal(open_capture(tmp_path)["0"].to_tensor(), want)

@@ -1,0 +1,269 @@
+"""Token bookkeeping and statistics of a capture on disk, read from its reserved tensors.
+
+A capture made by :func:`pyhook.capture.capture` keeps, next to each layer's rows, reserved
+tensors (names starting with ``__``; the format is in ``docs/store-format.md``):
+
+* ``__token_ids__`` (int64 ``[rows]``) and ``__row_index__`` (int64 ``[rows, 2]``: example,
+  position): which token each row is, aligned with every layer's rows;
+* ``__text_lengths__``/``__text_bytes__``: the examples' utf-8 texts, when they were given;
+* ``__stats__.<layer>`` (float64 ``[batches, 2 + 2*D]``): per-batch count, sum of row norms,
+  mean and M2, merged here with Chan's parallel formula (exact across shards, resumes, ranks).
+
+The functions take a :class:`~pyhook.store.CaptureReader`: :func:`tokens`, :func:`row_index`,
+:func:`text`, :func:`stats`, and :func:`format_stats` (the table ``pyhook inspect`` prints).
+Stores written before these fields existed still open: :func:`tokens`/:func:`row_index` return
+None and :func:`text`/:func:`stats` raise :class:`AnnotationMissingError`.
+
+Example::
+
+    >>> import tempfile, torch, transformers
+    >>> from pyhook.capture import capture
+    >>> from pyhook.store import open_capture
+    >>> from pyhook import annotations
+    >>> gpt = transformers.GPT2Model(transformers.GPT2Config(
+    ...     n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8,
+    ...     bos_token_id=0, eos_token_id=0)).eval()
+    >>> ids = torch.tensor([[1, 2, 3], [4, 5, 6]]); am = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    >>> out = tempfile.mkdtemp()
+    >>> with torch.no_grad(), capture(gpt, "h.0", out=out, mask="attention_mask", stats=True,
+    ...                                 tokens=True) as rec:
+    ...     _ = gpt(input_ids=ids, attention_mask=am)
+    >>> r = open_capture(out)
+    >>> annotations.tokens(r).tolist(), annotations.row_index(r)[-1].tolist()
+    ([1, 2, 3, 4, 5], [1, 1])
+    >>> s = annotations.stats(r, "h.0"); int(s["count"]), tuple(s["mean"].shape)
+    (5, (8,))
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AnnotationMissingError",
+    "format_stats",
+    "merge_stats",
+    "row_index",
+    "stats",
+    "text",
+    "tokens",
+]
+
+TOKEN_IDS = "__token_ids__"
+ROW_INDEX = "__row_index__"
+TEXT_LENGTHS = "__text_lengths__"
+TEXT_BYTES = "__text_bytes__"
+STATS_PREFIX = "__stats__."
+
+
+class AnnotationMissingError(LookupError):
+    """The capture holds no such annotation (an older store, or a capture made without it).
+
+    Example::
+
+        >>> from pyhook.annotations import AnnotationMissingError
+        >>> issubclass(AnnotationMissingError, LookupError)
+        True
+    """
+
+
+def _reserved(name: str) -> bool:
+    return name.startswith("__")
+
+
+def _read(reader: Any, name: str) -> torch.Tensor | None:
+    """All rows of a reserved tensor, or None when the capture has none."""
+    try:
+        data = reader.layer(name)
+    except KeyError:
+        return None
+    return data.to_tensor()
+
+
+def _data_layers(reader: Any) -> list[str]:
+    return [n for n in reader.layers if not _reserved(n)]
+
+
+def _aligned(reader: Any, what: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    for layer in _data_layers(reader):
+        if reader.rows(layer) != t.shape[0]:
+            raise AnnotationMissingError(
+                f"{what} of {reader.path!r} cover {t.shape[0]} rows but layer {layer!r} has "
+                f"{reader.rows(layer)}: part of the capture was made without them (or with "
+                "layers of different row layouts), so they cannot be matched to the rows"
+            )
+    return t
+
+
+def tokens(reader: Any) -> torch.Tensor | None:
+    """The token id of every row (int64 ``[rows]``, aligned with each layer's rows), or None
+    when the capture keeps no token ids. Example: see the module docstring."""
+    return _aligned(reader, "token ids", _read(reader, TOKEN_IDS))
+
+
+def row_index(reader: Any) -> torch.Tensor | None:
+    """``(example, position)`` of every row (int64 ``[rows, 2]``), or None when absent.
+
+    The example is the index :meth:`~pyhook.capture.Recorder.annotate` gave, or, without it,
+    the example's place in the data stream of its rank (counted from 0 by each rank).
+    Example: see the module docstring."""
+    return _aligned(reader, "row indices", _read(reader, ROW_INDEX))
+
+
+_TEXT_CACHE: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def text(reader: Any, example: int) -> str:
+    """The text of stored example ``example`` (utf-8 decoded), when the capture kept texts
+    (``Recorder.annotate(..., texts=...)``, the ``pyhook capture`` command on text inputs).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pyhook.capture import capture
+        >>> from pyhook.store import open_capture
+        >>> from pyhook.annotations import text
+        >>> emb = torch.nn.Sequential(torch.nn.Embedding(10, 2)); out = tempfile.mkdtemp()
+        >>> with capture(emb, "0", out=out) as rec:
+        ...     rec.annotate(torch.tensor([[1, 2], [3, 4]]), texts=["héllo", "world"])
+        ...     _ = emb(torch.tensor([[1, 2], [3, 4]]))
+        >>> text(open_capture(out), 0)
+        'héllo'
+    """
+    offsets = _TEXT_CACHE.get(reader)
+    if offsets is None:
+        lengths = _read(reader, TEXT_LENGTHS)
+        if lengths is None:
+            raise AnnotationMissingError(
+                f"capture {reader.path!r} keeps no texts (made from token ids, or by a pyhook "
+                "without text bookkeeping)"
+            )
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        _TEXT_CACHE[reader] = offsets
+    n = offsets.shape[0] - 1
+    if isinstance(example, bool) or not isinstance(example, int):
+        example = int(torch.as_tensor(example))
+    if not -n <= example < n:
+        raise IndexError(f"example {example} out of range: the capture keeps {n} texts")
+    example %= n
+    lo, hi = int(offsets[example]), int(offsets[example + 1])
+    raw = reader.layer(TEXT_BYTES)[lo:hi] if hi > lo else torch.empty(0, dtype=torch.uint8)
+    return bytes(raw.tolist()).decode("utf-8")
+
+
+def merge_stats(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Merge per-batch statistics rows ``[k, 2 + 2*D]`` (count, sum of row norms, mean, M2)
+    with Chan's parallel formula: ``count``, ``mean``, ``var`` (population), ``norm_mean``.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook._record import batch_stats
+        >>> from pyhook.annotations import merge_stats
+        >>> x = torch.randn(10, 3, dtype=torch.float64)
+        >>> s = merge_stats(torch.cat([batch_stats(x[:4]), batch_stats(x[4:])]))
+        >>> var, mean = torch.var_mean(x, 0, correction=0)
+        >>> torch.allclose(s["mean"], mean), torch.allclose(s["var"], var)
+        (True, True)
+    """
+    rows = rows.to(torch.float64)
+    d = (rows.shape[1] - 2) // 2
+    rows = rows[rows[:, 0] > 0]
+    counts = rows[:, 0]
+    n = counts.sum()
+    if rows.shape[0] == 0:
+        nan = torch.full((d,), float("nan"), dtype=torch.float64)
+        return {
+            "count": n,
+            "mean": nan,
+            "var": nan.clone(),
+            "norm_mean": n.new_tensor(float("nan")),
+        }
+    means, m2 = rows[:, 2 : 2 + d], rows[:, 2 + d :]
+    mean = (counts[:, None] * means).sum(0) / n
+    m2_total = m2.sum(0) + (counts[:, None] * (means - mean) ** 2).sum(0)
+    return {
+        "count": n,
+        "mean": mean,
+        "var": m2_total / n,
+        "norm_mean": rows[:, 1].sum() / n,
+    }
+
+
+def stats(reader: Any, layer: str) -> dict[str, torch.Tensor]:
+    """Statistics of ``layer``'s rows, computed while capturing: ``count``, per-dimension
+    ``mean`` and ``var`` (population variance, over each row flattened), ``norm_mean`` (mean
+    L2 norm of the rows); float64 tensors, exact over every shard, resume and rank.
+
+    Raises :class:`AnnotationMissingError` when the capture has no statistics for ``layer``
+    (made with ``stats=False`` or by an older pyhook), or when they do not cover every row.
+    Example: see the module docstring.
+    """
+    if layer not in _data_layers(reader):
+        raise KeyError(f"layer {layer!r} is not in this capture; it holds {_data_layers(reader)}")
+    rows = _read(reader, STATS_PREFIX + layer)
+    if rows is None:
+        raise AnnotationMissingError(
+            f"capture {reader.path!r} has no statistics for layer {layer!r} (captured with "
+            "stats=False, or by a pyhook that did not compute them)"
+        )
+    merged = merge_stats(rows)
+    if int(merged["count"]) != reader.rows(layer):
+        raise AnnotationMissingError(
+            f"the statistics of layer {layer!r} cover {int(merged['count'])} of its "
+            f"{reader.rows(layer)} rows: part of the capture was made with stats=False"
+        )
+    return merged
+
+
+def format_stats(reader: Any) -> str:
+    """A table of every layer's statistics (what ``pyhook inspect`` shows), one line per layer:
+    rows, width, mean of the per-dimension means, mean per-dimension std, mean row norm.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pyhook.capture import capture
+        >>> from pyhook.store import open_capture
+        >>> from pyhook.annotations import format_stats
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3)); out = tempfile.mkdtemp()
+        >>> with capture(net, "0", out=out, stats=True) as rec:
+        ...     _ = net(torch.randn(4, 2))
+        >>> format_stats(open_capture(out)).splitlines()[0].split()
+        ['layer', 'rows', 'width', 'mean', 'std', 'norm']
+    """
+    lines = [("layer", "rows", "width", "mean", "std", "norm")]
+    missing = []
+    for layer in _data_layers(reader):
+        try:
+            s = stats(reader, layer)
+        except AnnotationMissingError:
+            missing.append(layer)
+            continue
+        lines.append(
+            (
+                layer,
+                str(int(s["count"])),
+                str(int(s["mean"].numel())),
+                f"{float(s['mean'].mean()):.4g}",
+                f"{float(s['var'].sqrt().mean()):.4g}",
+                f"{float(s['norm_mean']):.4g}",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    out = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in lines
+    ]
+    if len(lines) == 1:
+        out = []
+    if missing:
+        out.append(f"no statistics for: {', '.join(missing)}")
+    return "\n".join(out)
