@@ -173,7 +173,7 @@ class CorpusSource:
 
             try:
                 ds = datasets.load_from_disk(self.path)
-            except Exception as e:  # noqa: BLE001 - reported in one line
+            except Exception as e:  # reported in one line
                 raise SourceError(
                     f"cannot open --input {self.path!r} as a datasets folder: {e}"
                 ) from None
@@ -594,7 +594,7 @@ class CorpusSource:
                     if stop.is_set():
                         return
                 q.put(done)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            except BaseException as e:  # re-raised in the consumer
                 q.put(e)
 
         t = threading.Thread(target=work, name="pyhook-source", daemon=True)
@@ -689,6 +689,10 @@ class CorpusSource:
             total += b.keep.numel()
         return kept / total if total else 1.0
 
+    def peek(self) -> Batch:
+        """The corpus's first batch (whatever the share and skip): for a probe forward."""
+        return next(iter(self._sample_batches(self.batch_size)))
+
     def _sample_batches(self, rows: int) -> Iterator[Batch]:
         """Batches of the corpus's first ``rows`` examples (no share, no skip)."""
         clone = CorpusSource.__new__(CorpusSource)
@@ -707,7 +711,11 @@ class CorpusSource:
             "text_column": self.column,
             "context_size": self.context_size,
             "exclude_special_tokens": self.exclude_special_tokens,
-            **({"examples_total": self.count()} if self.world_size > 1 and not self.context_size else {}),
+            **(
+                {"examples_total": self.count()}
+                if self.world_size > 1 and not self.context_size
+                else {}
+            ),
         }
 
 
