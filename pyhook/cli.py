@@ -47,7 +47,10 @@ def default_corpus() -> str:
 
 def resolve_model_path(spec: str | None) -> str:
     """A local checkpoint directory for ``spec`` (a path, a built-in or a cached hub name)."""
-    return _resolve(spec)
+    try:
+        return _resolve(spec)
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
 
 
 def load_model(
@@ -142,11 +145,18 @@ def _check_out(out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CLIError(f"--out {out!r} is a file, not a directory")
     base = _existing_dir(out)
-    if not os.path.isdir(base) or not os.access(base, os.W_OK | os.X_OK):
+    import tempfile
+
+    try:  # a real write (os.access says yes to root everywhere, /proc included)
+        if not os.path.isdir(base):
+            raise NotADirectoryError(0, "not a directory")
+        with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
+            pass
+    except OSError as e:
         raise CLIError(
-            f"cannot write to --out {out!r}: {base!r} is not a writable directory; "
-            "choose a folder you can write to"
-        )
+            f"cannot write to --out {out!r}: {base!r} is not a writable directory "
+            f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
+        ) from None
 
 
 # How the command spells each stored setting (a refusal to resume speaks in flags).
@@ -212,9 +222,11 @@ def _stored_capture(out: str) -> Any:
     from .store import open_capture
 
     try:
-        return open_capture(out)
+        reader = open_capture(out)
     except Exception:  # damage is reported by the writer, with the file's name
         return None
+    # a capture that stored nothing (its first batch failed) is nothing to protect
+    return reader if reader.examples or reader.index.get("shards") else None
 
 
 def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) -> None:
@@ -324,11 +336,17 @@ def cmd_capture(args: argparse.Namespace) -> int:
                 f"--context-size {context_size} is above the {limit_positions} positions of "
                 f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
             )
-        if context_size is None and args.max_length > limit_positions:
+        if (
+            context_size is None
+            and args.max_length is not None
+            and args.max_length > limit_positions
+        ):
             raise CLIError(
                 f"--max-length {args.max_length} is above the {limit_positions} positions of "
                 f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
             )
+    if args.max_length is None:  # the default: 128, or fewer when the model has fewer positions
+        args.max_length = min(128, limit_positions or 128)
     try:
         src = open_source(
             input_path,
@@ -884,8 +902,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--max-length",
         type=int,
-        default=128,
-        help="tokens per line; longer lines are truncated and counted (default 128)",
+        default=None,
+        help="tokens per example (one example per row); longer ones are truncated and counted "
+        "(default 128, or the model's positions when fewer)",
     )
     c.add_argument(
         "--dtype", default=None, help="dtype of the stored activations (default: the model's)"
