@@ -313,8 +313,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
     _check_out(out)
     input_path = os.path.abspath(args.input or default_corpus())
     context_size = args.context_size
-    if context_size is None and args.input is None:
-        context_size = DEFAULT_CONTEXT_SIZE  # the default capture: packed contexts
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     show = rank == 0 and not args.quiet
@@ -330,6 +328,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     except RunnerError as e:
         raise CLIError(str(e)) from None
     limit_positions = prepared.max_positions
+    if context_size is None and args.input is None:
+        # the default capture (the bundled corpus): packed contexts, as SAE datasets use
+        context_size = min(DEFAULT_CONTEXT_SIZE, limit_positions or DEFAULT_CONTEXT_SIZE)
     if limit_positions is not None:
         if context_size is not None and context_size > limit_positions:
             raise CLIError(
