@@ -636,51 +636,77 @@ class CorpusSource:
         7
         """
         share = self.world_size
+        if self._small(sample):  # count exactly: this rank's share, after skip
+            examples = tokens = rows = 0
+            for b in self.batches():
+                examples += len(b.examples)
+                tokens += int(b.attention_mask.sum())
+                rows += int(b.keep.sum())
+            return {"examples": examples, "tokens": tokens, "rows": rows, "exact": True}
         if self.context_size is None:
             n = self.count()
             lo, hi = self.rank * n // share, (self.rank + 1) * n // share
             todo = max(0, hi - lo - self.skip)
-            seen = kept = 0
-            excluded = self._excluded()
+            seen = tokens = kept = 0
             for b in self._sample_batches(sample):
                 seen += len(b.examples)
-                k = b.keep if excluded is not None else b.attention_mask.bool()
-                kept += int(k.sum())
-            per = kept / max(seen, 1)
+                tokens += int(b.attention_mask.sum())
+                kept += int(b.keep.sum())
             return {
                 "examples": todo,
-                "tokens": round(per * todo),
-                "rows": round(per * todo),
-                "exact": seen >= n,
+                "tokens": round(tokens / max(seen, 1) * todo),
+                "rows": round(kept / max(seen, 1) * todo),
+                "exact": False,
             }
-        n = self.context_size
+        # packed: tokens per byte of the first documents, times the corpus's bytes
         bos, eos, _ = self.special_ids()
         extra = (bos is not None) + (eos is not None)
         vals: list[Any] = []
-        complete = True
         for chunk in self._chunks():
             vals.extend(v for v in chunk[: sample - len(vals)] if v)
             if len(vals) >= sample:
-                complete = False
                 break
         sampled_bytes = sum(len(v.encode()) if isinstance(v, str) else 4 * len(v) for v in vals)
         if self.pretokenized:
-            total_tokens = sum(len(v) for v in vals)
+            sampled_tokens = sum(len(v) for v in vals)
         else:
-            total_tokens = sum(len(x) + extra for x in self._encode(vals)) if vals else 0
-        if not complete:  # tokens per byte of the sample, times the corpus's bytes
-            total_tokens = round(total_tokens / max(sampled_bytes, 1) * self.text_bytes())
-        contexts = total_tokens // n
+            sampled_tokens = sum(len(x) + extra for x in self._encode(vals)) if vals else 0
+        total_tokens = round(sampled_tokens / max(sampled_bytes, 1) * self.text_bytes())
+        contexts = total_tokens // self.context_size
         if self.limit is not None:
             contexts = min(contexts, self.limit)
         todo = max(0, len(range(self.rank, contexts, share)) - self.skip)
         kept_frac = self._sample_kept_fraction() if self.exclude_special_tokens else 1.0
         return {
             "examples": todo,
-            "tokens": todo * n,
-            "rows": round(todo * n * kept_frac),
-            "exact": complete,
+            "tokens": todo * self.context_size,
+            "rows": round(todo * self.context_size * kept_frac),
+            "exact": False,
         }
+
+    def _small(self, sample: int) -> bool:
+        """Whether the corpus (after ``limit``) has at most ``sample`` rows (cheap to check)."""
+        if self.limit is not None and self.limit <= sample and self.context_size is None:
+            return True
+        if self.kind in ("parquet", "arrow"):
+            return (
+                self.count() <= sample
+                if self.context_size is None
+                else (self._raw_rows() <= sample)
+            )
+        seen = 0
+        for chunk in self._chunks():
+            seen += len(chunk)
+            if seen > sample:
+                return False
+        return True
+
+    def _raw_rows(self) -> int:
+        saved, self.limit, self._count = self.limit, None, None
+        try:
+            return self.count()
+        finally:
+            self.limit, self._count = saved, None
 
     def _sample_kept_fraction(self) -> float:
         kept = total = 0
