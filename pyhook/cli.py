@@ -1026,7 +1026,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         restore()  # from here on Ctrl-C is a KeyboardInterrupt, reported below
-        return _run(list(sys.argv[1:] if argv is None else argv))
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except BrokenPipeError:
         # `pyhook layers | head`: the reader left; stop quietly (no traceback, nor another
         # BrokenPipeError when Python flushes stdout at exit), with the shell's SIGPIPE status.

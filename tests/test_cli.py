@@ -254,7 +254,9 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     assert r["encoder.layer.5"].shape[1] == 384
     model, tok, _ = cli.load_model(None)
     stream = []
-    for line in open(cli.default_corpus()).read().splitlines():
+    with open(cli.default_corpus()) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if line.strip():
             stream += [tok.cls_token_id, *tok(line.strip(), add_special_tokens=False)["input_ids"]]
             stream.append(tok.sep_token_id)
