@@ -51,6 +51,7 @@ import torch
 __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
 _CHUNK = 1024  # rows read at once from a file
+_ENCODE = 64  # documents per tokenizer call when packing
 
 
 class SourceError(ValueError):
@@ -516,8 +517,10 @@ class CorpusSource:
                 yield from ([int(t) for t in v] for v in chunk if v)
             else:
                 texts = [t for t in chunk if t]
-                for ids in self._encode(texts) if texts else []:
-                    yield head + ids + tail
+                # slices: the first contexts come out after a few documents, not a whole chunk
+                for i in range(0, len(texts), _ENCODE):
+                    for ids in self._encode(texts[i : i + _ENCODE]):
+                        yield head + ids + tail
 
     def _contexts(self) -> Iterator[tuple[int, list[int]]]:
         """(global context index, ids) of every full context, after ``limit``."""
