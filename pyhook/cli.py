@@ -206,6 +206,8 @@ def _settings_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[s
     for key in now:
         if key not in _FLAGS or stored.get(key) == now.get(key):
             continue
+        if key == "input_sha1" and stored.get("input") != now.get("input"):
+            continue  # another file: its contents differ too, no need to say it
         flag = _FLAGS[key]
         out.append(
             f"{flag} {_flag_value(key, now.get(key))} now, "
@@ -398,6 +400,22 @@ def cmd_capture(args: argparse.Namespace) -> int:
             )
             return 0
 
+    share = src.estimate()  # this rank's share, from its start (needs no weights)
+    if (
+        stored is not None
+        and world == 1
+        and share["exact"]
+        and stored.examples >= share["examples"]
+    ):
+        unit = "contexts" if context_size else "examples"
+        print(
+            f"pyhook: {out} already holds all {stored.examples:,} {unit} of "
+            f"{os.path.basename(input_path)}: nothing to do (pyhook inspect reads it; "
+            "--overwrite starts again)",
+            file=sys.stderr,
+        )
+        return 0
+
     # 2. The weights, the layers, one probe forward for their widths.
     device = args.device
     dist = torch.distributed
@@ -431,7 +449,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
     shapes = _probe_layers(model, rec.layers, first, device)
 
     # 3. The estimate: rows x width x dtype per layer, against the free space at --out.
-    share = src.estimate()  # this rank's share, from its start
     done = stored.examples if stored is not None and world == 1 else 0
     frac = max(0, share["examples"] - done) / max(share["examples"], 1)
     est = {k: (round(v * frac) if k != "exact" else v) for k, v in share.items()}
