@@ -208,8 +208,8 @@ def load_tokenizer(spec: str | None, model_path: str) -> tuple[Any, str]:
     files, or an empty tokenizer, is a one-line :class:`RunnerError` naming what is missing.
 
     >>> tok, path = load_tokenizer("minilm", "/unused")
-    >>> type(tok).__name__
-    'BertTokenizerFast'
+    >>> tok("a test")["input_ids"]
+    [101, 1037, 3231, 102]
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
