@@ -309,6 +309,12 @@ def cmd_capture(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be >= {low}, got {value}")
     if not args.shard_mb > 0:
         raise CLIError(f"--shard-mb must be > 0 (MB per shard), got {args.shard_mb}")
+    if args.context_size is not None and args.max_length is not None:
+        raise CLIError(
+            "--max-length cuts each example of a one-example-per-row capture; with "
+            f"--context-size every row is a context of exactly {args.context_size} tokens: "
+            "drop one of them"
+        )
     positions = _parse_positions(args.positions)
     _check_device(args.device)
     out = os.path.abspath(args.out)

@@ -196,6 +196,7 @@ def no_weights(monkeypatch):
         (["--context-size", "100000"], "is above the 64 positions"),
         (["--max-length", "100"], "--max-length 100 is above the 64 positions"),
         (["--device", "meta"], "--device 'meta' holds no data"),
+        (["--context-size", "16", "--max-length", "8"], "drop one of them"),
         (["--out", "/proc/pyhook-x"], "cannot write to --out '/proc/pyhook-x'"),
     ],
 )
@@ -340,3 +341,46 @@ def test_import_from_the_source_tree_says_so_once():
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("imported from the source tree") == 1, res.stderr
     assert "python -I" in res.stderr and "pip install" in res.stderr
+
+
+def _rank_worker(rank: int, world: int, port: int, args: list[str]) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    code = main(args)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    assert code == 0
+
+
+def test_two_ranks_share_packed_contexts(ckpt, tmp_path):
+    """torchrun with packed contexts: rank r takes contexts r, r + 2, ...; the store holds rank
+    0's rows, then rank 1's, each equal to the hand-packed reference of those contexts."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two")
+    args = cap(ckpt, "--context-size", "16", "--layers", "transformer.h.1", "--batch-size", "4")
+    mp.spawn(_rank_worker, args=(2, port, [*args, "--out", out, "--quiet"]), nprocs=2, join=True)
+    ids, _ = hand_reference(ckpt, 16, [])
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(ckpt / "model").eval()
+    got = []
+    h = model.transformer.h[1].register_forward_hook(
+        lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    hidden = got[0]
+    keep = ids != ids[0, 0]  # the BOS id
+    want = torch.cat([hidden[r::2][keep[r::2]] for r in range(2)])
+    r = open_capture(out)
+    assert r.index["ranks"] == [0, 1] and r.examples == len(ids)
+    torch.testing.assert_close(r["transformer.h.1"].to_tensor(), want, rtol=1e-4, atol=1e-5)
