@@ -271,10 +271,13 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
         t = probe[name]
         shapes[name] = (tuple(t.shape[1:]), t.dtype)
     if silent:
-        mod = model.get_submodule(silent[0])
+        try:
+            mod = model.get_submodule(silent[0])
+        except AttributeError:  # not a module name (a standard hook point, say)
+            mod = None
         hint = (
             f" (a {type(mod).__name__}: its children run, e.g. '{silent[0]}.*')"
-            if len(list(mod.children()))
+            if mod is not None and len(list(mod.children()))
             else ""
         )
         raise CLIError(
