@@ -242,7 +242,7 @@ def test_checkpoint_without_tokenizer(ckpt, tmp_path, capsys):
         "--input",
         str(ckpt / "c.parquet"),
     ]
-    assert main([*args, "--context-size", "16", "--out", out, "--quiet"]) == 0
+    assert main([*args, "--context-size", "16", "--layers", *LAYERS, "--out", out, "--quiet"]) == 0
     _, want = hand_reference(ckpt, 16, LAYERS)
     torch.testing.assert_close(
         open_capture(out)["transformer.h.1"].to_tensor(), want["transformer.h.1"]
