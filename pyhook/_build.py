@@ -120,10 +120,34 @@ def check_build() -> str | None:
         except (ImportError, ValueError):
             present = False
     msg = build_problem(rec, torch.__version__, present)
+    if rec is None and msg is None:
+        msg = _source_tree_problem()
     if msg and not _backend.build_warned:  # (the native loader may have told it already)
         _backend.build_warned = True
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return msg
+
+
+def _source_tree_problem() -> str | None:
+    """Imported from a source checkout (``python -c "import pyhook"`` in the repository root):
+    no native core there, whatever is installed. The fix, or ``None`` elsewhere."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not (
+        os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc"))
+    ):
+        return None
+    try:
+        if importlib.util.find_spec("pyhook._C") is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return (
+        f"pyhook: imported from the source tree {root}, which has no native core (the slower "
+        f"pure-PyTorch backend runs); install it (`{REINSTALL}`) and run from another folder, "
+        "or with `python -I`, so that the installed package is imported"
+    )
 
 
 def _openmp_threads() -> str:

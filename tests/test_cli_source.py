@@ -1,0 +1,388 @@
+"""The command with real corpora (parquet, jsonl, save_to_disk, pre-tokenised), packed contexts,
+the estimate and --dry-run, model loading (cache names, --tokenizer, --model-class), and what a new
+user tried (issue 16, item 5). References: packing and hooks written out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from pyhook import runner  # noqa: E402
+from pyhook.cli import main  # noqa: E402
+from pyhook.store import open_capture  # noqa: E402
+
+DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 5))} away ." for i in range(60)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t.train_from_iterator(
+        DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t,
+        unk_token="[UNK]",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A GPT-2 LM checkpoint (random weights, 64 positions) with its tokenizer, a copy saved
+    without a tokenizer (as model.save_pretrained leaves it), and a parquet corpus."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root = tmp_path_factory.mktemp("ckpt")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=len(tok),
+        n_positions=64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    model.save_pretrained(root / "bare")
+    pq.write_table(pa.table({"text": DOCS, "n": list(range(len(DOCS)))}), root / "c.parquet")
+    return root
+
+
+def hand_reference(root, n, layers):
+    """Pack DOCS by hand (<|endoftext|> before each), run the model, keep non-special rows."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    model = GPT2LMHeadModel.from_pretrained(root / "model").eval()
+    stream = []
+    for t in DOCS:
+        stream += [tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"]]
+    ids = torch.tensor(stream[: len(stream) // n * n]).reshape(-1, n)
+    got = {}
+    hooks = [
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, o, name=name: got.__setitem__(name, o[0] if isinstance(o, tuple) else o)
+        )
+        for name in layers
+    ]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    keep = ids != tok.bos_token_id
+    return ids, {name: got[name][keep] for name in layers}
+
+
+def cap(root, *extra):
+    """pyhook capture of the parquet corpus, layers named (the default --layers may change)."""
+    args = ["capture", "--model", str(root / "model"), "--input", str(root / "c.parquet")]
+    return [*args, "--layers", *LAYERS, *extra]
+
+
+LAYERS = ["transformer.h.0", "transformer.h.1"]
+
+
+def test_packed_parquet_capture_matches_hand_packing_and_resumes(ckpt, tmp_path, capsys):
+    out = str(tmp_path / "acts")
+    ids, want = hand_reference(ckpt, 16, LAYERS)
+    base = cap(
+        ckpt, "--context-size", "16", "--batch-size", "3", "--out", out, "--shard-mb", "0.000001"
+    )
+    assert main([*base, "--limit", "4"]) == 0
+    assert main(base) == 0  # resumes at context 4
+    err = capsys.readouterr().err
+    assert "already stored" in err and "plan: " in err
+    r = open_capture(out)
+    assert r.layers == LAYERS and r.examples == len(ids)
+    for name in LAYERS:
+        torch.testing.assert_close(r[name].to_tensor(), want[name])
+    assert r.settings["context_size"] == 16 and r.settings["exclude_special_tokens"] is True
+
+
+def test_other_kinds_give_the_same_capture(ckpt, tmp_path):
+    import datasets
+
+    _, want = hand_reference(ckpt, 16, ["transformer.h.1"])
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for t in DOCS:
+            f.write(json.dumps({"body": t}) + "\n")
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
+    tok = _tokenizer()
+    pre = [[tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"]] for t in DOCS]
+    pq.write_table(pa.table({"input_ids": pre}), tmp_path / "ids.parquet")
+    for src, extra in [
+        (tmp_path / "c.jsonl", ["--text-column", "body"]),
+        (tmp_path / "saved", []),
+        (tmp_path / "ids.parquet", []),  # pre-tokenised: used as is
+    ]:
+        out = str(tmp_path / f"out-{src.name}")
+        args = ["capture", "--model", str(ckpt / "model"), "--input", str(src), *extra]
+        assert (
+            main(
+                [
+                    *args,
+                    "--context-size",
+                    "16",
+                    "--layers",
+                    "transformer.h.1",
+                    "--out",
+                    out,
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
+        got = open_capture(out)["transformer.h.1"].to_tensor()
+        torch.testing.assert_close(got, want["transformer.h.1"]), src
+
+
+def test_dry_run_and_estimate_match_the_capture(ckpt, tmp_path, capsys):
+    out = tmp_path / "acts"
+    assert main(cap(ckpt, "--context-size", "16", "--out", str(out), "--dry-run")) == 0
+    plan = capsys.readouterr().out
+    assert not out.exists()  # nothing written
+    assert "transformer.h.1" in plan and "row shape" in plan and "shard(s)" in plan
+    ids, want = hand_reference(ckpt, 16, LAYERS)
+    rows = len(want["transformer.h.0"])
+    assert f"{len(ids):,} contexts of 16 tokens ({rows:,} rows kept, counted)" in plan
+    assert f"{rows * 32 * 4 / 1e6:,.1f}" in plan  # MB per layer: rows x 32 x float32
+
+
+def test_refuses_when_the_estimate_does_not_fit(ckpt, tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
+    out = str(tmp_path / "acts")
+    assert main(cap(ckpt, "--context-size", "16", "--out", out, "--quiet")) == 2
+    err = capsys.readouterr().err
+    assert "the capture needs about" in err and "1.0 kB free" in err and "--force" in err
+    assert not os.path.exists(os.path.join(out, "index.json"))
+    assert main(cap(ckpt, "--context-size", "16", "--out", out, "--quiet", "--force")) == 0
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading the weights fails the test: the check must come before it."""
+
+    def boom(*a, **k):
+        raise AssertionError("the model's weights were loaded")
+
+    monkeypatch.setattr(runner, "load_weights", boom)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--text-column", "body"], "its columns are: text, n"),
+        (["--text-column", "n"], "holds int64, not text"),
+        (["--context-size", "100000"], "is above the 64 positions"),
+        (["--max-length", "100"], "--max-length 100 is above the 64 positions"),
+        (["--device", "meta"], "--device 'meta' holds no data"),
+        (["--context-size", "16", "--max-length", "8"], "drop one of them"),
+        (["--out", "/proc/pyhook-x"], "cannot write to --out '/proc/pyhook-x'"),
+    ],
+)
+def test_bad_input_is_one_line_before_the_weights(
+    ckpt, tmp_path, capsys, no_weights, extra, message
+):
+    args = cap(ckpt, "--out", str(tmp_path / "o"), *extra)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Errno" not in err[0], err
+
+
+def test_empty_and_short_corpora(ckpt, tmp_path, capsys, no_weights):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "short.txt").write_text("the fox ran\n")
+    for name, message in [
+        ("empty.txt", "holds no non-empty line"),
+        ("short.txt", "fewer than one context"),
+    ]:
+        args = ["capture", "--model", str(ckpt / "model"), "--input", str(tmp_path / name)]
+        assert main([*args, "--context-size", "16", "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_checkpoint_without_tokenizer(ckpt, tmp_path, capsys):
+    bare = str(ckpt / "bare")
+    for cmd in (
+        ["layers", "--model", bare],
+        ["capture", "--model", bare, "--out", str(tmp_path / "o")],
+    ):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "has no tokenizer files" in err[0] and "--tokenizer" in err[0], err
+    out = str(tmp_path / "o")
+    args = [
+        "capture",
+        "--model",
+        bare,
+        "--tokenizer",
+        str(ckpt / "model"),
+        "--input",
+        str(ckpt / "c.parquet"),
+    ]
+    assert main([*args, "--context-size", "16", "--layers", *LAYERS, "--out", out, "--quiet"]) == 0
+    _, want = hand_reference(ckpt, 16, LAYERS)
+    torch.testing.assert_close(
+        open_capture(out)["transformer.h.1"].to_tensor(), want["transformer.h.1"]
+    )
+
+
+def test_model_from_the_hub_cache_and_model_class(ckpt, tmp_path, monkeypatch, capsys):
+    # A hub cache laid out as huggingface_hub writes it; nothing is downloaded.
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-gpt2" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for f in os.listdir(ckpt / "model"):
+        os.symlink(ckpt / "model" / f, snap / f)
+    (cache / "models--acme--tiny-gpt2" / "refs").mkdir()
+    (cache / "models--acme--tiny-gpt2" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert runner.resolve_model_path("acme/tiny-gpt2") == str(snap)
+    loaded = runner.load_model("acme/tiny-gpt2", model_class="AutoModel")
+    assert type(loaded.model).__name__ == "GPT2Model"  # not the config's GPT2LMHeadModel
+    assert main(["layers", "--model", "acme/tiny-gpt2", "--model-class", "AutoModel"]) == 0
+    assert "GPT2Model" in capsys.readouterr().out
+    with pytest.raises(runner.RunnerError, match="nor a model in the local Hugging Face cache"):
+        runner.resolve_model_path("acme/not-cached")
+    with pytest.raises(runner.RunnerError, match="is not a transformers model class"):
+        runner.load_model("acme/tiny-gpt2", model_class="NoSuchModel")
+
+
+def test_a_layer_that_never_runs_is_an_error(ckpt, tmp_path, capsys):
+    assert main(cap(ckpt, "--layers", "transformer.h", "--out", str(tmp_path / "o"))) == 2
+    err = capsys.readouterr().err
+    assert "'transformer.h' never run(s)" in err and "'transformer.h.*'" in err
+    assert not (tmp_path / "o" / "index.json").exists()
+
+
+def test_existing_capture_checks_come_before_the_model(ckpt, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "acts")
+    assert main(cap(ckpt, "--batch-size", "8", "--out", out, "--quiet")) == 0  # 60 examples
+    capsys.readouterr()
+
+    def boom(*a, **k):
+        raise AssertionError("the model's weights were loaded")
+
+    monkeypatch.setattr(runner, "load_weights", boom)
+    assert main(cap(ckpt, "--limit", "20", "--out", out)) == 0
+    err = capsys.readouterr().err
+    assert "already holds 60 examples, more than the 20 --limit asks for" in err
+    assert main(cap(ckpt, "--dtype", "float16", "--context-size", "16", "--out", out)) == 2
+    err = capsys.readouterr().err
+    assert "already holds a different capture (60 examples)" in err
+    assert "--dtype float16 now, the model's when stored" in err
+    assert "--context-size 16 now, none: one example per row when stored" in err
+    assert "!=" not in err and "None" not in err and "--overwrite" in err
+
+
+def test_typo_gets_the_subcommand_usage_and_a_suggestion(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--limt", "64"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pyhook capture") and "--limt (did you mean --limit?)" in err
+    with pytest.raises(SystemExit):
+        main(["--limt", "64"])  # no command: capture's usage too
+    assert "usage: pyhook capture" in capsys.readouterr().err
+
+
+def test_inspect_on_a_file(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("x")
+    assert main(["inspect", str(tmp_path / "f.txt")]) == 2
+    assert "is a file; pyhook inspect reads a capture directory" in capsys.readouterr().err
+
+
+def _run(code, cwd=None):
+    return subprocess.run(
+        ["bash", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+
+
+def test_broken_pipe_is_quiet():
+    exe = f"{sys.executable} -I -m pyhook"
+    res = _run(f"{exe} info | head -1; {exe} layers | head -2")
+    assert res.stderr == "", res.stderr
+    assert len(res.stdout.splitlines()) == 3
+
+
+def test_import_from_the_source_tree_says_so_once():
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if glob.glob(os.path.join(root, "pyhook", "_C*")):
+        pytest.skip("the native core was built in place in this checkout")
+    res = _run(f"{sys.executable} -c 'import pyhook, pyhook.capture'", cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("imported from the source tree") == 1, res.stderr
+    assert "python -I" in res.stderr and "pip install" in res.stderr
+
+
+def _rank_worker(rank: int, world: int, port: int, args: list[str]) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    code = main(args)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    assert code == 0
+
+
+def test_two_ranks_share_packed_contexts(ckpt, tmp_path):
+    """torchrun with packed contexts: rank r takes contexts r, r + 2, ...; the store holds rank
+    0's rows, then rank 1's, each equal to the hand-packed reference of those contexts."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two")
+    args = cap(ckpt, "--context-size", "16", "--layers", "transformer.h.1", "--batch-size", "4")
+    mp.spawn(_rank_worker, args=(2, port, [*args, "--out", out, "--quiet"]), nprocs=2, join=True)
+    ids, _ = hand_reference(ckpt, 16, [])
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(ckpt / "model").eval()
+    got = []
+    h = model.transformer.h[1].register_forward_hook(
+        lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    hidden = got[0]
+    keep = ids != ids[0, 0]  # the BOS id
+    want = torch.cat([hidden[r::2][keep[r::2]] for r in range(2)])
+    r = open_capture(out)
+    assert r.index["ranks"] == [0, 1] and r.examples == len(ids)
+    torch.testing.assert_close(r["transformer.h.1"].to_tensor(), want, rtol=1e-4, atol=1e-5)
