@@ -56,6 +56,7 @@ TOKEN_IDS = "__token_ids__"
 ROW_INDEX = "__row_index__"
 TEXT_LENGTHS = "__text_lengths__"
 TEXT_BYTES = "__text_bytes__"
+TEXT_EXAMPLES = "__text_examples__"
 STATS_PREFIX = "__stats__."
 
 
@@ -115,7 +116,7 @@ def row_index(reader: Any) -> torch.Tensor | None:
     return _aligned(reader, "row indices", _read(reader, ROW_INDEX))
 
 
-_TEXT_CACHE: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+_TEXT_CACHE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def text(reader: Any, example: int) -> str:
@@ -135,8 +136,8 @@ def text(reader: Any, example: int) -> str:
         >>> text(open_capture(out), 0)
         'héllo'
     """
-    offsets = _TEXT_CACHE.get(reader)
-    if offsets is None:
+    cached = _TEXT_CACHE.get(reader)
+    if cached is None:
         lengths = _read(reader, TEXT_LENGTHS)
         if lengths is None:
             raise AnnotationMissingError(
@@ -144,13 +145,23 @@ def text(reader: Any, example: int) -> str:
                 "without text bookkeeping)"
             )
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        _TEXT_CACHE[reader] = offsets
+        ids = _read(reader, TEXT_EXAMPLES)  # absent in stores written before it existed
+        where = None
+        if ids is not None and ids.numel() == lengths.numel():
+            where = {int(e): i for i, e in enumerate(ids.tolist())}
+        cached = _TEXT_CACHE[reader] = (offsets, where)
+    offsets, where = cached
     n = offsets.shape[0] - 1
     if isinstance(example, bool) or not isinstance(example, int):
         example = int(torch.as_tensor(example))
-    if not -n <= example < n:
-        raise IndexError(f"example {example} out of range: the capture keeps {n} texts")
-    example %= n
+    if where is not None:  # example indices as row_index gives them
+        if example not in where:
+            raise IndexError(f"example {example} out of range: the capture keeps no text for it ({n} texts)")
+        example = where[example]
+    else:  # older stores: texts in storage order
+        if not -n <= example < n:
+            raise IndexError(f"example {example} out of range: the capture keeps {n} texts")
+        example %= n
     lo, hi = int(offsets[example]), int(offsets[example + 1])
     raw = reader.layer(TEXT_BYTES)[lo:hi] if hi > lo else torch.empty(0, dtype=torch.uint8)
     return bytes(raw.tolist()).decode("utf-8")

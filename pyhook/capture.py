@@ -656,6 +656,13 @@ class Recorder:
         if note is not None and note.texts is not None:
             enc = [s.encode("utf-8") for s in note.texts]
             extra["__text_lengths__"] = torch.tensor([len(e) for e in enc], dtype=torch.long)
+            # the example index of each text (what row_index says), so text(e) finds example e
+            # whatever order ranks and resumes stored the texts in
+            if note.examples is not None:
+                extra["__text_examples__"] = note.examples.detach().to("cpu", torch.long).reshape(-1)
+            else:
+                start = self.examples_done + self.examples
+                extra["__text_examples__"] = torch.arange(start, start + len(enc), dtype=torch.long)
             blob = b"".join(enc)
             extra["__text_bytes__"] = (
                 torch.frombuffer(bytearray(blob), dtype=torch.uint8)

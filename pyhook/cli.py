@@ -149,8 +149,23 @@ def _existing_dir(path: str) -> str:
     return path
 
 
+def _is_url(path: str) -> bool:
+    from .store import is_url
+
+    return is_url(path)
+
+
+def _shown(path: str) -> str:
+    """A capture's place as the user sees it: a URL as given, a folder made absolute."""
+    return path if _is_url(path) else os.path.abspath(path)
+
+
 def _check_out(out: str) -> None:
-    """``--out`` must be (or be creatable as) a writable folder: one line, no errno."""
+    """``--out`` must be (or be creatable as) a writable folder: one line, no errno. A URL
+    (``s3://bucket/prefix``, any fsspec URL) is checked by the writer, which names what is
+    wrong (a missing fsspec backend, credentials, the bucket)."""
+    if _is_url(out):
+        return
     if os.path.exists(out) and not os.path.isdir(out):
         raise CLIError(f"--out {out!r} is a file, not a directory")
     base = _existing_dir(out)
@@ -228,9 +243,12 @@ def _settings_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[s
 def _stored_capture(out: str) -> Any:
     """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
     the writer then reports what is wrong)."""
-    if not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out)):
-        return None
     from .store import open_capture
+
+    if not _is_url(out) and (
+        not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out))
+    ):
+        return None
 
     try:
         reader = open_capture(out)
@@ -329,7 +347,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         )
     positions = _parse_positions(args.positions)
     _check_device(args.device)
-    out = os.path.abspath(args.out)
+    out = _shown(args.out)
     _check_out(out)
     input_path = os.path.abspath(args.input or default_corpus())
     context_size = args.context_size
@@ -490,14 +508,15 @@ def cmd_capture(args: argparse.Namespace) -> int:
         )
     if hasattr(rec, "annotate"):
         total += (est["examples"] if per_example else est["rows"]) * 24  # token ids, row index
-    free = shutil.disk_usage(_existing_dir(out)).free
+    remote = _is_url(out)  # object storage: no free-space figure to compare with
+    free = 0 if remote else shutil.disk_usage(_existing_dir(out)).free
     unit = f"contexts of {context_size} tokens" if context_size else "examples"
     how = "counted" if est["exact"] else "estimated from a sample"
     shards = max(1, math.ceil(total / (args.shard_mb * (1 << 20)))) if total else 0
     summary = (
         f"plan: {est['examples']:,} {unit} ({est['rows']:,} rows kept, {how}) through "
         f"{type(model).__name__} -> {len(rec.layers)} layer(s), about {_human(total)} in ~{shards} "
-        f"shard(s); {_human(free)} free at {_existing_dir(out)}"
+        + (f"shard(s) to {out}" if remote else f"shard(s); {_human(free)} free at {_existing_dir(out)}")
     )
     if args.dry_run:
         print(f"model {prepared.path} ({type(model).__name__}), input {input_path}")
@@ -506,7 +525,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return 0
     if show:
         print(summary, file=sys.stderr)
-    if total > free and not args.force:
+    if not remote and total > free and not args.force:
         raise CLIError(
             f"the capture needs about {_human(total)} but {_existing_dir(out)} has {_human(free)} "
             "free; capture less (--limit, fewer --layers, --dtype float16) or another --out, "
@@ -693,6 +712,23 @@ def _settings_line(st: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _stored_stats(reader: Any) -> str:
+    """The statistics of all rows gathered while capturing, and what token bookkeeping the
+    capture keeps (``pyhook inspect``)."""
+    from . import annotations
+
+    has_tokens = reader.tokens is not None
+    lines = [
+        "  token ids and row index: "
+        + ("kept (reader.tokens, reader.row_index)" if has_tokens else "not kept")
+    ]
+    table = annotations.format_stats(reader)
+    if table.strip():
+        lines.append("  statistics of every row (gathered while capturing; reader.stats(layer)):")
+        lines += ["    " + line for line in table.splitlines()]
+    return "\n".join(lines)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
 
@@ -718,7 +754,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     idx = reader.index
     stats = {name: _layer_stats(reader, name, args.sample) for name in reader.layers}
-    print(f"capture {os.path.abspath(args.dir)}")
+    print(f"capture {_shown(args.dir)}")
     meta = idx.get("meta", {})
     print(
         f"  model {meta.get('model', '?')} ({meta.get('model_path', '-')}), pyhook {idx['pyhook_version']}, "
@@ -739,6 +775,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for name, s in stats.items()
     ]
     print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "std", "mean |row|"]))
+    print(_stored_stats(reader))
     if args.plot:
         import torch
 
@@ -769,7 +806,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ax2.set_title("activation values (0.1-99.9 percentile)")
         ax2.legend(fontsize=8)
         fig.suptitle(
-            f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(os.path.abspath(args.dir))}"
+            f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(_shown(args.dir).rstrip('/'))}"
         )
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
@@ -794,7 +831,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     idx = merged_index(args.dir)
     checked = sum(1 for s in idx["shards"] if "checksum" in s)
     print(
-        f"{os.path.abspath(args.dir)}: {len(idx['shards'])} shard(s), {_mb(idx['bytes'])} MB, "
+        f"{_shown(args.dir)}: {len(idx['shards'])} shard(s), {_mb(idx['bytes'])} MB, "
         f"{idx['examples']:,} examples: sizes and headers match the index, "
         f"{checked} checksum(s) match"
         + (

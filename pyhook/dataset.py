@@ -234,6 +234,10 @@ class CaptureDataset(IterableDataset):
         if not self._cache:
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
             self._cache = {n: _parts(self._reader.layer(n)) for n in names}
+        else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
+            check = getattr(self._reader, "check_mapped", None)
+            if check is not None:
+                check()
         return self._cache
 
     # -- the epoch's plan ----------------------------------------------------------------------

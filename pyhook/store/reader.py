@@ -136,15 +136,18 @@ def _gather_rows(
     :class:`LayerData` that is not a contiguous slice goes through this one function, so a
     faster gather (the native core's, on all cores) plugs in here.
     """
-    first = next(p for p in parts if p is not None)
-    out = torch.empty((idx.numel(), *first.shape[1:]), dtype=first.dtype)
-    part_of = torch.bucketize(idx, starts[1:], right=True)
-    for i in part_of.unique().tolist():
-        sel = (part_of == i).nonzero().squeeze(1)
-        part = parts[i]
-        assert part is not None
-        out[sel] = part[idx[sel] - int(starts[i])]
-    return out
+    from .._backend import gather_rows  # the native gather (all cores, no GIL), or the reference
+
+    touched = [i for i, p in enumerate(parts) if p is not None]
+    if len(touched) != len(parts):  # renumber idx over the touched parts only
+        part_of = torch.bucketize(idx, starts[1:], right=True)
+        shift = torch.zeros(len(parts), dtype=torch.long)
+        at = 0
+        for i in touched:
+            shift[i] = int(starts[i]) - at
+            at += int(starts[i + 1]) - int(starts[i])
+        idx = idx - shift[part_of]
+    return gather_rows([p for p in parts if p is not None], idx)
 
 
 class LayerData:
@@ -498,6 +501,60 @@ class CaptureReader:
             else:
                 idx = order[start:end]
                 yield {name: d[idx] for name, d in zip(names, data)}
+
+    # -- token bookkeeping and statistics (pyhook.annotations), training (pyhook.dataset) ----
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The token id of every row (``LongTensor [rows]``, aligned with each layer's rows), or
+        None when the capture keeps none (older stores, rows of different layouts); see
+        :func:`pyhook.annotations.tokens`."""
+        from .. import annotations
+
+        return annotations.tokens(self)
+
+    @property
+    def row_index(self) -> torch.Tensor | None:
+        """``(example, position)`` of every row (``LongTensor [rows, 2]``), or None when
+        absent; see :func:`pyhook.annotations.row_index`."""
+        from .. import annotations
+
+        return annotations.row_index(self)
+
+    def text(self, example: int) -> str:
+        """The text of example ``example`` (the index :attr:`row_index` gives), when the
+        capture kept texts; see :func:`pyhook.annotations.text`."""
+        from .. import annotations
+
+        return annotations.text(self, example)
+
+    def stats(self, layer: str) -> dict[str, torch.Tensor]:
+        """Statistics of ``layer`` gathered while capturing, exact across shards, resumes and
+        ranks: ``count``, per-dimension ``mean`` and ``var``, ``norm_mean`` (mean L2 norm of a
+        row); see :func:`pyhook.annotations.stats`."""
+        from .. import annotations
+
+        return annotations.stats(self, layer)
+
+    def dataset(self, layers: str | Sequence[str] | None = None, **options: Any) -> Any:
+        """A ``torch.utils.data`` dataset of shuffled ``{layer: rows}`` batches for a plain
+        ``DataLoader(ds, batch_size=None)``; see :func:`pyhook.dataset.dataset`."""
+        from .. import dataset
+
+        return dataset.dataset(self, layers, **options)
+
+    def to_hf_dataset(self, layers: str | Sequence[str] | None = None, **options: Any) -> Any:
+        """The rows as a Hugging Face ``datasets.Dataset`` (with token ids); see
+        :func:`pyhook.dataset.to_hf_dataset`."""
+        from .. import dataset
+
+        return dataset.to_hf_dataset(self, layers, **options)
+
+    def check_mapped(self) -> None:
+        """Raise :class:`CaptureDamagedError` if a shard mapped so far became shorter (one
+        ``fstat`` each): what every read does first, for readers that keep the views."""
+        for shard in self._shards:
+            if hasattr(shard, "check"):
+                shard.check()
 
     def __repr__(self) -> str:
         return f"<CaptureReader {self.path!r} layers={len(self.layers)} examples={self.examples}>"
