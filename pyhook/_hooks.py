@@ -334,6 +334,9 @@ def _remove_all(handles: Any) -> None:
                     del md[_REGISTRY]
 
 
+_GONE = object()  # see HookSet._guard
+
+
 def _add_hooks(
     items: Any,
     post: bool,
@@ -470,8 +473,13 @@ class HookSet:
         # The common case, the owner's own forward, is tested inline first.
         if nargs == 4:
 
-            def guarded4(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-                if (get_ident() == owner and in_backward() == -1) or ours():
+            # ``output`` missing: another thread's forward took a snapshot of the module's hooks
+            # while this one was being added or removed, and torch saw no kwargs flag for it
+            # (torch reads the two dicts separately). That forward is not ours: do nothing.
+            def guarded4(module: Any, args: Any, kwargs: Any, output: Any = _GONE) -> Any:
+                if (get_ident() == owner and in_backward() == -1) or (
+                    output is not _GONE and ours()
+                ):
                     return fn(module, args, kwargs, output)
                 return None
 

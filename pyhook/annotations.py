@@ -154,7 +154,11 @@ def text(reader: Any, example: int) -> str:
     n = offsets.shape[0] - 1
     if isinstance(example, bool) or not isinstance(example, int):
         example = int(torch.as_tensor(example))
-    if where is not None:  # example indices as row_index gives them
+    if where is not None and example < 0:  # from the end, in storage order (as a list)
+        if example < -n:
+            raise IndexError(f"example {example} out of range: the capture keeps {n} texts")
+        example += n
+    elif where is not None:  # example indices as row_index gives them
         if example not in where:
             raise IndexError(f"example {example} out of range: the capture keeps no text for it ({n} texts)")
         example = where[example]

@@ -386,3 +386,14 @@ def test_two_ranks_share_packed_contexts(ckpt, tmp_path):
     r = open_capture(out)
     assert r.index["ranks"] == [0, 1] and r.examples == len(ids)
     torch.testing.assert_close(r["transformer.h.1"].to_tensor(), want, rtol=1e-4, atol=1e-5)
+    # token bookkeeping across ranks: each row's (context, position) names its token in the
+    # hand-packed contexts, and text(context) is that context's text, whichever rank stored it
+    tokens, index = r.tokens, r.row_index
+    assert torch.equal(tokens, torch.cat([ids[k::2][keep[k::2]] for k in range(2)]))
+    assert torch.equal(ids[index[:, 0], index[:, 1]], tokens)
+    assert sorted(set(index[:, 0].tolist())) == list(range(len(ids)))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt / "model")
+    for c in (0, 1, len(ids) - 1):
+        assert r.text(c) == tok.decode(ids[c].tolist(), skip_special_tokens=False)

@@ -314,7 +314,7 @@ def test_trace_multiple_decorator_many_threads_many_calls():
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     before = hook_snapshot(net)
     tm = TraceMultiple(net, {"1": (True, True)})
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(4, timeout=60)  # a thread that raised must fail the test, not hang it
 
     @tm
     def run(x: torch.Tensor) -> bool:

@@ -352,3 +352,24 @@ def test_bucket_vanishing_mid_read_is_named(s3):
     with pytest.raises((CaptureDamagedError, RemoteStorageError), match="vanishing"):
         r["a"][:]
     assert time.monotonic() - t0 < 60
+
+
+def test_the_command_captures_verifies_and_inspects_an_s3_prefix(s3, tmp_path, monkeypatch, capsys):
+    """`pyhook capture --out s3://...` writes to the bucket (not to a local folder named
+    's3:'), and verify/inspect read it back: rows, token ids and statistics."""
+    from pyhook.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    url = s3()
+    assert main(["capture", "--out", url, "--limit", "3", "--layers", "resid_post.5", "--quiet"]) == 0
+    assert not any(tmp_path.iterdir())  # nothing written locally
+    assert "index.json" in {k.rsplit("/", 1)[-1] for k in _objects(url)}
+    assert main(["verify", url]) == 0
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "statistics of every row" in out
+    r = open_capture(url)
+    rows = r["resid_post.5"].to_tensor()
+    assert r.examples == 3 and rows.shape[0] == r.tokens.shape[0] == r.stats("resid_post.5")["count"]
+    torch.testing.assert_close(r.stats("resid_post.5")["mean"], rows.double().mean(0))
