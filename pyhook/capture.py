@@ -56,7 +56,7 @@ from ._record import (
 from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
 from ._version import __version__
-from .modules import LayerNotFoundError, resolve_module
+from .modules import LayerNotFoundError, glob_regex, resolve_module
 from .offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
 from .points import all_points, module_path, resolve_targets
 from .store import ShardWriter, dtype_name, parse_dtype
@@ -75,24 +75,6 @@ Destination = Literal["device", "host", "disk"]
 _GLOB_CHARS = re.compile(r"[*?]")
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    # '*' and '?' stay within one dotted component; '**' crosses dots.
-    out = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^.]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^.]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
 
 
 def _list_names(names: Sequence[str], limit: int = 60) -> str:
@@ -140,7 +122,7 @@ def resolve_layers(
             if named is None:
                 named = dict(model.named_modules())
             all_names = [n for n in named if n]
-            rx = _glob_regex(entry)
+            rx = glob_regex(entry)
             hits = [n for n in all_names if rx.match(n)]
             if not hits:
                 raise LayerNotFoundError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -343,3 +344,23 @@ def hierarchical_subsequence(
     result = nn.Sequential(kept)
     result.training = sequential.training
     return result
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A layer-name glob as a regex: ``*`` and ``?`` stay within one dotted component, ``**``
+    crosses dots (the globs of ``capture`` layers and of standard points)."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modules import LayerNotFoundError, get_module
+from .modules import LayerNotFoundError, get_module, glob_regex
 
 __all__ = [
     "ARCHITECTURES",
@@ -713,7 +713,7 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         pattern = re.sub(
             r"(?<=\.)-(\d+)(?=\.|\Z)", lambda m: str(layout.n - int(m.group(1))), pattern
         )
-        rx = _glob_regex(pattern)
+        rx = glob_regex(pattern)
         hits = []
         for n in point_names(model, tl=tl):
             if rx.match(n):
@@ -729,23 +729,6 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
     return [(n, _make(model, layout, k, i, _spell(k, i, False))) for n, k, i in hits]
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    # as module globs: '*' and '?' stay within one dotted component, '**' crosses dots
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^.]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^.]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
 
 
 def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | None:
