@@ -25,6 +25,7 @@ This module also holds the traceable helpers the tools use on this path.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -258,13 +259,39 @@ def _compiled_code_exists() -> bool:
     return seen is None or any(ref() is not None for ref in seen)
 
 
+_IDLE_FILES = ("threading.py", "queue.py", os.path.join("concurrent", "futures", "thread.py"))
+
+
+def _idle_pool_worker(frame: Any) -> bool:
+    """Whether a thread's stack is an executor worker waiting for work: every frame is the
+    worker loop or the queue/lock it waits on (e.g. the idle threads of a ThreadPoolExecutor
+    that fsspec, datasets or a tokenizer left behind). Such a thread runs no compiled code."""
+    worker = False
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.endswith(_IDLE_FILES):
+            return False
+        worker = worker or code.co_name == "_worker"
+        frame = frame.f_back
+    return worker
+
+
 def _other_threads() -> list[str]:
     """Live non-daemon threads other than the caller: they may be running compiled code.
 
-    (Daemon threads -- pyhook's writers, a notebook kernel's own threads -- are not counted.)
+    (Daemon threads -- pyhook's writers, a notebook kernel's own threads -- and executor
+    workers idle in their queue are not counted.)
     """
     me = threading.current_thread()
-    return [t.name for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+    frames = sys._current_frames()
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t is not me
+        and not t.daemon
+        and t.is_alive()
+        and not _idle_pool_worker(frames.get(t.ident or -1))
+    ]
 
 
 def _invalidate(what: str) -> None:

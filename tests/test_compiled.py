@@ -622,6 +622,43 @@ def test_dropping_compiled_code_with_other_threads_alive_is_refused_not_a_crash(
     assert out == {0: True, 1: True, 2: True}
 
 
+def test_idle_executor_threads_do_not_block_tracing_a_compiled_model():
+    """Libraries leave ThreadPoolExecutor workers behind (fsspec, datasets, tokenizers): idle in
+    their queue they run no compiled code, so tracing may drop dynamo's code; a worker that is
+    running the model is still a reason to refuse."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    net = mlp()
+    runner = torch.compile(net, backend="eager")
+    x = torch.randn(2, 4)
+    runner(x)
+    pool = ThreadPoolExecutor(2)
+    try:
+        pool.submit(lambda: None).result()  # a live, idle worker
+        with Trace(runner, "0") as t:
+            runner(x)
+        assert torch.equal(t.output, net[0](x).detach())
+        pyhook.release_compiled(runner)
+        runner(x)  # compiled code exists again
+        started, release = threading.Event(), threading.Event()
+
+        def busy():
+            started.set()
+            while not release.is_set():
+                runner(x)
+
+        job = pool.submit(busy)
+        started.wait()
+        try:
+            with pytest.raises(pyhook.CompiledModelError, match="prepare_compiled"):
+                Trace(runner, "0")
+        finally:
+            release.set()
+            job.result()
+    finally:
+        pool.shutdown()
+
+
 def test_extend_tools_accept_eager_names_on_a_torch_compile_wrapper():
     from pyhook.extend import ActivationMapGrabber, ModelExtender, ModelStump
 
