@@ -83,8 +83,13 @@ def gpt2(n_layer: int = 2, seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=n_layer,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg).eval()
 
@@ -98,3 +103,23 @@ def all_hooks(model: nn.Module) -> int:
         # flags of removed hooks must be gone too (a leak of PyTorch's bookkeeping)
         assert set(getattr(m, "_forward_hooks_with_kwargs", {})) <= set(m._forward_hooks)
     return total
+
+
+def word_tokenizer(docs):
+    """A real tokenizer that needs no download: a WordLevel one trained on ``docs``, with
+    GPT-2's special-token layout (one <|endoftext|> that is BOS, EOS and pad)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t.train_from_iterator(
+        docs, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t,
+        unk_token="[UNK]",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )

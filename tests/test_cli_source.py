@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from _models import word_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -23,21 +24,7 @@ DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 5))} away ." for i in 
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    t.train_from_iterator(
-        DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=t,
-        unk_token="[UNK]",
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-    )
+    return word_tokenizer(DOCS)
 
 
 @pytest.fixture(scope="module")

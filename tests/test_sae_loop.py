@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import word_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -36,22 +37,10 @@ def face(reader, name, *args):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     root = tmp_path_factory.mktemp("sae")
-    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    t.train_from_iterator(
-        DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=t,
-        unk_token="[UNK]",
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-    )
+    tok = word_tokenizer(DOCS)
     torch.manual_seed(0)
     cfg = GPT2Config(
         n_layer=2,

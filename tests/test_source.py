@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from _models import word_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -21,21 +22,7 @@ DOCS = [f"doc {i} says {' '.join(['word'] * (i % 7))} end" for i in range(200)]
 def tok():
     """A real tokenizer that needs no download: a WordLevel one trained here, with GPT-2's
     special-token layout (one <|endoftext|> that is BOS, EOS and pad)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    t.train_from_iterator(
-        DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=t,
-        unk_token="[UNK]",
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-    )
+    return word_tokenizer(DOCS)
 
 
 @pytest.fixture(scope="module")
