@@ -1,24 +1,30 @@
 """Host memory of a capture: the RSS a capture adds to the forward's own, and what stays after.
 
-Run:  python benchmarks/bench_memory.py [--quick | --full] [--batches N] [--out-dir DIR]
+Run:  python benchmarks/bench_memory.py [--quick | --full] [--batches N] [--rounds R] [--out-dir DIR]
 
 A GPT-2-small-shaped model (random weights: 12 blocks, width 768) runs batches of 8 x 256
 tokens; every block's output is captured (12 x 2048 rows x 768 float32 = 75.5 MB a batch).
-Each configuration runs in a fresh Python process, which samples its own RSS
-(``/proc/self/statm``) every 5 ms in a background thread, through three phases:
+Every measurement is a fresh Python process that samples its own RSS (``/proc/self/statm``)
+every 5 ms in a background thread. "The forward's own working memory" is measured the same way,
+by a process that runs the same batches without a capture: the glibc heap of a long run of
+forwards fragments and grows by itself (GPT-2 small: +265 MB over 12 forwards, no capture),
+so a few forwards before the capture are not a baseline. Printed per configuration:
 
-1. forward only, a few batches: the forward's own working memory (its peak RSS is the baseline);
-2. the capture over ``--batches`` batches (``--full``: 40 batches, 3.0 GB on disk;
-   ``--quick``: 8 batches, 0.6 GB), in the same process;
-3. after ``close()``: the RSS left over.
+* extra = peak RSS of the capture process minus the peak of the forward-only process (both
+  above their own RSS after one warm-up forward and a trim), median over ``--rounds`` rounds,
+  with two allocators' settings: glibc's defaults (noisy: the heap's fragmentation varies by
+  a few hundred MB from run to run, so it is paired with a forward-only run in every round) and
+  a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_=1048576``, set for both processes: large
+  blocks are mapped and unmapped, so the RSS follows the live bytes);
+* pooled = the most bytes of capture buffers alive at once (the native pool's live plus idle
+  bytes, sampled), what the capture itself holds;
+* left = RSS after ``close()`` above the RSS before the capture;
+* seconds per batch of the capture and of the forward alone.
 
-Printed per configuration: the peak RSS of phase 2 above phase 1's peak ("extra", the goal is
-<= 256 MB by default whatever the capture's size), RSS after close above the RSS before the
-capture ("left", goal <= 64 MB), and the time per batch of the capture against the forward
-alone. Configurations: the default disk capture; the same with the memory budget raised
-(``max_host_bytes=1 GiB``: larger shards and pools, for speed); a host capture of a few batches
-followed by ``rec.results()``, as bytes held over the bytes of the rows (goal: 1.0x, the rows
-once).
+Goals (issue 19): extra <= 256 MB by default whatever the capture's size (``--full``: 40
+batches, 3.0 GB on disk; ``--quick``: 8 batches, 0.6 GB), left <= 64 MB. The host
+configuration captures 4 batches and calls ``rec.results()``: bytes held over the bytes of
+the rows (goal: 1.0x, the rows once).
 """
 
 from __future__ import annotations
@@ -81,7 +87,29 @@ def model():
     return transformers.GPT2Model(cfg).eval()
 
 
-def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
+class PoolSampler(RssSampler):
+    """Also samples the native pool: the most capture-buffer bytes alive at once (live + idle)."""
+
+    def __init__(self, every: float = 0.005) -> None:
+        from pyhook import _backend
+
+        self._stats = _backend.pool_stats
+        self.pooled = 0
+        super().__init__(every)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            st = self._stats()
+            self.pooled = max(self.pooled, st["live_bytes"] + st["cached_bytes"])
+            time.sleep(self.every)
+
+
+def child(config: str, batches: int, out_dir: str) -> dict:
+    """One measurement in this (fresh) process: ``forward`` (no capture), ``disk-default``,
+    ``disk-1GiB`` or ``host-results``."""
+    import gc
+
     import torch
 
     from pyhook.capture import capture
@@ -90,56 +118,50 @@ def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
     net = model()
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 50257, (BATCH, TOKENS), generator=g) for _ in range(4)]
-    sampler = RssSampler()
+    sampler = PoolSampler()
     result: dict = {"config": config}
+    opts: dict = {}
     with torch.inference_mode():
         net(input_ids=ids[0])  # warm-up
-        start = sampler.reset()
-        t0 = time.perf_counter()
-        for i in range(fwd_batches):
-            net(input_ids=ids[i % 4])
-        fwd_time = (time.perf_counter() - t0) / fwd_batches
-        fwd_peak = sampler.peak
         trim_host_memory()  # "before" and "after" are both measured trimmed (close trims)
         before = sampler.reset()
-        opts: dict = {}
-        if config == "disk-1GiB":
-            opts["max_host_bytes"] = 1 << 30
-        if config.startswith("disk"):
-            out = tempfile.mkdtemp(dir=out_dir)
-            opts["out"] = out
         times = []
-        with capture(net, "h.*", **opts) as rec:
+        if config == "forward":
             for i in range(batches):
                 t = time.perf_counter()
                 net(input_ids=ids[i % 4])
                 times.append(time.perf_counter() - t)
-            if config == "host-results":
-                held_before = sampler.rss()
-                res = rec.results()
-                nbytes = sum(t.nbytes for t in res.values())
-        cap_peak = sampler.peak
+        else:
+            if config == "disk-1GiB":
+                opts["max_host_bytes"] = 1 << 30
+            if config.startswith("disk"):
+                opts["out"] = tempfile.mkdtemp(dir=out_dir)
+            with capture(net, "h.*", **opts) as rec:
+                for i in range(batches):
+                    t = time.perf_counter()
+                    net(input_ids=ids[i % 4])
+                    times.append(time.perf_counter() - t)
+                if config == "host-results":
+                    held_before = sampler.rss()
+                    res = rec.results()
+                    nbytes = sum(t.nbytes for t in res.values())
+        peak = sampler.peak
         if config == "host-results":
             trim_host_memory()
             result["results_bytes"] = nbytes
             result["held_over_rows"] = (sampler.rss() - before) / nbytes
             result["results_call_extra"] = sampler.rss() - held_before
             del rec, res
-        import gc
-
         gc.collect()
         time.sleep(0.2)
         after = sampler.rss()
     sampler.stop()
     result.update(
-        start_mb=start / MB,
-        fwd_peak_mb=fwd_peak / MB,
-        cap_peak_mb=cap_peak / MB,
-        extra_mb=(cap_peak - fwd_peak) / MB,
+        peak_mb=(peak - before) / MB,
+        pooled_mb=sampler.pooled / MB,
         left_mb=(after - before) / MB,
         captured_mb=batches * BATCH * TOKENS * WIDTH * 4 * BLOCKS / MB,
-        fwd_s=fwd_time,
-        cap_s=statistics.median(times),
+        s_per_batch=statistics.median(times),
     )
     if config.startswith("disk"):
         import shutil
@@ -148,57 +170,79 @@ def child(config: str, batches: int, fwd_batches: int, out_dir: str) -> dict:
     return result
 
 
+def run_child(config: str, batches: int, out_dir: str, fixed_malloc: bool) -> dict:
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if fixed_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--batches", str(batches)]
+    cmd += ["--out-dir", out_dir]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode:
+        print(done.stderr, file=sys.stderr)
+        raise SystemExit(f"{config}: child failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="8 batches (0.6 GB)")
     mode.add_argument("--full", action="store_true", help="40 batches (3.0 GB)")
     ap.add_argument("--batches", type=int, help="batches of the disk captures")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds (medians are printed)")
     ap.add_argument("--out-dir", default=None, help="where the captures are written")
     ap.add_argument("--configs", default="disk-default,disk-1GiB,host-results")
+    ap.add_argument(
+        "--malloc", default="fixed,default", help="allocator settings: fixed, default or both"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--fwd-batches", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = args.batches or (40 if args.full else 8)
     out_dir = args.out_dir or tempfile.gettempdir()
     if args.child:
-        print(json.dumps(child(args.child, batches, args.fwd_batches, out_dir)))
+        print(json.dumps(child(args.child, batches, out_dir)))
         return
     print(
-        f"# bench_memory: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}"
+        f"# bench_memory: {platform.platform()}, {os.cpu_count()} cores, python "
+        f"{platform.python_version()}, load {os.getloadavg()[0]:.2f}"
     )
     print(
         f"# GPT-2-small shape ({BLOCKS} blocks x {WIDTH}), {BATCH}x{TOKENS} tokens a batch, "
-        f"{BLOCKS * BATCH * TOKENS * WIDTH * 4 / MB:.1f} MB captured a batch"
+        f"{BLOCKS * BATCH * TOKENS * WIDTH * 4 / MB:.1f} MB captured a batch, {args.rounds} rounds"
     )
-    rows = []
-    for config in args.configs.split(","):
-        n = 4 if config == "host-results" else batches
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--batches", str(n)]
-        cmd += ["--out-dir", out_dir]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode:
-            print(done.stderr, file=sys.stderr)
-            raise SystemExit(f"{config}: child failed")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print()
+    configs = args.configs.split(",")
+    disk = [c for c in configs if c.startswith("disk")]
+    med = statistics.median
     print(
-        "| config | captured MB | forward peak MB | extra during capture MB | left after close MB "
-        "| s/batch capture / forward |"
+        "\n| config | malloc | captured MB | forward peak MB | capture peak MB | **extra MB** "
+        "| pooled MB | left after close MB | s/batch capture / forward |"
     )
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['config']} | {r['captured_mb']:.0f} | {r['fwd_peak_mb']:.0f} | "
-            f"{r['extra_mb']:.0f} | {r['left_mb']:.0f} | {r['cap_s']:.2f} / {r['fwd_s']:.2f} |"
-        )
-    for r in rows:
-        if r["config"] == "host-results":
+    print("|---|---|---|---|---|---|---|---|---|")
+    for malloc in args.malloc.split(","):
+        fixed = malloc == "fixed"
+        runs: dict[str, list[dict]] = {c: [] for c in ["forward", *disk]}
+        for _ in range(args.rounds):  # a forward-only process paired with every round
+            for config in runs:
+                runs[config].append(run_child(config, batches, out_dir, fixed))
+        fwd = runs["forward"]
+        for config in disk:
+            r = runs[config]
             print(
-                f"\nhost capture + results(): {r['results_bytes'] / MB:.0f} MB of rows; RSS held "
-                f"after results() = {r['held_over_rows']:.2f}x the rows (goal 1.0x); the "
-                f"results() call itself added {r['results_call_extra'] / MB:.0f} MB"
+                f"| {config} | {malloc} | {r[0]['captured_mb']:.0f} "
+                f"| {med(x['peak_mb'] for x in fwd):.0f} | {med(x['peak_mb'] for x in r):.0f} "
+                f"| **{med(c['peak_mb'] - f['peak_mb'] for c, f in zip(r, fwd)):.0f}** "
+                f"| {med(x['pooled_mb'] for x in r):.0f} | {med(x['left_mb'] for x in r):.0f} "
+                f"| {med(x['s_per_batch'] for x in r):.2f} / "
+                f"{med(x['s_per_batch'] for x in fwd):.2f} |"
             )
+    if "host-results" in configs:
+        r = run_child("host-results", 4, out_dir, False)
+        print(
+            f"\nhost capture + results(): {r['results_bytes'] / MB:.0f} MB of rows; RSS held "
+            f"after results() = {r['held_over_rows']:.2f}x the rows (goal 1.0x); the "
+            f"results() call itself added {r['results_call_extra'] / MB:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

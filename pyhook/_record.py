@@ -328,3 +328,36 @@ def batch_stats(t: torch.Tensor) -> torch.Tensor:
     m2 = x.sub_(mean).square_().sum(0)
     head = torch.stack([norms.new_full((), float(n)), norms])
     return torch.cat([head, mean, m2]).unsqueeze(0)
+
+
+def stats_later(
+    rows: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Statistics of host rows computed later, off the forward's path: empty float64 rows
+    (``[1, 2 + 2*D]`` each, stored like :func:`batch_stats`'s) and the function that fills
+    them, which a disk capture's writer thread calls once the rows are copied and before it
+    writes the batch. The rows must not change in between (they are the capture's own copies).
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook._record import batch_stats, stats_later
+        >>> x = torch.randn(5, 3)
+        >>> out, fill = stats_later({"x": x})
+        >>> fill()
+        >>> torch.equal(out["x"], batch_stats(x))
+        True
+    """
+    out = {
+        name: torch.empty(1, 2 + 2 * math.prod(t.shape[1:]), dtype=torch.float64)
+        for name, t in rows.items()
+    }
+
+    def fill() -> None:
+        # Rows and placeholders made under inference_mode are inference tensors, which only
+        # inference mode may update in place (this runs on another thread, outside it).
+        with torch.inference_mode():
+            for name, t in rows.items():
+                out[name].copy_(batch_stats(t))
+
+    return out, fill

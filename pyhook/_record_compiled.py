@@ -23,6 +23,7 @@ from .points import module_path
 from ._record import (
     Reduction,
     batch_stats,
+    stats_later,
     check_mask_tensor,
     first_input,
     input_token_ids,
@@ -150,6 +151,7 @@ class CompiledPath:
                 )
             rows_of: dict[str, torch.Tensor] = {}
             stats: dict[str, torch.Tensor] = {}
+            later: dict[str, torch.Tensor] = {}
             grids: dict[str, Any] = {}
             for name, (t, row_mask, grid) in b.rows.items():
                 if note is not None and note.keep is not None:
@@ -158,7 +160,10 @@ class CompiledPath:
                 if row_mask is not None:
                     t = t[row_mask.to(t.device)]
                 if rec._stats and not t.is_complex():
-                    stats[name] = batch_stats(t)
+                    if rec.to == "disk" and t.is_cpu:
+                        later[name] = t  # computed by the writer thread, off the forward
+                    else:
+                        stats[name] = batch_stats(t)
                 if rec.to != "device" and not t.is_cpu:
                     t = t.to("cpu")
                 elif t.is_cuda:
@@ -183,7 +188,12 @@ class CompiledPath:
             if stats:
                 for name, s in rec._stats_to_host(stats, wait=True).items():
                     extra[f"__stats__.{name}"] = s
-            rec._add(rows_of, examples or 0, extra)
+            fill = None
+            if later:
+                placeholders, fill = stats_later(later)
+                for name, s in placeholders.items():
+                    extra[f"__stats__.{name}"] = s
+            rec._add(rows_of, examples or 0, extra, wait=fill)
 
     def _rekeep(
         self,

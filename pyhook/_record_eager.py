@@ -23,12 +23,16 @@ from ._record import (
     Reduction,
     batch_size,
     batch_stats,
+    stats_later,
     check_guard,
     check_mask_tensor,
     input_token_ids,
     layer_rows,
 )
 from .offload import PendingCopy
+
+# A layer's statistics left to the writer thread (see make_hook).
+LATER: Any = object()
 
 if TYPE_CHECKING:
     from .capture import Recorder, _Note
@@ -157,7 +161,9 @@ class EagerPath:
             if self.track:
                 grid[name] = tuple(raw.shape[:2]) if reduction.token_rows(raw.shape) else None
             if stats and not t.is_complex():
-                pending_stats[name] = batch_stats(t)
+                # Rows bound for the disk from host memory: the writer thread computes their
+                # statistics from the copy (a float64 pass over the rows, off the forward).
+                pending_stats[name] = LATER if to == "disk" and t.is_cpu else batch_stats(t)
             if by_reference:
                 if needs_copy and not t.is_inference():
                     needs_copy = False
@@ -204,13 +210,27 @@ class EagerPath:
         if rec.to == "disk":
             batch = {name: p._host[0] for name, p in pending.items()}  # shapes only until waited
             waits: list[PendingCopy] = list(pending.values())
+            fill: Callable[[], None] | None = None
             if stats:
-                host_stats = rec._stats_to_host(stats)
+                later, fill = stats_later(
+                    {name: batch[name] for name, s in stats.items() if s is LATER}
+                )
+                host_stats = rec._stats_to_host(
+                    {name: s for name, s in stats.items() if s is not LATER}
+                )
                 waits += [p for p in host_stats.values() if isinstance(p, PendingCopy)]
-                for name, s in host_stats.items():
+                for name in stats:
+                    s = later[name] if name in later else host_stats[name]
                     extra[f"__stats__.{name}"] = s._host[0] if isinstance(s, PendingCopy) else s
+
+            def wait() -> None:
+                for p in waits:
+                    p.wait()
+                if fill is not None:
+                    fill()
+
             try:
-                rec._add(batch, examples, extra, wait=lambda: [p.wait() for p in waits])
+                rec._add(batch, examples, extra, wait=wait)
             except BaseException:
                 for p in pending.values():  # refused (e.g. a shape change): nothing is counted
                     rec._offloader.release(p.wait())

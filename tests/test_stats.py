@@ -77,6 +77,34 @@ def test_disk_stats_equal_the_stored_rows(tmp_path):
     assert "lin" in table and "out" in table and str(rec.rows["lin"]) in table
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_disk_stats_are_computed_by_the_writer_thread(tmp_path, monkeypatch, mode):
+    # The float64 pass over a batch's rows is not on the forward's path: the writer thread
+    # computes it from the capture's copy before writing the batch (the stored values are
+    # checked against the rows above; here: where they are computed, and that they still agree).
+    import threading
+
+    import pyhook._record as record
+
+    threads: list[str] = []
+    real = record.batch_stats
+
+    def spy(t):
+        threads.append(threading.current_thread().name)
+        return real(t)
+
+    monkeypatch.setattr(record, "batch_stats", spy)
+    torch.manual_seed(0)
+    net = Offset()
+    with mode(), capture(net, ["lin", "out"], out=tmp_path, mask="attention_mask"):
+        for x, am in data(3):
+            net(x, attention_mask=am)
+    assert len(threads) == 6 and all(n.startswith("pyhook-writer") for n in threads), threads
+    r = open_capture(tmp_path)
+    for layer in ("lin", "out"):
+        assert_stats(annotations.stats(r, layer), r[layer].to_tensor())
+
+
 def test_stats_are_of_the_stored_dtype(tmp_path):
     torch.manual_seed(0)
     net = Offset()
