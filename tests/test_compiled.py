@@ -563,6 +563,71 @@ def test_a_break_inside_compiled_code_leaves_later_plain_calls_compiled(kind, gp
         assert graphs_per_call(bystander, ids) == 1
 
 
+@pytest.mark.parametrize("how", HOWS)
+def test_a_stop_on_a_compiled_sequential_leaves_later_plain_calls_compiled(how):
+    # A stop inside nn.Sequential's loop cannot resume in dynamo: it compiles, for the
+    # wrapper function every torch.compile'd nn.Sequential shares, a version that calls the
+    # model eagerly and guards only the model's type. pyhook limits that version to the
+    # tracer state of the stop, so plain calls run their compiled graph again.
+    calls = [0]
+    x = torch.randn(2, 4)
+
+    def counted(net):
+        if how == "torch.compile":
+            run = torch.compile(net, backend=counting(calls))
+        else:
+            net.compile(backend=counting(calls))
+            run = net
+        run.calls = calls
+        return run
+
+    net, other = mlp(), mlp()
+    runner, bystander = counted(net), counted(other)  # bystander: never traced
+    with torch.no_grad():
+        before = [graphs_per_call(runner, x), graphs_per_call(bystander, x)]
+        if how == "torch.compile":
+            assert before == [1, 1]  # (module.compile() of a torch.nn-only model: no graph)
+        with Trace(runner, "0"):  # installs the dispatcher (drops compiled code once)
+            runner(x)
+        assert graphs_per_call(runner, x) == before[0]
+        for _ in range(2):  # the second stop reuses the first one's compiled code
+            ran = []
+            with Trace(runner, "0", stop=True) as t:
+                runner(x)
+                ran.append("after the forward")
+            assert ran == [] and torch.allclose(t.output, net[0](x))
+            assert [graphs_per_call(runner, x) for _ in range(2)] == [before[0]] * 2
+        assert [graphs_per_call(bystander, x) for _ in range(2)] == [before[1]] * 2
+        fresh = counted(mlp())  # compiled after the stop
+        assert [graphs_per_call(fresh, x) for _ in range(2)] == [before[1]] * 2
+
+
+def test_a_stop_on_a_compiled_sequential_with_other_threads_alive_warns_and_release_recovers():
+    # Changing the guards of compiled code another thread may be checking is not safe: with
+    # other live threads pyhook leaves dynamo's version as it is and says so, once.
+    calls = [0]
+    x = torch.randn(2, 4)
+    net = mlp()
+    runner = torch.compile(net, backend=counting(calls))
+    runner.calls = calls
+    with torch.no_grad():
+        with Trace(runner, "0"):
+            runner(x)
+        assert graphs_per_call(runner, x) == 1
+        idle = threading.Event()
+        worker = threading.Thread(target=idle.wait)
+        worker.start()
+        try:
+            with pytest.warns(RuntimeWarning, match="Sequential.*release_compiled"):
+                with Trace(runner, "0", stop=True):
+                    runner(x)
+        finally:
+            idle.set()
+            worker.join()
+        pyhook.release_compiled(runner)  # the named way back (from one thread)
+        assert [graphs_per_call(runner, x) for _ in range(2)] == [1, 1]
+
+
 def test_bad_options_on_a_compiled_model_raise_before_any_dispatcher_or_cache_drop():
     net = mlp()
     calls = [0]
