@@ -19,6 +19,8 @@ values its code reads), so:
 When a dispatcher is installed on a module after dynamo already compiled code (which could have
 inlined the module without it), dynamo's in-memory code caches are dropped once
 (``torch._dynamo.reset_code_caches()``), so the next call recompiles with the dispatcher.
+Code compiled later for another model of the same class, without dispatchers, is kept off the
+traced model by the module's own ``forward`` bound in its ``__dict__`` (see ``Dispatcher``).
 
 This module also holds the traceable helpers the tools use on this path.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -132,6 +135,14 @@ class Dispatcher:
             module.register_forward_hook(self._post, with_kwargs=True),
         )
         _dispatchers.add(self)
+        # Dynamo guards, for each module it inlines, only that 'forward' is absent from the
+        # module's __dict__ -- not its hooks when it had none (skip_nnmodule_hook_guards). So
+        # code compiled for another model of the same class without dispatchers would match
+        # this one and run without its hooks. The module's own forward, bound in its __dict__,
+        # fails that guard (dynamo guards this one's function instead).
+        func = getattr(type(module), "forward", None)
+        if isinstance(func, types.FunctionType) and "forward" not in module.__dict__:
+            module.__dict__["forward"] = types.MethodType(func, module)
 
     def table(self, any_thread: bool) -> _Table:
         """The calling thread's table (created on first use), or the any-thread one."""
@@ -166,6 +177,13 @@ class Dispatcher:
         """Take this dispatcher's two hooks off ``module`` (also on a copy of the module)."""
         for h in self._handles:
             h.remove()
+        bound = module.__dict__.get("forward")
+        if (
+            isinstance(bound, types.MethodType)
+            and bound.__self__ is module
+            and bound.__func__ is getattr(type(module), "forward", None)
+        ):
+            del module.__dict__["forward"]
         for hooks, extra in (
             (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
             (module._forward_hooks, module._forward_hooks_with_kwargs),

@@ -571,12 +571,13 @@ def test_a_stop_on_a_compiled_sequential_leaves_later_plain_calls_compiled(how):
     # tracer state of the stop, so plain calls run their compiled graph again.
     calls = [0]
     x = torch.randn(2, 4)
+    backend = counting(calls)  # one backend, as torch.compile's default: dynamo's cache is shared
 
     def counted(net):
         if how == "torch.compile":
-            run = torch.compile(net, backend=counting(calls))
+            run = torch.compile(net, backend=backend)
         else:
-            net.compile(backend=counting(calls))
+            net.compile(backend=backend)
             run = net
         run.calls = calls
         return run
@@ -626,6 +627,42 @@ def test_a_stop_on_a_compiled_sequential_with_other_threads_alive_warns_and_rele
             worker.join()
         pyhook.release_compiled(runner)  # the named way back (from one thread)
         assert [graphs_per_call(runner, x) for _ in range(2)] == [1, 1]
+
+
+@pytest.mark.parametrize("arch", ["Sequential", "GPT2Model"])
+def test_code_compiled_for_another_model_of_the_class_does_not_hide_the_tracers(arch, gpt_parts):
+    # Dynamo shares compiled code between models of one class (one backend, as torch.compile's
+    # default) and does not guard hook dicts that were empty: the code compiled for a model
+    # without dispatchers would run for the traced one, without its hooks.
+    if arch == "Sequential":
+        net, other = mlp(), mlp()
+        x, layers = torch.randn(2, 4), ["0", "2"]
+    else:
+        net, x, _ = gpt_parts
+        other = transformers.GPT2Model(net.config).eval()
+        layers = ["h.0", "h.1"]
+    runner, bystander = (torch.compile(m, backend="eager") for m in (net, other))
+
+    def first(out):
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    with torch.no_grad():
+        pyhook.prepare_compiled(runner, layers)
+        expected = first(net(x))
+        bystander(x)  # compiled now: the newest code for this class, no dispatchers
+        with Trace(runner, layers[1], edit_output=double_hidden) as t:
+            edited = first(runner(x))
+        assert not torch.equal(edited, expected) and t.output is not None
+        bystander(x)
+        ran = []
+        with Trace(runner, layers[0], stop=True) as t:
+            runner(x)
+            ran.append("after the forward")
+        assert ran == [] and t.output is not None
+        bystander(x)
+        assert torch.equal(first(runner(x)), expected)  # no tracer: the plain result
+    pyhook.release_compiled(runner)
+    assert all("forward" not in m.__dict__ for m in net.modules())
 
 
 def test_bad_options_on_a_compiled_model_raise_before_any_dispatcher_or_cache_drop():
