@@ -538,7 +538,8 @@ def test_a_break_inside_compiled_code_leaves_later_plain_calls_compiled(kind, gp
     model, ids, _ = gpt_parts
     other = transformers.GPT2Model(model.config).eval()  # never traced: shares dynamo's code
     calls = [0]
-    runner, bystander = (torch.compile(m, backend=counting(calls)) for m in (model, other))
+    backend = counting(calls)  # one backend, as torch.compile's default: dynamo's cache is shared
+    runner, bystander = (torch.compile(m, backend=backend) for m in (model, other))
     runner.calls = bystander.calls = calls
     with torch.no_grad():
         runner(ids), bystander(ids)
