@@ -19,6 +19,8 @@ values its code reads), so:
 When a dispatcher is installed on a module after dynamo already compiled code (which could have
 inlined the module without it), dynamo's in-memory code caches are dropped once
 (``torch._dynamo.reset_code_caches()``), so the next call recompiles with the dispatcher.
+Code compiled later for another model of the same class, without dispatchers, is kept off the
+traced model by the module's own ``forward`` bound in its ``__dict__`` (see ``Dispatcher``).
 
 This module also holds the traceable helpers the tools use on this path.
 """
@@ -28,6 +30,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +134,15 @@ class Dispatcher:
             module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             module.register_forward_hook(self._post, with_kwargs=True),
         )
+        _dispatchers.add(self)
+        # Dynamo guards, for each module it inlines, only that 'forward' is absent from the
+        # module's __dict__ -- not its hooks when it had none (skip_nnmodule_hook_guards). So
+        # code compiled for another model of the same class without dispatchers would match
+        # this one and run without its hooks. The module's own forward, bound in its __dict__,
+        # fails that guard (dynamo guards this one's function instead).
+        func = getattr(type(module), "forward", None)
+        if isinstance(func, types.FunctionType) and "forward" not in module.__dict__:
+            module.__dict__["forward"] = types.MethodType(func, module)
 
     def table(self, any_thread: bool) -> _Table:
         """The calling thread's table (created on first use), or the any-thread one."""
@@ -163,6 +177,13 @@ class Dispatcher:
         """Take this dispatcher's two hooks off ``module`` (also on a copy of the module)."""
         for h in self._handles:
             h.remove()
+        bound = module.__dict__.get("forward")
+        if (
+            isinstance(bound, types.MethodType)
+            and bound.__self__ is module
+            and bound.__func__ is getattr(type(module), "forward", None)
+        ):
+            del module.__dict__["forward"]
         for hooks, extra in (
             (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
             (module._forward_hooks, module._forward_hooks_with_kwargs),
@@ -181,6 +202,7 @@ class Dispatcher:
         self._local = threading.local()
         self.shared = _Table()
         self._handles = ()
+        _dispatchers.add(self)
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         table = getattr(self._local, "table", None)
@@ -228,6 +250,14 @@ def _unskip_stack() -> None:
     compiled call's entry, are reset to dynamo's default strategy, which keeps their compiled
     code (the next call runs it again, when its guards hold). Frames that dynamo must skip for
     other reasons are skipped again on their next call.
+
+    A frame on that stack may instead run a compiled version that calls the model eagerly:
+    dynamo, unable to resume after a break inside inlined code, moved the break up to the
+    model's call in the outermost frame it could compile (for a ``torch.compile``d
+    ``nn.Sequential``, the wrapper function all such wrappers share), and that version guards
+    only the types of the model and the arguments. Such versions are limited to the tracer
+    state they were made under (see :func:`_limit_to_break_state`), so that plain calls, and
+    other models sharing the code, run their fully compiled code again.
     """
     from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy
 
@@ -236,13 +266,103 @@ def _unskip_stack() -> None:
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+    running: list[Any] = []  # frames running code dynamo produced (a compiled version)
+    output_codes = getattr(sys.modules.get("torch._dynamo.convert_frame"), "output_codes", None)
+    produced = getattr(output_codes, "seen_ids", ())
     frame = sys._getframe(1)  # the dispatcher's own frame first: its code is shared
     while frame is not None:
         code = frame.f_code
         if code.co_filename.replace("\\", "/").endswith(_EVAL_FRAME):
             break  # the entry of the compiled call: the frames above are not dynamo's
         set_code_exec_strategy(code, default)
+        if id(code) in produced and id(code) not in _limited:
+            running.append(frame)
         frame = frame.f_back
+    if running:
+        _limit_to_break_state(running)
+
+
+def _entry_key(entry: _Entry) -> tuple[Any, ...]:
+    """What a table entry does, without object identities: the hook's code, the type of the
+    tracer it belongs to and whether that tracer stops the forward."""
+    fn = entry.fn
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    return (
+        getattr(func, "__code__", func),
+        type(owner),
+        getattr(owner, "stop", None) is True,
+        entry.with_kwargs,
+    )
+
+
+def _break_state() -> frozenset[Any]:
+    """The calling thread's tracer entries (and the any-thread ones) over every dispatcher."""
+    state = []
+    for d in list(_dispatchers):
+        table = getattr(d._local, "table", None)
+        for kind in ("pre", "post"):
+            entries = getattr(d.shared, kind)
+            if table is not None:
+                entries = getattr(table, kind) + entries
+            if entries:
+                state.append((id(d), kind, tuple(_entry_key(e) for e in entries)))
+    return frozenset(state)
+
+
+_dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+_limited: set[int] = set()  # ids of the compiled code objects given the break-state guard
+_warned: set[str] = set()
+
+
+def _limit_to_break_state(frames: list[Any]) -> None:
+    """Add, to the compiled versions ``frames`` run, the guard "the tracer state is the one of
+    now": with any other state (no tracer: a plain call) dynamo looks further in its cache and
+    runs (or compiles once) a version made for that state; with this one (the next stop of the
+    same kind) it reuses this version, compiling nothing.
+
+    Changing a version's guards while another thread may be checking them is not safe: with
+    other live threads (counted as for dropping compiled code) this warns instead, once per
+    model class, and the version stays as dynamo made it.
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    convert_frame = sys.modules["torch._dynamo.convert_frame"]
+    wanted = {id(f.f_code): f.f_code for f in frames}
+    found = []
+    for ref in list(convert_frame.input_codes.seen):
+        original = ref()
+        if original is None:
+            continue
+        for entry in _debug_get_cache_entry_list(original):
+            if wanted.get(id(entry.code)) is entry.code and hasattr(entry.guard_manager, "root"):
+                found.append(entry)
+    if not found:
+        return
+    if _other_threads():
+        outer = frames[-1].f_locals  # the compiled call's outermost frame: the model's call
+        model = next((v for v in outer.values() if isinstance(v, nn.Module)), None)
+        name = type(model).__name__ if model is not None else frames[-1].f_code.co_name
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"pyhook: a tracer broke the compiled forward of a {name} while other threads "
+                "were alive; the compiled code dynamo made for that call runs the model "
+                f"eagerly and may now serve plain calls of every compiled {name} too (no "
+                "graphs, exact results). Call pyhook.release_compiled(model) once from one "
+                "thread to compile again, or trace with stop=True when no other thread runs.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return
+    state = _break_state()
+    text = [f"pyhook: same tracers as at the graph break ({len(state)} hook tables)"]
+    for entry in found:
+        entry.guard_manager.root.add_lambda_guard(
+            lambda _frame_locals: _break_state() == state, text, None
+        )
+        _limited.add(id(entry.code))
+        weakref.finalize(entry.code, _limited.discard, id(entry.code))
 
 
 _EVAL_FRAME = "/".join(("torch", "_dynamo", "eval_frame.py"))

@@ -538,7 +538,8 @@ def test_a_break_inside_compiled_code_leaves_later_plain_calls_compiled(kind, gp
     model, ids, _ = gpt_parts
     other = transformers.GPT2Model(model.config).eval()  # never traced: shares dynamo's code
     calls = [0]
-    runner, bystander = (torch.compile(m, backend=counting(calls)) for m in (model, other))
+    backend = counting(calls)  # one backend, as torch.compile's default: dynamo's cache is shared
+    runner, bystander = (torch.compile(m, backend=backend) for m in (model, other))
     runner.calls = bystander.calls = calls
     with torch.no_grad():
         runner(ids), bystander(ids)
@@ -561,6 +562,108 @@ def test_a_break_inside_compiled_code_leaves_later_plain_calls_compiled(kind, gp
         # the compiled code of before runs again: one graph per plain call, for both models
         assert [graphs_per_call(runner, ids) for _ in range(2)] == [1, 1]
         assert graphs_per_call(bystander, ids) == 1
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_stop_on_a_compiled_sequential_leaves_later_plain_calls_compiled(how):
+    # A stop inside nn.Sequential's loop cannot resume in dynamo: it compiles, for the
+    # wrapper function every torch.compile'd nn.Sequential shares, a version that calls the
+    # model eagerly and guards only the model's type. pyhook limits that version to the
+    # tracer state of the stop, so plain calls run their compiled graph again.
+    calls = [0]
+    x = torch.randn(2, 4)
+    backend = counting(calls)  # one backend, as torch.compile's default: dynamo's cache is shared
+
+    def counted(net):
+        if how == "torch.compile":
+            run = torch.compile(net, backend=backend)
+        else:
+            net.compile(backend=backend)
+            run = net
+        run.calls = calls
+        return run
+
+    net, other = mlp(), mlp()
+    runner, bystander = counted(net), counted(other)  # bystander: never traced
+    with torch.no_grad():
+        before = [graphs_per_call(runner, x), graphs_per_call(bystander, x)]
+        if how == "torch.compile":
+            assert before == [1, 1]  # (module.compile() of a torch.nn-only model: no graph)
+        with Trace(runner, "0"):  # installs the dispatcher (drops compiled code once)
+            runner(x)
+        assert graphs_per_call(runner, x) == before[0]
+        for _ in range(2):  # the second stop reuses the first one's compiled code
+            ran = []
+            with Trace(runner, "0", stop=True) as t:
+                runner(x)
+                ran.append("after the forward")
+            assert ran == [] and torch.allclose(t.output, net[0](x))
+            assert [graphs_per_call(runner, x) for _ in range(2)] == [before[0]] * 2
+        assert [graphs_per_call(bystander, x) for _ in range(2)] == [before[1]] * 2
+        fresh = counted(mlp())  # compiled after the stop
+        assert [graphs_per_call(fresh, x) for _ in range(2)] == [before[1]] * 2
+
+
+def test_a_stop_on_a_compiled_sequential_with_other_threads_alive_warns_and_release_recovers():
+    # Changing the guards of compiled code another thread may be checking is not safe: with
+    # other live threads pyhook leaves dynamo's version as it is and says so, once.
+    calls = [0]
+    x = torch.randn(2, 4)
+    net = mlp()
+    runner = torch.compile(net, backend=counting(calls))
+    runner.calls = calls
+    with torch.no_grad():
+        with Trace(runner, "0"):
+            runner(x)
+        assert graphs_per_call(runner, x) == 1
+        idle = threading.Event()
+        worker = threading.Thread(target=idle.wait)
+        worker.start()
+        try:
+            with pytest.warns(RuntimeWarning, match="Sequential.*release_compiled"):
+                with Trace(runner, "0", stop=True):
+                    runner(x)
+        finally:
+            idle.set()
+            worker.join()
+        pyhook.release_compiled(runner)  # the named way back (from one thread)
+        assert [graphs_per_call(runner, x) for _ in range(2)] == [1, 1]
+
+
+@pytest.mark.parametrize("arch", ["Sequential", "GPT2Model"])
+def test_code_compiled_for_another_model_of_the_class_does_not_hide_the_tracers(arch, gpt_parts):
+    # Dynamo shares compiled code between models of one class (one backend, as torch.compile's
+    # default) and does not guard hook dicts that were empty: the code compiled for a model
+    # without dispatchers would run for the traced one, without its hooks.
+    if arch == "Sequential":
+        net, other = mlp(), mlp()
+        x, layers = torch.randn(2, 4), ["0", "2"]
+    else:
+        net, x, _ = gpt_parts
+        other = transformers.GPT2Model(net.config).eval()
+        layers = ["h.0", "h.1"]
+    runner, bystander = (torch.compile(m, backend="eager") for m in (net, other))
+
+    def first(out):
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    with torch.no_grad():
+        pyhook.prepare_compiled(runner, layers)
+        expected = first(net(x))
+        bystander(x)  # compiled now: the newest code for this class, no dispatchers
+        with Trace(runner, layers[1], edit_output=double_hidden) as t:
+            edited = first(runner(x))
+        assert not torch.equal(edited, expected) and t.output is not None
+        bystander(x)
+        ran = []
+        with Trace(runner, layers[0], stop=True) as t:
+            runner(x)
+            ran.append("after the forward")
+        assert ran == [] and t.output is not None
+        bystander(x)
+        assert torch.equal(first(runner(x)), expected)  # no tracer: the plain result
+    pyhook.release_compiled(runner)
+    assert all("forward" not in m.__dict__ for m in net.modules())
 
 
 def test_bad_options_on_a_compiled_model_raise_before_any_dispatcher_or_cache_drop():
