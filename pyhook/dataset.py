@@ -214,7 +214,14 @@ class CaptureDataset(IterableDataset):
         self.rows = len(reader.layer(self.layers[0]))
         self.batch_size = batch_size
         self.shuffle = "global" if shuffle is True else shuffle
-        self.seed, self.epoch = seed, 0
+        self.seed = seed
+        # The epoch lives in shared memory: set_epoch in the main process reaches DataLoader
+        # workers that are already running (persistent_workers=True; fork or spawn).
+        self._epoch = torch.zeros((), dtype=torch.int64)
+        try:
+            self._epoch.share_memory_()
+        except (RuntimeError, OSError):  # no shared memory: workers see the epoch at start
+            pass
         self.rank, self.world_size = rank, world_size
         self.drop_last, self.tokens, self.with_index = drop_last, tokens, with_index
         self.chunk_rows, self.buffer_chunks = chunk_rows, buffer_chunks
@@ -241,6 +248,11 @@ class CaptureDataset(IterableDataset):
         return self._cache
 
     # -- the epoch's plan ----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch whose permutation the next iteration uses (see :meth:`set_epoch`)."""
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of epoch ``epoch`` from the next iteration on.
 
@@ -253,10 +265,13 @@ class CaptureDataset(IterableDataset):
         >>> first = next(iter(ds))["x"]; ds.set_epoch(1); second = next(iter(ds))["x"]
         >>> torch.equal(first, second), sorted(first.flatten()) == sorted(second.flatten())
         (False, True)
+
+        It also reaches the workers of a ``DataLoader(..., persistent_workers=True)`` started
+        before (the epoch is kept in shared memory).
         """
-        if not isinstance(epoch, int) or epoch < 0:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        self.epoch = epoch
+        self._epoch.fill_(epoch)
 
     def _generator(self) -> torch.Generator:
         # One stream per (seed, epoch), the same in every rank and worker.
