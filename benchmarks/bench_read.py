@@ -15,9 +15,15 @@ of the per-round ratios):
 (c) sequential batches against ``readinto`` of the raw file, warm and cold (target: >= 0.9x);
     (before every timed call, 96 MB are overwritten so that no method reads rows the previous
     one left in the CPU caches);
-(d) a ``DataLoader(ds, batch_size=None, num_workers=k)`` over shuffled batches, 2 workers
-    against 0 (the dataset iterated in the main process), warm; time from the first batch
-    to the last (worker start-up excluded) and including start-up;
+(d) a ``DataLoader(ds, batch_size=None, num_workers=k)`` over shuffled batches, warm: 2
+    workers sending batches through their reused shared-memory slots (the default), 2 workers
+    through torch's fresh shared memory (``worker_slots=0``, the path before the slots), and 0
+    workers (the dataset iterated in the main process); time from the first batch to the
+    last (worker start-up excluded; the first batch's time is printed). Two consumers side by side, paired in the same rounds:
+    one that does nothing with the batch (the feed rate), and one that runs a training step
+    on every batch (a 768 -> 64 -> 768 ReLU autoencoder, forward, backward and Adam, on as
+    many of the batch's rows as make a step about as long as loading a batch in-process):
+    in-process loads then trains, workers load while the main process trains;
 (e) shuffle quality and speed of the modes: global permutation, chunk windows, sequential.
 
 Rows/s and GB/s are for the rows delivered (4096 x 768 x 4 bytes = 12.6 MB a batch).
@@ -126,6 +132,57 @@ def report(times: dict[str, list[float]], base: str, rows: int, target: str = ""
             ]
         )
     return table(out, ["method", "ms", "M rows/s", "GB/s", f"speed vs {base} (paired)"]) + target
+
+
+def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, float]:
+    """A training step on a batch: a 768 -> 64 -> 768 ReLU autoencoder on the batch's first
+    ``n`` rows, MSE loss, backward, Adam, on one intra-op thread. On this CPU a step on a whole
+    4096-row batch takes 10x-20x the load (even 768 -> 8 -> 768: the elementwise passes over
+    12.6 MB), so ``n`` is the number of rows whose step time is the closest to loading one batch
+    in-process. One thread: on the shared 2-core VM, two OpenMP threads made a 64-row step take
+    ~220 ms instead of ~1 ms (each parallel region waits for a thread that has no core).
+    Returns (step, n, step seconds, load seconds)."""
+    d = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
+    plan = list(d._plan())[:12]
+    loads = []
+    for idx in plan:
+        t0 = time.perf_counter()
+        d.batch(idx)
+        loads.append(time.perf_counter() - t0)
+    t_load = med(loads)
+    x = d.batch(plan[0])["h"]
+    enc, dec = torch.nn.Linear(D, 64), torch.nn.Linear(64, D)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-4)
+
+    def make(n: int) -> Callable[[torch.Tensor], None]:
+        def step(rows: torch.Tensor) -> None:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # see the docstring; the gather keeps its threads
+            try:
+                rows = rows[:n]
+                loss = (dec(torch.relu(enc(rows))) - rows).pow(2).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            finally:
+                torch.set_num_threads(threads)
+
+        return step
+
+    best: tuple[float, int, float] | None = None
+    for n in (64, 128, 256, 512, 1024, 2048, 4096):
+        step = make(n)
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            step(x)
+            ts.append(time.perf_counter() - t0)
+        t_step = med(ts[2:])
+        gap = abs(np.log(t_step / t_load))
+        if best is None or gap < best[0]:
+            best = (gap, n, t_step)
+    assert best is not None
+    return make(best[1]), best[1], best[2], t_load
 
 
 def warm_sections(
@@ -327,41 +384,85 @@ def main() -> None:
 
         # (d) DataLoader, warm
         warm(files)
+        step, width, t_step, t_load = sae_step(out)
 
-        def loader(workers: int) -> Callable[[int], float]:
+        def loader(workers: int, slots: int, train: bool) -> Callable[[int], float]:
             def run(r: int) -> float:
-                d = CaptureDataset(out, "h", batch_size=BATCH, seed=r)
-                it = iter(DataLoader(d, batch_size=None, num_workers=workers))
+                d = CaptureDataset(out, "h", batch_size=BATCH, seed=r, worker_slots=slots)
                 t_start = time.perf_counter()
-                next(it)
+                it = iter(DataLoader(d, batch_size=None, num_workers=workers))
+                next(it)  # worker start-up excluded
                 t0 = time.perf_counter()
+                startups.setdefault((workers, slots), []).append(t0 - t_start)
                 for _ in range(loader_batches - 1):
-                    next(it)
+                    batch = next(it)
+                    if train:
+                        step(batch["h"])
+                    del batch
                 steady = time.perf_counter() - t0
-                startups.setdefault(workers, []).append(t0 - t_start)
                 del it
                 return steady
 
             return run
 
-        startups: dict[int, list[float]] = {}
-        t = paired(
-            {"in-process (num_workers=0)": loader(0), "DataLoader num_workers=2": loader(2)},
-            max(3, rounds // 3),
-        )
+        startups: dict[tuple[int, int], list[float]] = {}
+        methods = {
+            "in-process (num_workers=0)": (0, 8),
+            "DataLoader num_workers=2 (reused slots)": (2, 8),
+            "DataLoader num_workers=2, worker_slots=0 (fresh shared memory)": (2, 0),
+        }
+        fns = {}
+        for name, (workers, slots) in methods.items():
+            fns[(name, False)] = loader(workers, slots, False)
+            fns[(name, True)] = loader(workers, slots, True)
+        d_rounds = max(3, rounds // 3)
+        t = paired(fns, d_rounds)  # type: ignore[arg-type]
+        n_rows = BATCH * (loader_batches - 1)
+        base = "in-process (num_workers=0)"
+        cells = []
+        for name in methods:
+            row = [name]
+            for train in (False, True):
+                ts = t[(name, train)]
+                tm = med(ts)
+                ratio = med(b / x for b, x in zip(t[(base, train)], ts))
+                row += [
+                    f"{1e3 * tm / (loader_batches - 1):.2f}",
+                    f"{n_rows / tm / 1e6:.2f}",
+                    f"{n_rows * D * 4 / tm / 1e9:.2f}",
+                    f"{ratio:.2f}",
+                ]
+            cells.append(row)
         print(
-            f"\n(d) DataLoader over {loader_batches} shuffled batches of {BATCH} rows (warm), time after the first batch; "
-            f"medians of {max(3, rounds // 3)} paired rounds; first batch: "
-            + ", ".join(f"{k} workers {1e3 * med(v):.0f} ms" for k, v in startups.items())
-        )
-        print(
-            report(
-                t,
-                "in-process (num_workers=0)",
-                BATCH * (loader_batches - 1),
-                f"\ntarget: 2 workers faster than one process: "
-                f"{med(a / b for a, b in zip(t['in-process (num_workers=0)'], t['DataLoader num_workers=2'])):.2f}x",
+            f"\n(d) DataLoader over {loader_batches} shuffled batches of {BATCH} rows (warm), time "
+            f"after the first batch; medians of {d_rounds} paired rounds. Training step: "
+            f"autoencoder 768 -> 64 -> 768 on {width} rows of each batch, {1e3 * t_step:.1f} ms a step alone "
+            f"(in-process load {1e3 * t_load:.1f} ms a batch); first batch, start-up included: "
+            + ", ".join(
+                f"{k} workers (slots {s}) {1e3 * med(v):.0f} ms" for (k, s), v in startups.items()
             )
+        )
+        print(
+            table(
+                cells,
+                [
+                    "method",
+                    "feed: ms/batch",
+                    "M rows/s",
+                    "GB/s",
+                    "vs in-process",
+                    "feed+train: ms/batch",
+                    "M rows/s",
+                    "GB/s",
+                    "vs in-process",
+                ],
+            )
+        )
+        ring = "DataLoader num_workers=2 (reused slots)"
+        print(
+            "target: 2 workers faster than one process: feed "
+            + f"{med(a / b for a, b in zip(t[(base, False)], t[(ring, False)])):.2f}x, "
+            + f"feeding a training step {med(a / b for a, b in zip(t[(base, True)], t[(ring, True)])):.2f}x"
         )
 
         # (e) shuffle modes: quality and speed (warm and cold)

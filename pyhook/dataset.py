@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from . import _ring
 from ._backend import gather_rows, gather_rows_into
 
 __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
@@ -98,6 +99,11 @@ def _check_layers(reader: Any, layers: str | Sequence[str] | None, tokens: bool)
     return names
 
 
+def _key(name: str) -> str:
+    """The batch key of a source: token ids come as ``"tokens"``."""
+    return "tokens" if name == TOKEN_IDS else name
+
+
 def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
         dist = torch.distributed
@@ -145,9 +151,14 @@ class CaptureDataset(IterableDataset):
     ids of the rows); ``with_index=True`` adds ``"index"`` (the rows' global numbers).
 
     The dataset holds the capture's path, not its memory maps: a worker process (or a pickled
-    copy) reopens the capture by path. Batches are fresh memory the caller owns; in a
-    DataLoader worker they are gathered straight into shared memory (no extra copy to send
-    them to the main process).
+    copy) reopens the capture by path. Batches are memory the caller owns. In a DataLoader
+    worker (Linux) they are gathered into one of ``worker_slots`` reused shared-memory slots of
+    that worker (one full batch of every key each, mapped once by both processes; only the
+    slots in use take memory) and the main process gets a plain ``dict`` of tensors over the
+    slot; the slot is reused only after every tensor and view of that batch is freed, so kept
+    batches stay intact. When every slot is taken (batches kept), on other platforms, or with
+    ``worker_slots=0``, a worker gathers into fresh shared memory that torch sends as usual
+    (slower: page faults on every batch). docs/training.md has the measurements.
 
     Example::
 
@@ -185,6 +196,7 @@ class CaptureDataset(IterableDataset):
         with_index: bool = False,
         chunk_rows: int = 2048,
         buffer_chunks: int = 64,
+        worker_slots: int = 8,
     ) -> None:
         super().__init__()
         if isinstance(reader, (str, os.PathLike)):
@@ -202,6 +214,15 @@ class CaptureDataset(IterableDataset):
         for name, value in (("chunk_rows", chunk_rows), ("buffer_chunks", buffer_chunks)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if (
+            not isinstance(worker_slots, int)
+            or isinstance(worker_slots, bool)
+            or not 0 <= worker_slots <= _ring.MAX_SLOTS
+        ):
+            raise ValueError(
+                f"worker_slots must be an int in 0..{_ring.MAX_SLOTS} (0: no reused slots), "
+                f"got {worker_slots!r}"
+            )
         if rank is not None or world_size is not None:
             _resolve_ranks(0 if rank is None else rank, 1 if world_size is None else world_size)
         self.path = reader.path
@@ -214,18 +235,28 @@ class CaptureDataset(IterableDataset):
         self.rows = len(reader.layer(self.layers[0]))
         self.batch_size = batch_size
         self.shuffle = "global" if shuffle is True else shuffle
-        self.seed, self.epoch = seed, 0
+        self.seed = seed
+        # The epoch lives in shared memory: set_epoch in the main process reaches DataLoader
+        # workers that are already running (persistent_workers=True; fork or spawn).
+        self._epoch = torch.zeros((), dtype=torch.int64)
+        try:
+            self._epoch.share_memory_()
+        except (RuntimeError, OSError):  # no shared memory: workers see the epoch at start
+            pass
         self.rank, self.world_size = rank, world_size
         self.drop_last, self.tokens, self.with_index = drop_last, tokens, with_index
         self.chunk_rows, self.buffer_chunks = chunk_rows, buffer_chunks
+        self.worker_slots = worker_slots
         self._reader: Any = reader
+        # (pid, this worker's slots or None), set in a DataLoader worker on first iteration.
+        self._ring: tuple[int, _ring.WorkerRing | None] | None = None
         self._pid = os.getpid()
         self._cache: dict[str, list[torch.Tensor]] = {}
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_reader"], state["_cache"] = None, {}
+        state["_reader"], state["_cache"], state["_ring"] = None, {}, None
         return state
 
     def _sources(self) -> dict[str, list[torch.Tensor]]:
@@ -241,6 +272,11 @@ class CaptureDataset(IterableDataset):
         return self._cache
 
     # -- the epoch's plan ----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch whose permutation the next iteration uses (see :meth:`set_epoch`)."""
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of epoch ``epoch`` from the next iteration on.
 
@@ -253,10 +289,13 @@ class CaptureDataset(IterableDataset):
         >>> first = next(iter(ds))["x"]; ds.set_epoch(1); second = next(iter(ds))["x"]
         >>> torch.equal(first, second), sorted(first.flatten()) == sorted(second.flatten())
         (False, True)
+
+        It also reaches the workers of a ``DataLoader(..., persistent_workers=True)`` started
+        before (the epoch is kept in shared memory).
         """
-        if not isinstance(epoch, int) or epoch < 0:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        self.epoch = epoch
+        self._epoch.fill_(epoch)
 
     def _generator(self) -> torch.Generator:
         # One stream per (seed, epoch), the same in every rank and worker.
@@ -334,16 +373,50 @@ class CaptureDataset(IterableDataset):
         """
         idx = torch.as_tensor(idx, dtype=torch.long)
         shared = get_worker_info() is not None
-        out = {name: self._read(parts, idx, shared) for name, parts in self._sources().items()}
-        if self.tokens:
-            out["tokens"] = out.pop(TOKEN_IDS)
+        out = {_key(n): self._read(parts, idx, shared) for n, parts in self._sources().items()}
         if self.with_index:
             out["index"] = idx.share_memory_() if shared else idx.clone()
         return out
 
+    def _worker_ring(self) -> _ring.WorkerRing | None:
+        """This worker's slots (created on first use), or ``None``: not in a DataLoader worker,
+        ``worker_slots=0``, or the platform cannot (then batches take torch's path)."""
+        if self.worker_slots == 0 or get_worker_info() is None:
+            return None
+        if self._ring is None or self._ring[0] != os.getpid():
+            ring = None
+            if _ring.available():
+                # The keys in the order `batch` gives them: layers, tokens, index.
+                layout = [
+                    (_key(n), p[0].dtype, tuple(p[0].shape[1:])) for n, p in self._sources().items()
+                ]
+                if self.with_index:
+                    layout.append(("index", torch.int64, ()))
+                try:
+                    ring = _ring.WorkerRing(layout, self.batch_size, self.worker_slots)
+                except OSError:  # no memfd (old kernel, seccomp): torch's path
+                    ring = None
+            self._ring = (os.getpid(), ring)
+        return self._ring[1]
+
+    def _ring_batch(self, ring: _ring.WorkerRing, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch ``idx`` gathered into a free slot of ``ring`` (else as :meth:`batch` does)."""
+        slot = ring.acquire() if idx.numel() <= ring.rows else None
+        if slot is None:
+            _ring.stats["fallback"] += 1
+            return self.batch(idx)
+        out = ring.batch(slot, idx.numel())
+        # On an error the batch is never sent: its slot is free again once `out` is gone.
+        for name, parts in self._sources().items():
+            gather_rows_into(parts, idx, out[_key(name)])
+        if self.with_index:
+            out["index"].copy_(idx)
+        return out
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        ring = self._worker_ring()
         for idx in self._plan():
-            yield self.batch(idx)
+            yield self.batch(idx) if ring is None else self._ring_batch(ring, idx)
 
     def __repr__(self) -> str:
         return (

@@ -111,6 +111,22 @@ def test_sequential_is_capture_order(capture):
     assert torch.equal(torch.cat([x["b"] for x in batches]), b)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(capture, context):
+    """Workers kept across epochs (persistent_workers=True) follow set_epoch: every epoch gives
+    the batches of that epoch in-process, not the first epoch's again."""
+    path, *_ = capture
+    ds = CaptureDataset(path, ["a"], batch_size=4, seed=3, with_index=True)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        got = [b["index"] for b in loader]
+        want = [b["index"] for b in ds]
+        assert len(got) == len(want) and all(map(torch.equal, got, want)), epoch
+
+
 def test_set_epoch_reshuffles_reproducibly(capture):
     path, *_ = capture
 
