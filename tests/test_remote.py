@@ -157,6 +157,20 @@ def test_capture_to_s3_is_the_local_capture(s3, tmp_path):
     assert main(["verify", url]) == 0
 
 
+def _cached_bytes(directory: str) -> int:
+    """Bytes of the shards (and downloads in progress) in the cache directory. The prefetch
+    thread renames a finished download (``.part``) while this lists the folder: measure again."""
+    while True:
+        try:
+            return sum(
+                os.path.getsize(os.path.join(directory, n))
+                for n in os.listdir(directory)
+                if n.startswith("shard-")
+            )
+        except FileNotFoundError:
+            continue
+
+
 def test_reads_stream_through_a_bounded_cache(s3):
     url = s3()
     x = torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256)
@@ -170,11 +184,7 @@ def test_reads_stream_through_a_bounded_cache(s3):
     assert cache.downloads <= 2  # the first batch needed one shard (and one prefetched), not 16
     for i, batch in enumerate(r.batches(4)):
         assert torch.equal(batch["h"], x[4 * i : 4 * i + 4])
-        on_disk = sum(
-            os.path.getsize(os.path.join(cache.dir, n))
-            for n in os.listdir(cache.dir)
-            if n.startswith("shard-")
-        )
+        on_disk = _cached_bytes(cache.dir)
         assert on_disk <= 3 * shard + 2 * (shard + 200)  # the bound, plus prefetch in flight
     assert cache.downloads >= 16
     # shuffled reads come back right through evictions too
