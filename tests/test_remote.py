@@ -416,7 +416,6 @@ def test_a_server_that_stops_answering_ends_the_capture_within_the_stated_bound(
         )
         assert child.stdout.readline().strip() == "capturing", child.stderr.read()[-2000:]
         os.kill(proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         child.stdin.write("go\n")
         child.stdin.flush()
         try:
@@ -424,9 +423,9 @@ def test_a_server_that_stops_answering_ends_the_capture_within_the_stated_bound(
         except subprocess.TimeoutExpired:
             child.kill()
             pytest.fail(f"the capture still waited {bound + 30:.0f} s after the server stopped")
-        waited = time.monotonic() - t0
         assert child.returncode == 3 and out.startswith("RAISED"), (out, err[-2000:])
-        assert waited < bound, (waited, bound, out)
+        raised_after = float(out.split()[1])  # the child's own clock, from the go to the raise
+        assert raised_after < bound, (raised_after, bound, out)
         assert "s3://stall/acts" in out and "got no answer within" in out and "upload" in out, out
     finally:
         if child is not None and child.poll() is None:

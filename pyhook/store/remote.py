@@ -242,7 +242,7 @@ class Remote:
         except FSTimeoutError:
             lim = self.limits
             raise RemoteStorageError(
-                f"{url}: {what} got no answer within {seconds:g} s ({int(lim['attempts'])} "
+                f"{url}: {what} got no answer within {seconds:.0f} s ({int(lim['attempts'])} "
                 f"attempt(s) of {lim['connect_timeout']:g} s to connect and "
                 f"{lim['read_timeout']:g} s to read, at least {lim['min_rate_mb_s']:g} MB/s; "
                 "PYHOOK_REMOTE_* set these): is the server up and reachable?"
