@@ -86,7 +86,7 @@ def _drop(table: _Table, kind: str, entry: _Entry) -> None:
     setattr(table, kind, tuple(e for e in getattr(table, kind) if e is not entry))
 
 
-class _TableHooks(Mapping):  # type: ignore[type-arg]
+class _TableHooks(Mapping[int, Callable[..., Any]]):
     """One kind (``pre``/``post``) of a table's entries as a hooks dict: handle ``id`` -> hook
     (what a ``RemovableHandle``'s ``hooks_dict_ref()`` returns; a live, read-only view)."""
 
@@ -97,7 +97,7 @@ class _TableHooks(Mapping):  # type: ignore[type-arg]
         self._kind = kind
 
     def _entries(self) -> tuple[_Entry, ...]:
-        return getattr(self._table, self._kind)  # type: ignore[no-any-return]
+        return getattr(self._table, self._kind)
 
     def __getitem__(self, key: Any) -> Callable[..., Any]:
         for e in self._entries():
@@ -126,17 +126,17 @@ class _Handle(RemovableHandle):
         self.kind = kind
         self.entry = entry
 
-    @property  # type: ignore[override]
-    def id(self) -> int:
+    @property
+    def id(self) -> int:  # type: ignore[override]
         return self.entry.key
 
-    @property  # type: ignore[override]
-    def hooks_dict_ref(self) -> Callable[[], Mapping[int, Any]]:
+    @property
+    def hooks_dict_ref(self) -> Callable[[], Mapping[int, Any]]:  # type: ignore[override]
         view = _TableHooks(self._home, self.kind)
         return lambda: view
 
-    @property  # type: ignore[override]
-    def extra_dict_ref(self) -> tuple[Any, ...]:
+    @property
+    def extra_dict_ref(self) -> tuple[Any, ...]:  # type: ignore[override]
         return ()
 
     @property

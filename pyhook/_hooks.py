@@ -285,14 +285,14 @@ class _Handle(RemovableHandle):
         self._dicts = dicts  # the dicts holding the key; emptied by remove()
         self._hooks = dicts[0]  # the hooks dict (kept after remove())
 
-    @property  # type: ignore[override]
-    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:
+    @property
+    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:  # type: ignore[override]
         """A weak reference to the hooks dict (``handle.id in handle.hooks_dict_ref()`` while
         the hook is registered), as ``RemovableHandle.hooks_dict_ref``."""
         return weakref.ref(self._hooks)
 
-    @property  # type: ignore[override]
-    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:
+    @property
+    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:  # type: ignore[override]
         """Weak references to the module's other dicts of the hook's kind: the ones torch's
         ``register_forward_hook``/``register_forward_pre_hook`` handle lists."""
         md = self._module_dict
@@ -340,12 +340,12 @@ class _TorchHandle(_Handle):
         super().__init__(module_dict, inner.id, dicts)
         self._inner = inner
 
-    @property  # type: ignore[override]
-    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:
+    @property
+    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:  # type: ignore[override]
         return self._inner.hooks_dict_ref
 
-    @property  # type: ignore[override]
-    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:
+    @property
+    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:  # type: ignore[override]
         return self._inner.extra_dict_ref
 
     def remove(self) -> None:

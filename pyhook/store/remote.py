@@ -420,7 +420,7 @@ class Remote:
     def _read(self, name: str) -> bytes:
         """An object's bytes; FileNotFoundError passes through (the caller knows what it means)."""
         try:
-            return self.run("reading", self.url_of(name), "cat_file", self.path(name))  # type: ignore[no-any-return]
+            return self.run("reading", self.url_of(name), "cat_file", self.path(name))
         except (FileNotFoundError, RemoteStorageError):
             raise
         except Exception as e:
