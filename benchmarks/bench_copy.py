@@ -8,7 +8,9 @@ the steady state of tracing (capture, use, drop). Columns:
   page faults) - the machine's memory-copy speed, measured in the same run;
 * ``speedup``: reference / native; ``%bw``: native throughput as % of ``copy_``.
 
-Run: ``python benchmarks/bench_copy.py [--threads N]`` (about 30 s).
+Run: ``python benchmarks/bench_copy.py [--threads N] [--device cuda]`` (about 30 s). With
+``--device cuda`` the captures live on the GPU (the CUDA rows: device-to-device clones, each
+timed to ``torch.cuda.synchronize()``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ N_TENSORS = 12
 TARGETS = [("64 KB", 64 << 10), ("1 MB", 1 << 20), ("16 MB", 16 << 20), ("64 MB", 64 << 20)]
 
 
-def capture_list(total_bytes: int) -> list[torch.Tensor]:
+def capture_list(total_bytes: int, device: str = "cpu") -> list[torch.Tensor]:
     seq = max(1, round(total_bytes / (N_TENSORS * HIDDEN * 4)))
-    return [torch.randn(1, seq, HIDDEN) for _ in range(N_TENSORS)]
+    return [torch.randn(1, seq, HIDDEN, device=device) for _ in range(N_TENSORS)]
 
 
 def interleaved_medians(fns: dict, budget_s: float, min_rounds: int = 5) -> dict:
@@ -59,7 +61,15 @@ def main() -> None:
         help="torch.set_num_threads (0: torch's default). On a loaded machine 1 thread "
         "gives stable numbers: a parallel copy waits for its slowest, descheduled thread.",
     )
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the captures live"
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device; nothing measured")
+        return
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -67,7 +77,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"native={'yes' if native else 'NO (' + str(_backend.native_load_error()) + ')'}"
+        f"native={'yes' if native else 'NO (' + str(_backend.native_load_error()) + ')'}, "
+        f"device={torch.cuda.get_device_name() if cuda else 'cpu'}"
     )
     header = (
         f"{'capture':>8} {'bytes':>10} {'native ms':>10} {'ref ms':>9} {'copy_ ms':>9} "
@@ -76,7 +87,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for label, target in TARGETS:
-        xs = capture_list(target)
+        xs = capture_list(target, args.device)
         nbytes = sum(t.nbytes for t in xs)
         budget = 8.0 if nbytes >= (16 << 20) else 3.0
         dst = [torch.empty_like(t) for t in xs]
@@ -84,12 +95,13 @@ def main() -> None:
         def raw_copy(dst: list = dst, xs: list = xs) -> None:
             for d, s in zip(dst, xs):
                 d.copy_(s)
+            sync()
 
         def run(backend: str, xs: list = xs):
             def step() -> None:
                 with _backend.use_backend(backend):
                     ys = _backend.clone_tensors(xs)
-                ys[0][0, 0, 0].item()  # "use" the capture, then drop it
+                ys[0][0, 0, 0].item()  # "use" the capture (and wait for it), then drop it
 
             return step
 

@@ -27,18 +27,20 @@ This module also holds the traceable helpers the tools use on this path.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "Dispatcher",
@@ -67,16 +69,18 @@ class CompiledModelError(RuntimeError):
 
 _ATTR = "_pyhook_dispatch"
 _lock = threading.Lock()  # tables may be changed from several threads (any_thread, remove)
+_next_key = itertools.count(-1, -1).__next__  # C-level, so safe without a lock
 
 
 class _Entry:
     """One tracer hook in a dispatcher table (what ``register_forward_hook`` would have held)."""
 
-    __slots__ = ("fn", "with_kwargs")
+    __slots__ = ("fn", "key", "with_kwargs")
 
     def __init__(self, fn: Callable[..., Any], with_kwargs: bool) -> None:
         self.fn = fn
         self.with_kwargs = with_kwargs
+        self.key = _next_key()  # its handle's ``id``
 
 
 class _Table:
@@ -98,15 +102,58 @@ def _drop(table: _Table, kind: str, entry: _Entry) -> None:
     setattr(table, kind, tuple(e for e in getattr(table, kind) if e is not entry))
 
 
-class _Handle:
-    """Removes one entry from the table it was added to (any thread may call :meth:`remove`)."""
+class _TableHooks(Mapping[int, Callable[..., Any]]):
+    """One kind (``pre``/``post``) of a table's entries as a hooks dict: handle ``id`` -> hook
+    (what a ``RemovableHandle``'s ``hooks_dict_ref()`` returns; a live, read-only view)."""
 
-    __slots__ = ("entry", "kind", "table")
+    __slots__ = ("_kind", "_table")
+
+    def __init__(self, table: _Table, kind: str) -> None:
+        self._table = table
+        self._kind = kind
+
+    def _entries(self) -> tuple[_Entry, ...]:
+        return getattr(self._table, self._kind)
+
+    def __getitem__(self, key: Any) -> Callable[..., Any]:
+        for e in self._entries():
+            if e.key == key:
+                return e.fn
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([e.key for e in self._entries()])
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+
+class _Handle(RemovableHandle):
+    """Removes one entry from the table it was added to (any thread may call :meth:`remove`).
+
+    A ``RemovableHandle``: ``id``, ``hooks_dict_ref()`` (the table's entries of this kind, a
+    read-only mapping that holds ``id`` while the entry is registered), ``extra_dict_ref``."""
+
+    __slots__ = ("_home", "entry", "kind", "table")
 
     def __init__(self, table: _Table, kind: str, entry: _Entry) -> None:
-        self.table: _Table | None = table
+        self.table: _Table | None = table  # None once removed
+        self._home = table
         self.kind = kind
         self.entry = entry
+
+    @property
+    def id(self) -> int:  # type: ignore[override]
+        return self.entry.key
+
+    @property
+    def hooks_dict_ref(self) -> Callable[[], Mapping[int, Any]]:  # type: ignore[override]
+        view = _TableHooks(self._home, self.kind)
+        return lambda: view
+
+    @property
+    def extra_dict_ref(self) -> tuple[Any, ...]:  # type: ignore[override]
+        return ()
 
     @property
     def alive(self) -> bool:
@@ -121,6 +168,15 @@ class _Handle:
                 return
             with _lock:
                 _drop(table, self.kind, self.entry)
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a compiled model's hook handle cannot be copied or pickled")
 
 
 class Dispatcher:

@@ -21,6 +21,7 @@ import inspect
 import itertools
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -257,15 +258,37 @@ class _Registry(dict):  # type: ignore[type-arg]
         return (dict, ())  # pickled models hold no pyhook hooks, and load without pyhook
 
 
-class _Handle:
-    """Removes one hook pyhook put into a module's hook dicts (a RemovableHandle's face)."""
+class _Handle(RemovableHandle):
+    """Removes one hook pyhook put into a module's hook dicts: a ``RemovableHandle`` (``id``,
+    ``hooks_dict_ref()``, ``extra_dict_ref``, ``remove()``, a context manager) made without the
+    weak references torch's constructor makes; they are made only when asked for."""
 
-    __slots__ = ("_dicts", "_module_dict", "id")
+    __slots__ = ("_dicts", "_hooks", "_module_dict", "id")
 
     def __init__(self, module_dict: dict[str, Any], key: int, dicts: tuple[Any, ...]) -> None:
         self._module_dict = module_dict
         self.id = key
-        self._dicts = dicts
+        self._dicts = dicts  # the dicts holding the key; emptied by remove()
+        self._hooks = dicts[0]  # the hooks dict (kept after remove())
+
+    @property
+    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:  # type: ignore[override]
+        """A weak reference to the hooks dict (``handle.id in handle.hooks_dict_ref()`` while
+        the hook is registered), as ``RemovableHandle.hooks_dict_ref``."""
+        return weakref.ref(self._hooks)
+
+    @property
+    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:  # type: ignore[override]
+        """Weak references to the module's other dicts of the hook's kind: the ones torch's
+        ``register_forward_hook``/``register_forward_pre_hook`` handle lists."""
+        md = self._module_dict
+        if self._hooks is md.get("_forward_hooks"):
+            names: tuple[str, ...] = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+        elif self._hooks is md.get("_forward_pre_hooks"):
+            names = ("_forward_pre_hooks_with_kwargs",)
+        else:
+            names = ()
+        return tuple(weakref.ref(md[n]) for n in names if n in md)
 
     @property
     def alive(self) -> bool:
@@ -281,6 +304,18 @@ class _Handle:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
+    def __reduce__(self) -> Any:
+        # A copy is a plain RemovableHandle, as torch's own handle copies (the same dicts) and
+        # pickles (copies of the dicts).
+        extra = tuple(r() for r in self.extra_dict_ref)
+        return (_removable_handle, (self._hooks, self.id, extra))
+
+
+def _removable_handle(hooks: Any, key: int, extra: tuple[Any, ...]) -> RemovableHandle:
+    handle = RemovableHandle.__new__(RemovableHandle)
+    handle.__setstate__((hooks, key, extra))
+    return handle
+
 
 class _TorchHandle(_Handle):
     """A hook registered through torch's API (backward hooks), listed in the registry too."""
@@ -290,6 +325,14 @@ class _TorchHandle(_Handle):
     def __init__(self, module_dict: dict[str, Any], inner: RemovableHandle, dicts: Any) -> None:
         super().__init__(module_dict, inner.id, dicts)
         self._inner = inner
+
+    @property
+    def hooks_dict_ref(self) -> weakref.ReferenceType[Any]:  # type: ignore[override]
+        return self._inner.hooks_dict_ref
+
+    @property
+    def extra_dict_ref(self) -> tuple[weakref.ReferenceType[Any], ...]:  # type: ignore[override]
+        return self._inner.extra_dict_ref
 
     def remove(self) -> None:
         if self._dicts:

@@ -782,3 +782,19 @@ def test_extend_tools_accept_eager_names_on_a_torch_compile_wrapper():
             out, ext_outs = ext(x)
         assert torch.equal(out, y) and torch.equal(ext_outs["probe"], probe(h0))
     assert active_entries(net) == 0
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_handles_on_a_compiled_model_are_removable_handles(how):
+    from torch.utils.hooks import RemovableHandle
+
+    net = mlp()
+    model = compiled(net, how)
+    with Trace(model, "0") as t, Trace(model, "2") as t2:
+        h, h2 = t.registered_hook, t2.registered_hook
+        assert isinstance(h, RemovableHandle) and h.id != h2.id
+        assert h.id in h.hooks_dict_ref() and h2.id in h2.hooks_dict_ref()
+        assert h.id not in h2.hooks_dict_ref() and h.extra_dict_ref == ()
+        model(torch.ones(1, 4))
+    assert h.id not in h.hooks_dict_ref() and h2.id not in h2.hooks_dict_ref()
+    pyhook.release_compiled(net)

@@ -303,3 +303,14 @@ def test_top_level_export_is_the_deephook_class():
 
     assert pyhook.TraceMultiple is pyhook.deephook.TraceMultiple
     assert pyhook.Trace is not pyhook.deephook.Trace  # pyhook.Trace stays nethook's
+
+
+def test_trace_hook_is_a_removable_handle():
+    from torch.utils.hooks import RemovableHandle
+
+    net = mlp()
+    with Trace(net, "0") as t:
+        h = t.hook
+        assert isinstance(h, RemovableHandle) and h.hooks_dict_ref() is net[0]._forward_hooks
+        assert h.id in h.hooks_dict_ref() and net[0]._forward_hooks_with_kwargs.get(h.id)
+    assert h.id not in h.hooks_dict_ref() and all_hooks(net) == 0

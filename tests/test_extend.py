@@ -585,3 +585,32 @@ def test_a_plain_string_of_ids_is_refused_not_iterated():
     with ActivationMapGrabber(net, ["0", "2"]) as grabber:  # the list form works
         _, acts = grabber(torch.ones(1, 2))
     assert list(acts) == ["0", "2"]
+
+
+@pytest.mark.parametrize("head", ["", "1"])
+def test_stump_hook_handle_is_a_removable_handle_removed_on_del(head):
+    # hybrid_learning's own test_del: stump.hook_handles[head].hooks_dict_ref() holds the id
+    # while the stump lives, and not once it is deleted
+    from torch.utils.hooks import RemovableHandle
+
+    net = mlp()
+    stump = ModelStump(net, head)
+    handle = stump.hook_handles[head]
+    assert isinstance(handle, RemovableHandle)
+    hooks_dict = handle.hooks_dict_ref()
+    assert hooks_dict is net.get_submodule(head)._forward_hooks
+    assert handle.id in hooks_dict
+    del stump
+    gc.collect()
+    assert handle.id not in hooks_dict and all_hooks(net) == 0
+
+
+def test_grabber_hook_handles_are_removable_handles():
+    from torch.utils.hooks import RemovableHandle
+
+    net = mlp()
+    with ActivationMapGrabber(net, ["0", "2"]) as g:
+        handles = g.hook_handles
+        assert all(isinstance(h, RemovableHandle) for h in handles.values())
+        assert all(h.id in h.hooks_dict_ref() for h in handles.values())
+    assert not any(h.id in h.hooks_dict_ref() for h in handles.values())

@@ -405,12 +405,25 @@ sys.exit(main(["inspect", "nowhere"]))
 """
 
 
+def _default_sigint() -> None:
+    """In a child before exec: SIGINT's default disposition (a suite started with SIGINT ignored,
+    under nohup or as a background job, would pass SIG_IGN on, and Python then installs no
+    KeyboardInterrupt handler), as in a program started from a terminal."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_command_imports_torch_is_one_line():
     import subprocess
     import sys
 
     p = subprocess.run(
-        [sys.executable, "-P", "-c", _IMPORT_INTERRUPTED], capture_output=True, text=True, timeout=300
+        [sys.executable, "-P", "-c", _IMPORT_INTERRUPTED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_default_sigint,
     )
     assert p.returncode == 130, (p.returncode, p.stderr)
     lines = p.stderr.strip().splitlines()
@@ -422,4 +435,37 @@ def test_importing_pyhook_from_a_program_leaves_sigint_alone():
     import sys
 
     code = "import signal, pyhook; assert signal.getsignal(signal.SIGINT) is signal.default_int_handler"
-    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-P", "-c", code], check=True, timeout=300, preexec_fn=_default_sigint
+    )
+
+
+def test_the_ctrl_c_tests_pass_in_a_suite_started_with_sigint_ignored():
+    """``nohup pytest`` / ``pytest &``: the suite's process ignores SIGINT, and its children
+    inherit that unless given the default disposition."""
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "ctrl_c_while or leaves_sigint_alone",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]

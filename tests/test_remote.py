@@ -291,6 +291,151 @@ def test_two_ranks_write_one_prefix(s3):
     assert verify_capture(url) == ([], [])
 
 
+@pytest.mark.parametrize("when", ["open", "merge"])
+def test_a_rank_closing_between_anothers_listing_and_reading(s3, monkeypatch, when):
+    """Ranks start and close at different times: rank 1 compacts its journal (uploads its
+    index, removes its entry objects) right after rank 0 listed the prefix, before rank 0 reads
+    what it listed: when rank 0 opens, and when it merges. The interleaving is injected."""
+    from pyhook.store.remote import Remote
+
+    url = s3()
+    data = _batches()
+    w1 = ShardWriter(url, settings=SETTINGS, shard_bytes=1, rank=1, world_size=2)
+    w0 = (
+        ShardWriter(url, settings=SETTINGS, shard_bytes=1, rank=0, world_size=2)
+        if when == "merge"
+        else None
+    )
+    for b in data[4:]:
+        w1.add(b, examples=PER_BATCH)  # shard 1: the index object; shards 2-4: entry objects
+    deadline = time.monotonic() + 60
+    while sum(".d/" in n for n in _objects(url)) < 3:  # the uploads run in the background
+        assert time.monotonic() < deadline, "rank 1's entry objects never appeared"
+        time.sleep(0.05)
+    orig, injected = Remote.pull_indexes, []
+
+    def pull_indexes(self, local, listing, *args, **kwargs):
+        if not injected and any(n.startswith("index-r001.d/") for n in listing):
+            injected.append(True)
+            w1.close(merge=False)  # between the listing and the reads
+        return orig(self, local, listing, *args, **kwargs)
+
+    monkeypatch.setattr(Remote, "pull_indexes", pull_indexes)
+    if w0 is None:
+        w0 = ShardWriter(url, settings=SETTINGS, shard_bytes=1, rank=0, world_size=2)
+    for b in data[:4]:
+        w0.add(b, examples=PER_BATCH)
+    w0.close()  # rank 0 merges last (without a barrier: rank 1 closes during the merge)
+    assert injected == [True]
+    w1.close()
+    names = set(_objects(url))
+    assert {"index.json", "index-r000.json", "index-r001.json"} <= names
+    assert not [n for n in names if ".d/" in n]
+    r = open_capture(url, verify=True)
+    assert r.index["ranks"] == [0, 1] and r.examples == N_BATCHES * PER_BATCH
+    assert torch.equal(r["a"][:], torch.cat([b["a"] for b in data]))
+    assert verify_capture(url) == ([], [])
+
+
+def test_a_vanished_object_is_not_called_a_missing_bucket(s3):
+    from pyhook.store.remote import Remote
+
+    url = s3()
+    _write(url)
+    remote = Remote(url)
+    with pytest.raises(RemoteStorageError, match="object is not there") as e:
+        remote.call("reading index-r009.json", "cat_file", remote.path("index-r009.json"))
+    assert "bucket" not in str(e.value) and url in str(e.value)
+    gone = Remote("s3://nosuchbucket/acts")
+    with pytest.raises(RemoteStorageError, match="bucket 'nosuchbucket' does not exist"):
+        gone.call("reading x", "cat_file", gone.path("x"))
+
+
+STALL_SCRIPT = """
+import sys, time, torch, pyhook
+net = torch.nn.Sequential(torch.nn.Linear(64, 64))
+t0 = None
+try:
+    with pyhook.capture(net, ["0"], out=sys.argv[1], shard_bytes=1) as rec:
+        for i in range(100000):
+            net(torch.randn(256, 64))
+            if i == 3:
+                print("capturing", flush=True)
+                sys.stdin.readline()  # the parent stopped the server
+                t0 = time.monotonic()
+except Exception as e:
+    chain, c = [], e
+    while c is not None:
+        chain.append(f"{type(c).__name__}: {c}")
+        c = c.__cause__ or c.__context__
+    print("RAISED", round(time.monotonic() - t0, 1), " <- ".join(chain), flush=True)
+    sys.exit(3)
+print("FINISHED", flush=True)
+"""
+
+
+def test_a_server_that_stops_answering_ends_the_capture_within_the_stated_bound():
+    """moto's server is SIGSTOPped in the middle of a capture to s3:// (it still accepts
+    connections, and never answers): the capture raises a named error within the deadline
+    the documented options give, not a hang."""
+    from pyhook.store.remote import network_limits, operation_deadline
+
+    proc, port = _start_moto()
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PYHOOK_REMOTE_CONNECT_TIMEOUT": "1",
+        "PYHOOK_REMOTE_READ_TIMEOUT": "1",
+        "PYHOOK_REMOTE_ATTEMPTS": "2",
+    }
+    child = None
+    try:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            _fs().mkdir("stall")
+            limits = network_limits()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        # the capture waits for one upload at a time (a shard, then its entry object)
+        bound = 3 * 2 * operation_deadline(limits, 256 * 64 * 4 + 4096)
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-c", STALL_SCRIPT, "s3://stall/acts"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout.readline().strip() == "capturing", child.stderr.read()[-2000:]
+        os.kill(proc.pid, signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        try:
+            out, err = child.communicate(timeout=bound + 30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            pytest.fail(f"the capture still waited {bound + 30:.0f} s after the server stopped")
+        assert child.returncode == 3 and out.startswith("RAISED"), (out, err[-2000:])
+        raised_after = float(out.split()[1])  # the child's own clock, from the go to the raise
+        assert raised_after < bound, (raised_after, bound, out)
+        assert "s3://stall/acts" in out and "got no answer within" in out and "upload" in out, out
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 # -- bad input: named errors, quickly ------------------------------------------------------------------
 def _quick(fn, exc, match, seconds=60.0):
     t0 = time.monotonic()

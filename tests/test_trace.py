@@ -496,3 +496,81 @@ def test_edit_applies_when_autograd_recomputes_on_another_thread(use_reentrant):
         worker.join()
     assert torch.allclose(model.block[2].weight.grad, expected)
     assert all_hooks(model) == 0
+
+
+# -- hook handles keep torch's RemovableHandle face (issue 23, item 2) ------------------------
+def _torch_reference_handle(kind, module, fn, **kw):
+    """The handle torch's own API gives for the same registration (the reference)."""
+    return {
+        "forward": module.register_forward_hook,
+        "forward_pre": module.register_forward_pre_hook,
+        "full_backward": module.register_full_backward_hook,
+        "full_backward_pre": module.register_full_backward_pre_hook,
+    }[kind](fn, **kw)
+
+
+def _dict_names(module, dicts):
+    names = {id(v): k for k, v in vars(module).items() if isinstance(v, dict)}
+    return sorted(names[id(d)] for d in dicts)
+
+
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("forward", {}),
+        ("forward", {"with_kwargs": True}),
+        ("forward", {"with_kwargs": True, "always_call": True}),
+        ("forward", {"always_call": True}),
+        ("forward_pre", {}),
+        ("forward_pre", {"with_kwargs": True}),
+        ("full_backward", {}),
+        ("full_backward_pre", {}),
+    ],
+)
+def test_hookset_handles_have_torchs_removable_handle_face(kind, kw):
+    import copy
+    import gc
+
+    from torch.utils.hooks import RemovableHandle
+
+    from pyhook._hooks import HookSet
+
+    mine, ref = nn.Linear(2, 2), nn.Linear(2, 2)
+    fn = lambda *a: None  # noqa: E731
+    hooks = HookSet()
+    with hooks.registering():
+        h = getattr(hooks, kind)(mine, fn, **kw)
+    r = _torch_reference_handle(kind, ref, fn, **kw)
+    assert isinstance(h, RemovableHandle) and isinstance(h.id, int)
+    # the same dicts (by attribute name) as torch's handle for the same registration
+    assert _dict_names(mine, [h.hooks_dict_ref()]) == _dict_names(ref, [r.hooks_dict_ref()])
+    extras = [w() for w in h.extra_dict_ref]
+    assert _dict_names(mine, extras) == _dict_names(ref, [w() for w in r.extra_dict_ref])
+    hooks_dict = h.hooks_dict_ref()
+    assert h.id in hooks_dict
+    # each extra dict holds the key exactly when torch's holds its handle's
+    assert [h.id in d for d in extras] == [r.id in w() for w in r.extra_dict_ref]
+    # copy.copy: torch's handle copies to a handle over the same dicts
+    assert type(copy.copy(h)) is RemovableHandle and copy.copy(h).hooks_dict_ref() is hooks_dict
+    with h:  # a context manager that removes on exit
+        pass
+    gc.collect()
+    assert h.id not in hooks_dict and all(h.id not in d for d in extras)
+    assert h.hooks_dict_ref() is hooks_dict  # still answers after remove, as torch's
+    h.remove()  # twice is fine
+    hooks.remove()
+    assert all_hooks(mine) == 0
+
+
+def test_trace_and_tracedict_handles_are_removable_handles():
+    from torch.utils.hooks import RemovableHandle
+
+    net = mlp()
+    with nethook.TraceDict(net, ["0", "2"]) as td, nethook.Trace(net, "1") as t:
+        handles = [t.registered_hook, td["0"].registered_hook, td["2"].registered_hook]
+        dicts = [h.hooks_dict_ref() for h in handles]
+        assert all(isinstance(h, RemovableHandle) for h in handles)
+        assert [d is net[i]._forward_hooks for d, i in zip(dicts, (1, 0, 2))] == [True] * 3
+        assert all(h.id in d for h, d in zip(handles, dicts))
+    assert not any(h.id in d for h, d in zip(handles, dicts))
+    assert all_hooks(net) == 0

@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,16 +52,74 @@ _BACKENDS = {
     "abfss": "adlfs",
     "hf": "huggingface_hub",
 }
-#: Bounded network waits for S3 (botocore's defaults wait 60 s per attempt, with more retries).
-_S3_OPTIONS = {
-    "config_kwargs": {
-        "connect_timeout": 10,
-        "read_timeout": 60,
-        "retries": {"max_attempts": 3, "mode": "standard"},
-    },
-    "use_listings_cache": False,
-    "skip_instance_cache": True,
+#: Protocols whose first path component is a bucket.
+_BUCKETS = ("s3", "s3a", "gs", "gcs")
+#: The bounds of every network wait, each from an environment variable (read when a URL is
+#: opened): seconds to connect, seconds without an answer per read, attempts per request (S3's
+#: botocore settings; s3fs's own retries are turned off so that they do not multiply), and the
+#: slowest transfer rate tolerated (MB/s). See :func:`network_limits`.
+_LIMITS = {
+    "connect_timeout": ("PYHOOK_REMOTE_CONNECT_TIMEOUT", 10.0),
+    "read_timeout": ("PYHOOK_REMOTE_READ_TIMEOUT", 60.0),
+    "attempts": ("PYHOOK_REMOTE_ATTEMPTS", 3),
+    "min_rate_mb_s": ("PYHOOK_REMOTE_MIN_RATE", 1.0),
 }
+
+
+def network_limits() -> dict[str, float]:
+    """The network bounds in force (defaults, or the ``PYHOOK_REMOTE_*`` environment variables).
+
+    Every request to an asynchronous fsspec file system (S3, GCS, Azure...) gives up after
+    :func:`operation_deadline` seconds, and raises :class:`RemoteStorageError` naming the URL
+    and the operation.
+
+    Example::
+
+        >>> from pyhook.store.remote import network_limits
+        >>> sorted(network_limits())
+        ['attempts', 'connect_timeout', 'min_rate_mb_s', 'read_timeout']
+    """
+    out: dict[str, float] = {}
+    for key, (env, default) in _LIMITS.items():
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            out[key] = default
+            continue
+        try:
+            value = int(raw) if key == "attempts" else float(raw)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise RemoteStorageError(
+                f"{env}={raw!r}: expected a positive {'integer' if key == 'attempts' else 'number'}"
+            )
+        out[key] = value
+    return out
+
+
+def operation_deadline(limits: dict[str, float], nbytes: int = 0) -> float:
+    """Seconds one request (or listing) moving ``nbytes`` may take in all: ``attempts`` tries of
+    ``connect_timeout + read_timeout``, the back-off between tries (1, 2, 4... s, at most 20 s
+    each), and the bytes at ``min_rate_mb_s``.
+
+    Example::
+
+        >>> from pyhook.store.remote import operation_deadline
+        >>> operation_deadline({"connect_timeout": 10, "read_timeout": 60, "attempts": 3,
+        ...                     "min_rate_mb_s": 1.0}, nbytes=2_000_000)
+        215.0
+    """
+    attempts = int(limits["attempts"])
+    backoff = sum(min(2.0**i, 20.0) for i in range(attempts - 1))
+    per_try = limits["connect_timeout"] + limits["read_timeout"]
+    return attempts * per_try + backoff + nbytes / (limits["min_rate_mb_s"] * 1e6)
+
+
+#: A rank's index objects: ``index-rNNN.json`` and its entry objects ``index-rNNN.d/<shard>.json``.
+_INDEX_OBJECT = re.compile(r"index-r(\d{3,})(?:\.json|\.d/[^/]+\.json)\Z")
+#: Listings a reader of a rank's index objects takes before giving up (each one sees the rank
+#: closed since the one before; a rank closes once).
+_PULL_TRIES = 3
 
 
 class RemoteStorageError(OSError):
@@ -109,7 +168,18 @@ def filesystem(url: str) -> tuple[Any, str]:
             "(or pip install fsspec s3fs)"
         ) from None
     proto = _protocol(url)
-    options = dict(_S3_OPTIONS) if proto in ("s3", "s3a") else {}
+    options: dict[str, Any] = {}
+    if proto in ("s3", "s3a"):
+        limits = network_limits()
+        options = {
+            "config_kwargs": {
+                "connect_timeout": limits["connect_timeout"],
+                "read_timeout": limits["read_timeout"],
+                "retries": {"max_attempts": int(limits["attempts"]), "mode": "standard"},
+            },
+            "use_listings_cache": False,
+            "skip_instance_cache": True,
+        }
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
@@ -122,26 +192,32 @@ def filesystem(url: str) -> tuple[Any, str]:
             f"{url!r}: fsspec knows no protocol {proto!r} ({e}); check the URL, or install the "
             "package that provides it"
         ) from None
+    if hasattr(fs, "retries") and options:
+        fs.retries = 1  # s3fs's retry loop around botocore's attempts: botocore's alone count
     return fs, root.rstrip("/")
 
 
-def _wrap(url: str, what: str, e: BaseException) -> RemoteStorageError:
+def _wrap(url: str, what: str, e: BaseException, hint: str = "") -> RemoteStorageError:
     kind = type(e).__name__
     if isinstance(e, PermissionError):
         hint = " (check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, ...)"
-    elif isinstance(e, FileNotFoundError):
-        hint = " (does the bucket exist?)"
-    else:
-        hint = ""
     return RemoteStorageError(f"{url}: {what} failed: {kind}: {e}{hint}")
 
 
 class Remote:
-    """One capture prefix on an fsspec file system, with the operations the store needs."""
+    """One capture prefix on an fsspec file system, with the operations the store needs.
+
+    On an asynchronous file system (S3, GCS, Azure...) every operation runs on fsspec's event
+    loop with a deadline (:func:`operation_deadline`): past it the operation is cancelled and
+    :class:`RemoteStorageError` names the URL and the operation."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url)
+        self.limits = network_limits()
+        self._loop = (
+            getattr(self.fs, "loop", None) if getattr(self.fs, "async_impl", False) else None
+        )
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -149,50 +225,102 @@ class Remote:
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def deadline(self, nbytes: int = 0) -> float:
+        return operation_deadline(self.limits, nbytes)
+
+    def run(self, what: str, url: str, method: str, *args: Any, nbytes: int = 0, **kw: Any) -> Any:
+        """``fs.<method>(*args)``, bounded by :meth:`deadline` on an asynchronous file system.
+        A timeout is :class:`RemoteStorageError`; other errors pass through."""
+        if self._loop is None:
+            return getattr(self.fs, method)(*args, **kw)
+        import fsspec.asyn
+        from fsspec.exceptions import FSTimeoutError
+
+        seconds = self.deadline(nbytes)
         try:
-            return fn(*args)
+            return fsspec.asyn.sync(
+                self._loop, getattr(self.fs, "_" + method), *args, timeout=seconds, **kw
+            )
+        except FSTimeoutError:
+            lim = self.limits
+            raise RemoteStorageError(
+                f"{url}: {what} got no answer within {seconds:.0f} s ({int(lim['attempts'])} "
+                f"attempt(s) of {lim['connect_timeout']:g} s to connect and "
+                f"{lim['read_timeout']:g} s to read, at least {lim['min_rate_mb_s']:g} MB/s; "
+                "PYHOOK_REMOTE_* set these): is the server up and reachable?"
+            ) from None
+
+    def call(self, what: str, method: str, *args: Any, nbytes: int = 0, **kw: Any) -> Any:
+        """:meth:`run` with every error as :class:`RemoteStorageError` naming the prefix."""
+        try:
+            return self.run(what, self.url, method, *args, nbytes=nbytes, **kw)
         except (CaptureDamagedError, RemoteStorageError):
             raise
         except Exception as e:
-            raise _wrap(self.url, what, e) from e
+            raise self._wrap(self.url, what, e) from e
+
+    def _wrap(self, url: str, what: str, e: BaseException) -> RemoteStorageError:
+        """``e`` as a named error; a missing object or bucket says which of the two it is."""
+        hint = ""
+        if isinstance(e, FileNotFoundError):
+            bucket = self.root.split("/", 1)[0]
+            try:
+                there = _protocol(self.url) not in _BUCKETS or bool(
+                    self.run("checking the bucket", url, "exists", bucket)
+                )
+            except Exception:
+                there = None
+            if there is False:
+                hint = f" (the bucket {bucket!r} does not exist)"
+            elif there:
+                hint = " (the object is not there: removed meanwhile, or never written)"
+        return _wrap(url, what, e, hint)
 
     def listing(self) -> dict[str, int]:
         """Every object under the prefix (relative name -> size); {} when there is none."""
-
-        def run() -> dict[str, int]:
-            try:
-                found = self.fs.find(self.root, detail=True)
-            except FileNotFoundError:
-                found = {}
-            out = {}
-            for p, info in found.items():
-                rel = p[len(self.root) + 1 :] if p.startswith(self.root + "/") else p
-                if info.get("type", "file") != "directory":
-                    out[rel] = int(info.get("size") or 0)
-            return out
-
-        return self.call("listing the prefix", run)
+        what = "listing the prefix"
+        try:
+            found = self.run(what, self.url, "find", self.root, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except RemoteStorageError:
+            raise
+        except Exception as e:
+            raise self._wrap(self.url, what, e) from e
+        out = {}
+        for p, info in found.items():
+            rel = p[len(self.root) + 1 :] if p.startswith(self.root + "/") else p
+            if info.get("type", "file") != "directory":
+                out[rel] = int(info.get("size") or 0)
+        return out
 
     def check_bucket(self) -> None:
         """Touch the prefix's bucket or root (fails fast on wrong credentials or no bucket)."""
         bucket = self.root.split("/", 1)[0]
-        if _protocol(self.url) in ("s3", "s3a", "gs", "gcs"):
-            self.call("opening the bucket", self.fs.ls, bucket)
+        if _protocol(self.url) in _BUCKETS:
+            self.call("opening the bucket", "ls", bucket)
 
-    def get(self, name: str, local: str) -> None:
+    def get(self, name: str, local: str, nbytes: int = 0) -> None:
+        """Download ``name`` (``nbytes`` long, if known: it extends the deadline) to ``local``;
+        FileNotFoundError passes through."""
         tmp = f"{local}.part"
         try:
-            self.fs.get_file(self.path(name), tmp)
+            self.run(
+                "downloading", self.url_of(name), "get_file", self.path(name), tmp, nbytes=nbytes
+            )
             os.replace(tmp, local)
         except FileNotFoundError:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
+        except RemoteStorageError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         except Exception as e:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-            raise _wrap(self.url_of(name), "downloading", e) from e
+            raise self._wrap(self.url_of(name), "downloading", e) from e
 
     def _parent(self, name: str) -> None:
         # object stores have no directories; a local (file://) target needs them made
@@ -201,65 +329,119 @@ class Remote:
 
     def put(self, local: str, name: str) -> None:
         self._parent(name)
-        self.call(f"uploading {name}", self.fs.put_file, local, self.path(name))
+        self.call(
+            f"uploading {name}", "put_file", local, self.path(name), nbytes=os.path.getsize(local)
+        )
 
     def put_bytes(self, data: bytes, name: str) -> None:
         self._parent(name)
-        self.call(f"uploading {name}", self.fs.pipe_file, self.path(name), data)
+        self.call(f"uploading {name}", "pipe_file", self.path(name), data, nbytes=len(data))
 
     def rm(self, names: list[str]) -> None:
         """Remove objects (one batched request where the file system has one)."""
         if not names:
             return
+        what = f"removing {names[0]}..."
         try:
-            self.fs.rm([self.path(n) for n in names])
+            self.run(what, self.url, "rm", [self.path(n) for n in names])
         except FileNotFoundError:
             for n in names:  # some were gone already: remove the others one by one
                 with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(self.path(n))
+                    self.run(f"removing {n}", self.url_of(n), "rm_file", self.path(n))
+        except RemoteStorageError:
+            raise
         except Exception as e:
-            raise _wrap(self.url, f"removing {names[0]}...", e) from e
+            raise self._wrap(self.url, what, e) from e
 
-    def pull_indexes(self, local: str, listing: dict[str, int], ranks: list[int] | None) -> None:
-        """Download the index files (of ``ranks``, or all) into ``local``, rebuilding each
-        rank's journal from its entry objects."""
-        for name in sorted(listing):
-            base = name.split("/", 1)[0]
-            if name == "index.json":
-                self.get(name, os.path.join(local, name))
+    def pull_indexes(self, local: str, listing: dict[str, int], own: int | None = None) -> None:
+        """Download the index files into ``local``: every rank's complete index (its index
+        file, and its journal rebuilt from its entry objects) when ``own`` is None (a reader,
+        the merge), else rank ``own``'s complete index and only the other ranks' index files.
+
+        A rank's index file is its source of truth: it closes by uploading its complete index,
+        then removing its entry objects. An entry object that was listed and is gone when read
+        means exactly that happened (another process closed the rank meanwhile), so that rank's
+        objects are listed and read again. The other ranks' files a writer pulls are only used to
+        compare settings; one that vanished meanwhile is skipped.
+        """
+        _fault("pull.listed")
+        names: dict[int, list[str]] = {}
+        for name in listing:
+            m = _INDEX_OBJECT.match(name)
+            if m:
+                names.setdefault(int(m.group(1)), []).append(name)
+        if "index.json" in listing:
+            self._get_if_there("index.json", local)
+        for rank in sorted(names):
+            if own is None or rank == own:
+                self._pull_rank(local, rank, listing)
+            elif f"index-r{rank:03d}.json" in listing:
+                self._get_if_there(f"index-r{rank:03d}.json", local)
+
+    def _get_if_there(self, name: str, local: str) -> bool:
+        try:
+            self.get(name, os.path.join(local, name))
+            return True
+        except FileNotFoundError:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(local, name))
+            return False
+
+    def _pull_rank(self, local: str, rank: int, listing: dict[str, int]) -> None:
+        """Rank ``rank``'s index file and journal as one consistent snapshot (see above)."""
+        head = f"index-r{rank:03d}"
+        index = f"{head}.json"
+        journal = _journal_path(os.path.join(local, index))
+        for _ in range(_PULL_TRIES):
+            entries = sorted(
+                n for n in listing if n.startswith(f"{head}.d/") and n.endswith(".json")
+            )
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(journal)
+            try:
+                if index in listing:
+                    self.get(index, os.path.join(local, index))
+                lines = [self._read(name) for name in entries]
+            except FileNotFoundError:
+                # compacted (or removed) meanwhile: its complete index is uploaded by now
+                listing = self.listing()
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(local, index))
                 continue
-            if not (base.startswith("index-r") and base[7:10].isdigit()):
-                continue
-            rank = int(base[7:].split(".")[0])
-            if ranks is not None and rank not in ranks:
-                continue
-            if "/" not in name and name.endswith(".json"):
-                self.get(name, os.path.join(local, name))
-        journals: dict[str, list[tuple[str, bytes]]] = {}
-        for name in sorted(listing):
-            head, _, tail = name.partition("/")
-            if not (head.startswith("index-r") and head.endswith(".d") and tail.endswith(".json")):
-                continue
-            rank = int(head[7:].split(".")[0])
-            if ranks is not None and rank not in ranks:
-                continue
-            data = self.call(f"reading {name}", self.fs.cat_file, self.path(name))
-            journals.setdefault(head[:-2], []).append((tail, data))
-        for head, lines in journals.items():
-            with open(_journal_path(os.path.join(local, head + ".json")), "wb") as f:
-                for _, data in sorted(lines):
-                    f.write(data if data.endswith(b"\n") else data + b"\n")
+            if lines:
+                with open(journal, "wb") as f:
+                    for data in lines:
+                        f.write(data if data.endswith(b"\n") else data + b"\n")
+            return
+        raise RemoteStorageError(
+            f"{self.url_of(index)}: the index objects of rank {rank} changed under each of "
+            f"{_PULL_TRIES} listings while being read; is another process writing rank {rank} "
+            "of this capture?"
+        )
+
+    def _read(self, name: str) -> bytes:
+        """An object's bytes; FileNotFoundError passes through (the caller knows what it means)."""
+        try:
+            return self.run("reading", self.url_of(name), "cat_file", self.path(name))
+        except (FileNotFoundError, RemoteStorageError):
+            raise
+        except Exception as e:
+            raise self._wrap(self.url_of(name), "reading", e) from e
 
 
 # -- writing ---------------------------------------------------------------------------------------
 class Uploader:
     """The writer's remote side: a thread that uploads each completed shard (then its index
-    entry) in order, at most ``max_pending`` shards waiting; errors surface on the next call."""
+    entry) in order, at most ``max_pending`` shards waiting; errors surface on the next call.
+
+    Each upload is bounded (:meth:`Remote.deadline`), and so are the waits on the thread: no
+    call here waits longer than the deadlines of the uploads ahead of it."""
 
     def __init__(self, remote: Remote, rank: int, max_pending: int = 2) -> None:
         self.remote = remote
         self.rank = rank
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._bounds: dict[int, float] = {}  # id(task) -> its deadline, while queued or running
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"pyhook-upload-r{rank}", daemon=True
@@ -277,20 +459,30 @@ class Uploader:
             except BaseException as e:
                 self.error = e
             finally:
+                self._bounds.pop(id(task), None)
                 self._queue.task_done()
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def submit(self, task: Callable[[], None]) -> None:
+    def _left(self) -> float:
+        """Seconds the queued and running uploads may still take, at most (plus a margin)."""
+        return sum(list(self._bounds.values())) + 5.0
+
+    def submit(self, task: Callable[[], None], nbytes: int = 0) -> None:
         self.check()
-        while True:
-            try:
-                self._queue.put(task, timeout=0.1)
-                return
-            except queue.Full:
-                self.check()
+        self._bounds[id(task)] = self.remote.deadline(nbytes) * 2  # a shard, then its entry
+        try:
+            while True:
+                try:
+                    self._queue.put(task, timeout=0.1)
+                    return
+                except queue.Full:
+                    self.check()
+        except BaseException:
+            self._bounds.pop(id(task), None)
+            raise
 
     def shard_done(self, local_dir: str, name: str, line: bytes | None, part: str) -> None:
         """Upload shard ``name`` (then drop the local copy), then list it: its journal line as
@@ -311,15 +503,31 @@ class Uploader:
                 self.remote.put_bytes(index, f"{own}.json")
             _fault("upload.listed")
 
-        self.submit(task)
+        self.submit(task, os.path.getsize(os.path.join(local_dir, name)))
 
     def drain(self) -> None:
-        self._queue.join()
+        """Wait for every submitted upload (each bounded by its deadline), then raise its error."""
+        q = self._queue
+        deadline = time.monotonic() + self._left()
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RemoteStorageError(
+                        f"{self.remote.url}: waiting for {q.unfinished_tasks} upload(s) got no "
+                        "answer within their deadlines: is the server up and reachable?"
+                    )
+                q.all_tasks_done.wait(min(left, 1.0))
         self.check()
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        """End the thread: after the queued uploads, or (they outlast their deadlines) leave
+        the daemon thread behind rather than wait on it."""
+        try:
+            self._queue.put(None, timeout=self._left())
+        except queue.Full:
+            return
+        self._thread.join(self._left())
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -362,7 +570,7 @@ class ShardCache:
         local = os.path.join(self.dir, name)
         url = self.remote.url_of(name)
         try:
-            self.remote.get(name, local)
+            self.remote.get(name, local, entry.get("bytes") or 0)
         except FileNotFoundError:
             raise CaptureDamagedError(
                 f"{url}: missing (listed in the index; deleted from the bucket?)", url
@@ -466,7 +674,7 @@ def open_remote_index(
     listing = remote.listing()
     local = tempfile.mkdtemp(prefix="pyhook-remote-")
     try:
-        remote.pull_indexes(local, listing, None)
+        remote.pull_indexes(local, listing)
     except BaseException:
         shutil.rmtree(local, ignore_errors=True)
         raise
@@ -519,7 +727,7 @@ def verify_remote(url: str) -> tuple[list[str], list[str]]:
                     problems.append(f"{remote.url_of(shard)}: missing (listed in the index)")
                     continue
                 try:
-                    remote.get(shard, os.path.join(local, shard))
+                    remote.get(shard, os.path.join(local, shard), listing[shard])
                     _check_shard(local, s, part["layers"], checksum=True, notes=notes)
                 except FileNotFoundError:
                     problems.append(f"{remote.url_of(shard)}: missing (listed in the index)")

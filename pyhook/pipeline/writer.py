@@ -150,7 +150,11 @@ class ShardWriter:
         try:
             if self._remote is not None:
                 self._listing = self._remote.listing()
-                self._remote.pull_indexes(self.out, self._listing, None)
+                if not overwrite:  # overwrite: this rank's files go, the others' are not read
+                    # This rank's complete index (to resume); of the other ranks only their
+                    # index files, to compare settings: never their journals, which they
+                    # compact and remove when they close, whenever that is.
+                    self._remote.pull_indexes(self.out, self._listing, own=self.rank)
             self._open_dir(overwrite)
             if self._remote is not None:
                 self._open_remote(overwrite)
@@ -663,7 +667,7 @@ class ShardWriter:
         assert self._remote is not None
         tmp = tempfile.mkdtemp(prefix="pyhook-merge-")
         try:
-            self._remote.pull_indexes(tmp, self._remote.listing(), None)
+            self._remote.pull_indexes(tmp, self._remote.listing())
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(tmp, "index.json"))
             path = os.path.join(tmp, "index.json")

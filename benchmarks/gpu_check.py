@@ -1,0 +1,266 @@
+"""The first run on a GPU: build with CUDA, run the CUDA tests and benchmarks, write one report.
+
+On a machine with CUDA, from the repository root::
+
+    python benchmarks/gpu_check.py                  # writes gpu_check.md, at most 10 minutes
+
+Steps, each in a subprocess with its own time limit inside one overall budget (``--budget``,
+600 s by default; a step that would outlast it is cut short and reported as such):
+
+1. build: ``pip install --no-build-isolation --no-deps .`` with ``PYHOOK_BUILD_CUDA=1`` (the
+   build fails rather than quietly skipping the CUDA kernels), then ``pyhook info``;
+2. tests: every ``cuda``-marked test (``pytest -m cuda``);
+3. ``bench_copy.py --device cuda`` (the CUDA rows: native vs reference clones on the GPU);
+4. ``bench_capture.py --skip peers disk`` (case (c): pinned copies, the Offloader, GPT-2 small
+   forward with a capture to host);
+5. the capture loop on a GPT-2-small forward (random weights, nothing downloaded): ``capture(model,
+   "h.*", out=dir)`` with the defaults, checked row for row against a hand-written forward hook,
+   timed against the bare forward.
+
+The report (``--out``) has the device, the versions, a table of the steps, and each step's
+output. Without CUDA the script says so and exits 0 (nothing to check). ``--skip-build``
+uses the installed pyhook as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The capture loop of step 5, run in a fresh interpreter (after the build).
+CAPTURE_LOOP = r"""
+import statistics, tempfile, time
+import torch, pyhook
+from transformers import GPT2Config, GPT2Model
+
+dev = torch.device("cuda")
+torch.manual_seed(0)
+cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+model = GPT2Model(cfg).to(dev).eval()
+batches = [torch.randint(0, cfg.vocab_size, (8, 128), device=dev) for _ in range(12)]
+
+# the reference: a hand-written forward hook per block, outputs copied to the host
+ref = {i: [] for i in range(12)}
+def keep(i):
+    def hook(m, a, out):
+        out = out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
+        ref[i].append(out.detach().to("cpu"))
+    return hook
+hooks = [model.h[i].register_forward_hook(keep(i)) for i in range(12)]
+with torch.no_grad():
+    for x in batches:
+        model(x)
+for h in hooks:
+    h.remove()
+
+def bare():
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    torch.cuda.synchronize()
+
+def captured(out):
+    with torch.no_grad(), pyhook.capture(model, "h.*", out=out, overwrite=True) as rec:
+        for x in batches:
+            model(x)
+    torch.cuda.synchronize()
+    return rec
+
+with tempfile.TemporaryDirectory() as d:
+    captured(d)
+    r = pyhook.open_capture(d)
+    exact = all(
+        torch.equal(r[f"h.{i}"][:].reshape(-1, 768), torch.cat(ref[i]).reshape(-1, 768))
+        for i in range(12)
+    )
+    print(f"rows: {r.examples} examples, layers {len(r.layers)}; exact vs hand-written hooks: {exact}")
+    bare(); captured(d)  # warm
+    t_bare, t_cap = [], []
+    for _ in range(3):
+        t0 = time.perf_counter(); bare(); t_bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); captured(d); t_cap.append(time.perf_counter() - t0)
+    mb = sum(t.numel() * 4 for v in ref.values() for t in v) / 1e6
+    b, c = statistics.median(t_bare), statistics.median(t_cap)
+    print(f"| loop (12 x 8x128 tokens, GPT-2 small) | ms | vs bare |")
+    print(f"|---|---|---|")
+    print(f"| bare forward | {b * 1e3:.0f} | 1.00 |")
+    print(f"| capture 'h.*' to disk, defaults ({mb:.0f} MB) | {c * 1e3:.0f} | {c / b:.2f} |")
+    raise SystemExit(0 if exact else 1)
+"""
+
+
+def run_step(
+    cmd: list[str], seconds: float, env: dict[str, str] | None = None
+) -> tuple[str, str, float]:
+    """Run ``cmd`` in its own process group for at most ``seconds``: (status, output, time)."""
+    t0 = time.monotonic()
+    if seconds <= 1:
+        return "skipped (out of time)", "", 0.0
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a timeout ends the whole tree (pip's compilers too)
+    )
+    try:
+        out, _ = p.communicate(timeout=seconds)
+        status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        status = f"TIMED OUT after {seconds:.0f} s"
+    return status, out or "", time.monotonic() - t0
+
+
+def versions() -> list[str]:
+    import torch
+
+    lines = [
+        f"- python {platform.python_version()} ({sys.executable}), {platform.platform()}",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}",
+    ]
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(
+            f"- GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
+            f"{p.total_memory / 2**30:.0f} GiB"
+        )
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        lines.append(f"- driver {smi.stdout.strip().splitlines()[0]}")
+    except (OSError, subprocess.SubprocessError, IndexError):
+        lines.append("- driver: nvidia-smi not available")
+    try:
+        commit = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        lines.append(f"- pyhook checkout {commit or '(not a git checkout)'}")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "gpu_check.md"), help="the report")
+    ap.add_argument("--budget", type=float, default=600.0, help="seconds for all steps")
+    ap.add_argument("--skip-build", action="store_true", help="use the installed pyhook")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda or 'no'}); nothing to check, no report written."
+        )
+        return 0
+
+    py = sys.executable
+    env = {**os.environ, "PYHOOK_BUILD_CUDA": "1", "MAX_JOBS": str(os.cpu_count() or 4)}
+    # (name, command, at most seconds)
+    steps: list[tuple[str, list[str], float]] = []
+    if not args.skip_build:
+        steps.append(
+            (
+                "build with CUDA",
+                [
+                    py,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-build-isolation",
+                    "--no-deps",
+                    "--force-reinstall",
+                    ".",
+                ],
+                300,
+            )
+        )
+    steps += [
+        ("pyhook info", [py, "-I", "-m", "pyhook", "info"], 30),
+        (
+            "cuda-marked tests",
+            [
+                py,
+                "-I",
+                "-m",
+                "pytest",
+                "tests",
+                "-m",
+                "cuda",
+                "-n",
+                "0",
+                "-q",
+                "-rs",
+                "-p",
+                "no:cacheprovider",
+            ],
+            150,
+        ),
+        (
+            "bench_copy.py --device cuda",
+            [py, "-I", "benchmarks/bench_copy.py", "--device", "cuda"],
+            90,
+        ),
+        (
+            "bench_capture.py case (c)",
+            [py, "-I", "benchmarks/bench_capture.py", "--skip", "peers", "disk"],
+            120,
+        ),
+        ("capture loop, GPT-2 small", [py, "-I", "-c", CAPTURE_LOOP], 120),
+    ]
+    results = []
+    for name, cmd, cap in steps:
+        left = args.budget - (time.monotonic() - start)
+        print(f"gpu_check: {name} (at most {min(cap, left):.0f} s) ...", flush=True)
+        status, out, took = run_step(cmd, min(cap, left), env)
+        print(f"gpu_check: {name}: {status} in {took:.0f} s", flush=True)
+        results.append((name, cmd, status, out, took))
+        if name == "build with CUDA" and status != "ok":
+            break  # the rest would test the old install
+
+    total = time.monotonic() - start
+    md = [
+        "# pyhook GPU check",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {total:.0f} s in all (budget {args.budget:.0f} s)",
+        "",
+        *versions(),
+        "",
+        "| step | result | seconds |",
+        "|---|---|---|",
+        *[f"| {n} | {s} | {t:.0f} |" for n, _, s, _, t in results],
+        "",
+    ]
+    for name, cmd, status, out, _ in results:
+        shown = " ".join(c if len(c) < 80 else "<script>" for c in cmd)
+        tail = out[-6000:]
+        md += [f"## {name}: {status}", "", "```text", f"$ {shown}", tail.rstrip(), "```", ""]
+    with open(args.out, "w") as f:
+        f.write("\n".join(md))
+    print(f"gpu_check: report written to {args.out}")
+    return 0 if all(s == "ok" for _, _, s, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
