@@ -562,3 +562,22 @@ def test_an_encoder_decoder_is_refused_with_the_encoder_class(t5, tmp_path, caps
     r = open_capture(str(out))
     for n in layers:
         torch.testing.assert_close(r[n].to_tensor(), got[n][ids != tok.bos_token_id])
+
+
+def test_the_capture_docs_show_the_names_the_default_command_stores(tmp_path):
+    """docs/capture.md shows the default command's layer names: a reader indexed with them
+    finds the layers (issue 23, item 7: it showed encoder.layer.*, a KeyError)."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "capture.md")) as f:
+        doc = f.read()
+    section = doc.split("## The command", 1)[1].split("### Your corpus", 1)[0]
+    shown = set(re.findall(r"^(\S+\.\d+)\s+[\d,]+\s+384\s", section, flags=re.M))
+    default = re.search(r"captures `([^`]+)`", section).group(1)
+    out = str(tmp_path / "acts")
+    assert main(["capture", "--limit", "2", "--out", out, "--quiet"]) == 0
+    r = open_capture(out)
+    assert shown and shown <= set(r.layers), (shown, r.layers)
+    assert len(r.layers) == 6 and default.replace("*", "") + "0" in r.layers
+    for name in shown:
+        assert r[name].shape[1:] == (384,)
