@@ -61,6 +61,7 @@ __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
 _CHUNK = 1024  # rows read at once from a file
 _ENCODE = 64  # documents per tokenizer call when packing
+_INT = {int}  # the types a token id list may hold (not bool, float or str)
 
 
 class SourceError(ValueError):
@@ -514,7 +515,7 @@ class CorpusSource:
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if type(v) is not list or not all(type(t) is int for t in v):
+            if type(v) is not list or (v and set(map(type, v)) != _INT):
                 bad = next(t for t in v if type(t) is not int) if isinstance(v, list) else None
                 what = f"a list with {_describe(bad)}" if isinstance(v, list) else _describe(v)
                 raise SourceError(
@@ -664,7 +665,7 @@ class CorpusSource:
             idx = torch.tensor([i for i, _ in buf], dtype=torch.long)
             vals = [v for _, v in buf]
             if self.pretokenized:
-                ids_list = [list(map(int, v)) for v in vals]
+                ids_list = vals  # checked as read: lists of ints
                 texts = None
             else:
                 texts = vals
@@ -708,7 +709,7 @@ class CorpusSource:
         n = 0  # examples before this chunk
         for chunk in self._chunks():
             if self.pretokenized:
-                yield from ([int(t) for t in v] for v in chunk if v)
+                yield from (v for v in chunk if v)  # checked as read: lists of ints
             else:
                 docs = [(n + j, t) for j, t in enumerate(chunk) if t]
                 # slices: the first contexts come out after a few documents, not a whole chunk
