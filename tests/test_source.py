@@ -247,7 +247,14 @@ def test_ids_at_or_above_the_vocabulary_size_are_refused(tmp_path, tok):
     rows = [[5, 6, 7]] * 1500 + [[5, 100]]  # record 1,501; parquet: checked without Python
     pq.write_table(pa.table({"input_ids": rows}), tmp_path / "ids.parquet")
     _jsonl(tmp_path / "ids.jsonl", "input_ids", rows, 0, None)
-    for name, where in [("ids.parquet", "record 1,501,"), ("ids.jsonl", "record 1,501 (line")]:
+    import datasets
+
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "saved"))
+    for name, where in [
+        ("ids.parquet", "record 1,501,"),
+        ("ids.jsonl", "record 1,501 (line"),
+        ("saved", "record 1,501,"),
+    ]:
         for context_size in (None, 4):
             ok = open_source(tmp_path / name, vocab_size=101, context_size=context_size)
             assert sum(len(b.examples) for b in ok) > 0
