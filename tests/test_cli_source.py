@@ -488,20 +488,36 @@ def test_corpus_errors_are_one_line_before_the_weights_and_write_nothing(
         assert not out.exists() or not os.listdir(out), os.listdir(out)
 
 
-def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path):
+def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsys):
     """Past the sample the estimate reads, a record of another type is found while capturing:
-    the command still ends with one line naming it (exit 2), no traceback."""
+    the command still ends with one line naming it (exit 2), no traceback, no hook left, and
+    the contexts before it stay stored (resumable, as after Ctrl-C)."""
+    from _hygiene import hook_snapshot
+
     path = tmp_path / "late.jsonl"
     with open(path, "w") as f:
         for n in range(1, 3001):
             f.write(json.dumps({"text": {"oops": 1} if n == 2500 else DOCS[n % 60]}) + "\n")
-    res = _run(
-        f"{sys.executable} -I -m pyhook capture --model {ckpt / 'model'} --input {path} "
-        f"--context-size 16 --layers transformer.h.1 --out {tmp_path / 'o'} --quiet"
-    )
-    err = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(err) == 1, res.stderr
+    models = []
+    load = runner.load_weights
+
+    def keep_model(*a, **k):
+        models.append(load(*a, **k))
+        return models[-1]
+
+    out = str(tmp_path / "o")
+    args = ["capture", "--model", str(ckpt / "model"), "--input", str(path)]
+    extra = ["--context-size", "64", "--batch-size", "256", "--layers", "transformer.h.1"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runner, "load_weights", keep_model)
+        assert main([*args, *extra, "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
     assert f"{path}', record 2,500 (line 2,500), column 'text': holds a dict" in err[0], err
+    assert models and not any(
+        hooks for hooks in hook_snapshot(models[0]).values() if isinstance(hooks, list)
+    )
+    assert open_capture(out).examples > 0
 
 
 @pytest.fixture(scope="module")
