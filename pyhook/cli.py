@@ -398,6 +398,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
             limit=args.limit,
             rank=rank,
             world_size=world,
+            vocab_size=getattr(prepared.config, "vocab_size", None) or None,
         )
     except SourceError as e:
         if tok_error is not None and "tokenizer" in str(e):

@@ -384,3 +384,216 @@ def test_two_ranks_share_packed_contexts(ckpt, tmp_path):
     tok = AutoTokenizer.from_pretrained(ckpt / "model")
     for c in (0, 1, len(ids) - 1):
         assert r.text(c) == tok.decode(ids[c].tolist(), skip_special_tokens=False)
+
+
+# -- issue 23, item 5: changed corpora, records that differ, ids, encoder-decoders --------------
+def _datasetdict(path, texts):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
+        str(path)
+    )
+
+
+def test_a_changed_datasetdict_corpus_is_not_resumed(ckpt, tmp_path, capsys):
+    """A DatasetDict folder rewritten with other documents is another corpus: the capture of the
+    old one is not continued over it (the fingerprint reads the split's arrow files)."""
+    corpus, out = tmp_path / "dd", str(tmp_path / "acts")
+    _datasetdict(corpus, DOCS[:30])
+    base = [
+        "capture", "--model", str(ckpt / "model"), "--input", str(corpus), "--context-size", "16",
+        "--layers", "transformer.h.1", "--out", out, "--quiet",
+    ]  # fmt: skip
+    assert main([*base, "--limit", "2"]) == 0
+    before = open_capture(out)["transformer.h.1"].to_tensor()
+    _datasetdict(corpus, DOCS[30:])
+    capsys.readouterr()
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a different capture (2 examples)" in err[0], err
+    assert "--input (its contents)" in err[0] and "--overwrite" in err[0], err
+    r = open_capture(out)
+    assert r.examples == 2 and torch.equal(r["transformer.h.1"].to_tensor(), before)
+    _datasetdict(corpus, DOCS[:30])  # the same documents again: resumes
+    assert main(base) == 0 and open_capture(out).examples > 2
+
+
+def _later_record_cases(tmp, vocab):
+    """(corpus path, extra flags, what the one line must say) for corpora that go wrong after
+    their first record or file."""
+    tmp.mkdir()
+    cases = []
+
+    def jsonl(name, column, bad, extra, *message):
+        path = tmp / name
+        with open(path, "w") as f:
+            for n in range(1, 41):
+                good = DOCS[n] if column == "text" else [3, 4, 5, 6]
+                f.write(json.dumps({column: bad if n == 3 else good}) + "\n")
+        cases.append(
+            (path, extra, [str(path), "record 3 (line 3)", f"column {column!r}", *message])
+        )
+
+    jsonl("int.jsonl", "text", 5, [], "holds an int (5), not text")
+    jsonl("dict.jsonl", "text", {"t": "x"}, ["--context-size", "16"], "holds a dict, not text")
+    jsonl("pair.jsonl", "text", ["the fox", "ran"], [], "sentence pair")
+    jsonl("float.jsonl", "input_ids", [3, 4.0], [], "a list with a float (4.0)")
+    jsonl("big.jsonl", "input_ids", [3, vocab], ["--context-size", "16"],
+          f"token id {vocab} is not below the vocabulary size {vocab}")  # fmt: skip
+    for name, write, message in [
+        ("truncated", lambda p: p.write_bytes((tmp / "t.parquet").read_bytes()[:-50]), "as parquet"),
+        ("int64", lambda p: pq.write_table(pa.table({"text": [1, 2]}), p), "holds int64"),
+    ]:  # fmt: skip
+        pq.write_table(pa.table({"text": DOCS}), tmp / "t.parquet")
+        folder = tmp / name
+        folder.mkdir()
+        pq.write_table(pa.table({"text": DOCS}), folder / "a.parquet")
+        write(folder / "b.parquet")
+        cases.append((folder, [], [str(folder), "file 'b.parquet'", message]))
+    pq.write_table(pa.table({"input_ids": [[3, 4]] * 5 + [[3, vocab + 7]]}), tmp / "ids.parquet")
+    cases.append(
+        (tmp / "ids.parquet", [], ["ids.parquet", "record 6, column 'input_ids'", f"{vocab + 7}"])
+    )
+    # text that another model's tokenizer turns into ids this model does not have
+    for extra in ([], ["--context-size", "16"]):
+        cases.append(
+            (
+                ckpt_corpus(tmp),
+                ["--tokenizer", "minilm", *extra],
+                [
+                    "the tokenizer's BOS token id 101 is not below the vocabulary size",
+                    "(--tokenizer)",
+                ],
+            )
+        )
+    return cases
+
+
+def ckpt_corpus(tmp):
+    (tmp / "c.txt").write_text("\n".join(DOCS) + "\n")
+    return tmp / "c.txt"
+
+
+def test_corpus_errors_are_one_line_before_the_weights_and_write_nothing(
+    ckpt, tmp_path, capsys, no_weights
+):
+    vocab = len(_tokenizer())
+    for n, (path, extra, message) in enumerate(_later_record_cases(tmp_path / "c", vocab)):
+        out = tmp_path / f"o{n}"
+        args = ["capture", "--model", str(ckpt / "model"), "--input", str(path), *extra]
+        assert main([*args, "--layers", *LAYERS, "--out", str(out)]) == 2, path
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("pyhook: error: "), err
+        assert all(m in err[0] for m in message), (message, err)
+        assert not out.exists() or not os.listdir(out), os.listdir(out)
+
+
+def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsys):
+    """Past the sample the estimate reads, a record of another type is found while capturing:
+    the command still ends with one line naming it (exit 2), no traceback, no hook left, and
+    the contexts before it stay stored (resumable, as after Ctrl-C)."""
+    from _hygiene import hook_snapshot
+
+    path = tmp_path / "late.jsonl"
+    with open(path, "w") as f:
+        for n in range(1, 3001):
+            f.write(json.dumps({"text": {"oops": 1} if n == 2500 else DOCS[n % 60]}) + "\n")
+    models = []
+    load = runner.load_weights
+
+    def keep_model(*a, **k):
+        models.append(load(*a, **k))
+        return models[-1]
+
+    out = str(tmp_path / "o")
+    args = ["capture", "--model", str(ckpt / "model"), "--input", str(path)]
+    extra = ["--context-size", "64", "--batch-size", "256", "--layers", "transformer.h.1"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runner, "load_weights", keep_model)
+        assert main([*args, *extra, "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"{path}', record 2,500 (line 2,500), column 'text': holds a dict" in err[0], err
+    assert models and not any(
+        hooks for hooks in hook_snapshot(models[0]).values() if isinstance(hooks, list)
+    )
+    assert open_capture(out).examples > 0
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    """A tiny T5 (encoder-decoder) checkpoint with a tokenizer, as save_pretrained leaves it."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("t5")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=len(tok), d_model=16, d_ff=32, d_kv=8, num_layers=2, num_heads=2,
+        decoder_start_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    T5ForConditionalGeneration(cfg).eval().save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def test_an_encoder_decoder_is_refused_with_the_encoder_class(t5, tmp_path, capsys, monkeypatch):
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "c.parquet")
+    args = ["capture", "--model", str(t5), "--input", str(tmp_path / "c.parquet")]
+    out = tmp_path / "o"
+    with monkeypatch.context() as m:
+        m.setattr(runner, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+        for extra in ([], ["--model-class", "AutoModel"]):
+            assert main([*args, *extra, "--out", str(out)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and str(t5) in err[0], err
+            assert "is an encoder-decoder model" in err[0], err
+            assert "--model-class T5EncoderModel" in err[0], err
+            assert not out.exists() or not os.listdir(out)
+    with pytest.raises(runner.RunnerError, match=r"encoder-decoder.*T5EncoderModel"):
+        runner.load_model(str(t5))
+    # the class it suggests captures the encoder: rows equal a hand-written hook's
+    layers = ["encoder.block.0", "encoder.block.1"]
+    extra = ["--model-class", "T5EncoderModel", "--context-size", "16", "--layers", *layers]
+    assert main([*args, *extra, "--out", str(out), "--quiet"]) == 0
+    from transformers import T5EncoderModel
+
+    tok = _tokenizer()
+    model = T5EncoderModel.from_pretrained(t5).eval()
+    stream = [
+        t for d in DOCS for t in (tok.bos_token_id, *tok(d, add_special_tokens=False)["input_ids"])
+    ]
+    ids = torch.tensor(stream[: len(stream) // 16 * 16]).reshape(-1, 16)
+    got = {}
+    hooks = [
+        model.get_submodule(n).register_forward_hook(
+            lambda m, a, o, n=n: got.__setitem__(n, o[0] if isinstance(o, tuple) else o)
+        )
+        for n in layers
+    ]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for h in hooks:
+        h.remove()
+    r = open_capture(str(out))
+    for n in layers:
+        torch.testing.assert_close(r[n].to_tensor(), got[n][ids != tok.bos_token_id])
+
+
+def test_the_capture_docs_show_the_names_the_default_command_stores(tmp_path):
+    """docs/capture.md shows the default command's layer names: a reader indexed with them
+    finds the layers (issue 23, item 7: it showed encoder.layer.*, a KeyError)."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "capture.md")) as f:
+        doc = f.read()
+    section = doc.split("## The command", 1)[1].split("### Your corpus", 1)[0]
+    shown = set(re.findall(r"^(\S+\.\d+)\s+[\d,]+\s+384\s", section, flags=re.M))
+    default = re.search(r"captures `([^`]+)`", section).group(1)
+    out = str(tmp_path / "acts")
+    assert main(["capture", "--limit", "2", "--out", out, "--quiet"]) == 0
+    r = open_capture(out)
+    assert shown and shown <= set(r.layers), (shown, r.layers)
+    assert len(r.layers) == 6 and default.replace("*", "") + "0" in r.layers
+    for name in shown:
+        assert r[name].shape[1:] == (384,)

@@ -280,7 +280,42 @@ def prepare_model(
         _load_tokenizer(transformers, tokenizer, path) if need_tokenizer else (None, path)
     )
     cls = _model_class(transformers, config, model_class)
+    _refuse_encoder_decoder(transformers, config, cls, path)
     return Loaded(None, tok, path, tok_path, max_positions(config), config, cls)
+
+
+def _refuse_encoder_decoder(transformers: Any, config: Any, cls: Any, path: str) -> None:
+    """A one-line :class:`RunnerError` for a class whose forward needs decoder inputs (T5, BART,
+    ...): pyhook feeds ``input_ids`` and ``attention_mask`` only; suggests the encoder class."""
+    import inspect
+
+    target = cls
+    mapping = getattr(cls, "_model_mapping", None)  # AutoModel & co: the class they would pick
+    if mapping is not None:
+        try:
+            target = mapping[type(config)]
+        except (KeyError, ValueError):
+            return  # the auto class reports an unknown config itself, when loading
+    try:
+        params = inspect.signature(target.forward).parameters
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover - not a torch module
+        return
+    if "decoder_input_ids" not in params:
+        return
+    stem = type(config).__name__.removesuffix("Config")
+    encoder = getattr(transformers, f"{stem}EncoderModel", None) if stem else None
+    how = (
+        f"capture its encoder with --model-class {encoder.__name__} (in Python: "
+        f"{encoder.__name__}.from_pretrained(path))"
+        if encoder is not None
+        else "capture its encoder in Python: capture(model.get_encoder(), ...) around "
+        "model.get_encoder()(input_ids=..., attention_mask=...)"
+    )
+    raise RunnerError(
+        f"--model {path!r} is an encoder-decoder model ({target.__name__}: its forward needs "
+        "decoder inputs too); pyhook capture runs encoder-only and decoder-only models, one "
+        f"forward of input_ids and attention_mask: {how}"
+    )
 
 
 def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> Any:
@@ -376,28 +411,69 @@ def run(
     import torch
 
     annotate = getattr(rec, "annotate", None)
+    vocab = _vocab_rows(model)
     forward = wait = 0.0
     tokens = 0
     it = iter(batches)
-    with torch.no_grad():
-        while True:
-            t0 = time.perf_counter()
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-            t1 = time.perf_counter()
-            wait += t1 - t0
-            ids = b.input_ids.to(device, non_blocking=True)
-            attn = b.attention_mask.to(device, non_blocking=True)
-            if keep is not None:
-                keep.current = b.keep
-            if annotate is not None:
-                annotate(b.input_ids, b.keep, b.examples, b.texts)
-            model(input_ids=ids, attention_mask=attn)
-            dt = time.perf_counter() - t1
-            forward += dt
-            tokens += int(b.attention_mask.sum())
-            if on_batch is not None:
-                on_batch(b, dt)
+    try:
+        with torch.no_grad():
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    b = next(it)
+                except StopIteration:
+                    break
+                t1 = time.perf_counter()
+                wait += t1 - t0
+                if vocab is not None:
+                    _check_ids(b, vocab)
+                ids = b.input_ids.to(device, non_blocking=True)
+                attn = b.attention_mask.to(device, non_blocking=True)
+                if keep is not None:
+                    keep.current = b.keep
+                if annotate is not None:
+                    annotate(b.input_ids, b.keep, b.examples, b.texts)
+                model(input_ids=ids, attention_mask=attn)
+                dt = time.perf_counter() - t1
+                forward += dt
+                tokens += int(b.attention_mask.sum())
+                if on_batch is not None:
+                    on_batch(b, dt)
+    finally:
+        # a forward that raised: stop the source's prefetch thread now, not when the
+        # traceback that holds this frame is freed
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
     return {"forward": forward, "wait": wait, "tokens": tokens}
+
+
+def _vocab_rows(model: Any) -> int | None:
+    """Rows of the model's input embedding (token ids must be below), when it has one."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    n = getattr(emb, "num_embeddings", None)
+    return n if isinstance(n, int) else None
+
+
+def _check_ids(b: Any, vocab: int) -> None:
+    """A batch whose token ids the embedding cannot look up is refused before its forward,
+    naming the example (context): not an index error from inside the model (padding is
+    looked up too, so every position is checked)."""
+    import torch
+
+    if not b.input_ids.numel():
+        return
+    lo, hi = (int(x) for x in torch.aminmax(b.input_ids))
+    if lo >= 0 and hi < vocab:
+        return
+    row, col = (int(x) for x in ((b.input_ids < 0) | (b.input_ids >= vocab)).nonzero()[0])
+    raise RunnerError(
+        f"example (or context) {int(b.examples[row])}, position {col}: token id "
+        f"{int(b.input_ids[row, col])} is outside the model's vocabulary (its input embedding "
+        f"has {vocab:,} rows: ids 0 to {vocab - 1:,}); nothing of this batch was run or stored. "
+        "Are the token ids (or --tokenizer) from another model?"
+    )

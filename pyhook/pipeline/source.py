@@ -15,9 +15,18 @@ folder of ``.parquet`` files, read in name order), and a folder written by
 ``datasets.Dataset.save_to_disk`` (memory-mapped Arrow). Everything but a JSON array is read in
 bounded chunks, so a corpus larger than memory streams through.
 
-The text comes from ``text_column`` (default ``text``); a column of token id lists (named
+The text comes from ``text_column`` (default ``text``; in parquet also dictionary-encoded, as
+pandas writes a categorical, or ``string_view``); a column of token id lists (named
 ``input_ids`` when the corpus has no ``text`` column, or chosen with ``text_column``) is used as
 is, without a tokenizer.
+
+Every record is checked as it is read, and every file of a parquet folder when the source
+opens: a record of another type than the first (an int, a dict or a list in a text column: a
+list would be encoded as a sentence pair; a float, a string or a bool among token ids), a file
+without the column, holding another type, or damaged, and a token id that is negative or not
+below ``vocab_size`` (given: the model's; also checked on what the tokenizer makes of the text)
+is a one-line :class:`SourceError` naming the file, the record (from 1; JSON lines: and its
+line) and the column.
 
 Without ``context_size`` every row (line) is one example, padded to the longest in its batch and
 truncated to ``max_length`` tokens. With ``context_size=N`` the documents are tokenised (batch
@@ -52,6 +61,7 @@ __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
 _CHUNK = 1024  # rows read at once from a file
 _ENCODE = 64  # documents per tokenizer call when packing
+_INT = {int}  # the types a token id list may hold (not bool, float or str)
 
 
 class SourceError(ValueError):
@@ -98,6 +108,59 @@ def _kind(path: str) -> str:
     return "txt"  # any other file: text, one example per line (as before)
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _describe(v: Any) -> str:
+    """``an int (5)``, ``a dict``, ``a list of 2 str``: a value as an error message shows it."""
+    name = type(v).__name__
+    art = "an" if name[:1] in "aeiou" else "a"
+    if isinstance(v, (bool, int, float)):
+        return f"{art} {name} ({v!r})"
+    if isinstance(v, str):
+        return f"a str ({v[:20]!r})"
+    if isinstance(v, list):
+        kinds = sorted({type(x).__name__ for x in v})
+        return f"a list of {len(v)} {'/'.join(kinds) or 'values'}"
+    if v is None:
+        return "null"
+    return f"{art} {name}"
+
+
+def _rows_from(done: int) -> Any:
+    """``where`` for columnar chunks: the record number (from 1) of value i."""
+    return lambda i: f"record {done + i + 1:,}"
+
+
+def _arrow_kind(t: Any) -> str | None:
+    """``"text"`` for string columns (also dictionary-encoded, as pandas writes a categorical,
+    and ``string_view``), ``"ids"`` for lists of integers, else None."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "text"
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
+        return "ids"
+    return None
+
+
+def _plain(arr: Any) -> Any:
+    """A text column as plain strings: dictionaries decoded, ``string_view`` cast."""
+    import pyarrow as pa
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr = arr.cast(t.value_type)
+        t = t.value_type
+    if pa.types.is_string_view(t):
+        arr = arr.cast(pa.large_string())
+    return arr
+
+
 class CorpusSource:
     """A corpus file or dataset read lazily as batches; made by :func:`open_source`.
 
@@ -129,6 +192,7 @@ class CorpusSource:
         rank: int = 0,
         world_size: int = 1,
         prefetch: int = 4,
+        vocab_size: int | None = None,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         for name, value, low in (
@@ -139,6 +203,7 @@ class CorpusSource:
             ("skip", skip, 0),
             ("world_size", world_size, 1),
             ("rank", rank, 0),
+            ("vocab_size", vocab_size, 1),
         ):
             if value is not None and (not isinstance(value, int) or value < low):
                 raise SourceError(f"{name} must be an int >= {low}, got {value!r}")
@@ -159,6 +224,7 @@ class CorpusSource:
         self.rank = rank
         self.world_size = world_size
         self.prefetch = prefetch
+        self.vocab_size = vocab_size
         self._ds: Any = None  # the datasets.Dataset of an "arrow" folder, opened once
         self.columns = self._columns()
         self.column, self.pretokenized = self._pick_column(text_column)
@@ -195,14 +261,12 @@ class CorpusSource:
         return [self.path]
 
     def _schema(self) -> Any:
-        """The pyarrow schema (parquet, csv, arrow), else None."""
+        """The pyarrow schema (parquet: the first file; csv, arrow), else None."""
         import pyarrow as pa
 
         try:
             if self.kind == "parquet":
-                import pyarrow.parquet as pq
-
-                return pq.read_schema(self._parquet_files()[0])
+                return self._parquet_schema(self._parquet_files()[0])
             if self.kind == "csv":
                 import pyarrow.csv as pcsv
 
@@ -212,14 +276,31 @@ class CorpusSource:
                 return self._dataset().data.schema
         except SourceError:
             raise
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             if "Empty CSV file" in str(e):
                 raise SourceError(f"--input {self.path!r} is empty") from None
-            raise SourceError(f"cannot read --input {self.path!r}: {e}") from None
+            raise SourceError(f"cannot read --input {self.path!r}: {_one_line(e)}") from None
         return None
 
+    def _parquet_schema(self, path: str) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_schema(path)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(
+                f"cannot read --input {self._file_label(path)} as parquet: {_one_line(e)}"
+            ) from None
+
+    def _file_label(self, path: str) -> str:
+        """``'corpus.parquet'``, or ``'folder', file 'b.parquet'`` for a file of a folder."""
+        if path == self.path:
+            return repr(path)
+        return f"{self.path!r}, file {os.path.relpath(path, self.path)!r}"
+
     def _first_record(self) -> dict[str, Any] | None:
-        for rec in self._json_records():
+        for _, rec in self._json_records():
             return rec
         return None
 
@@ -242,26 +323,23 @@ class CorpusSource:
                 f"--text-column {column!r} is not a column of {os.path.basename(self.path)}; "
                 f"its columns are: {', '.join(self.columns)}"
             )
-        import pyarrow as pa
-
         schema = self._schema() if self.kind in ("parquet", "csv", "arrow") else None
         if schema is not None:
             t = schema.field(column).type
-            if pa.types.is_string(t) or pa.types.is_large_string(t):
-                return column, False
-            if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(
-                t.value_type
-            ):
-                return column, True
-            raise SourceError(
-                f"column {column!r} of {os.path.basename(self.path)} holds {t}, not text "
-                "(strings) or token ids (lists of integers)"
-            )
+            what = _arrow_kind(t)
+            if what is None:
+                raise SourceError(
+                    f"column {column!r} of {os.path.basename(self.path)} holds {t}, not text "
+                    "(strings) or token ids (lists of integers)"
+                )
+            if self.kind == "parquet":
+                self._check_parquet_files(column, what, t)
+            return column, what == "ids"
         if self.kind in ("json", "jsonl"):
             v = self._first_record()[column]  # type: ignore[index]
             if isinstance(v, str):
                 return column, False
-            if isinstance(v, list) and all(isinstance(i, int) for i in v):
+            if isinstance(v, list) and all(type(i) is int for i in v):
                 return column, True
             raise SourceError(
                 f"column {column!r} of {os.path.basename(self.path)} holds "
@@ -269,7 +347,27 @@ class CorpusSource:
             )
         return column, False
 
-    def _json_records(self) -> Iterator[dict[str, Any]]:
+    def _check_parquet_files(self, column: str, what: str, first_type: Any) -> None:
+        """Every file of a parquet folder has the column, holding what the first file's holds
+        (footers only: before the model loads, not half-way through the capture)."""
+        files = self._parquet_files()
+        for path in files[1:]:
+            schema = self._parquet_schema(path)
+            if column not in schema.names:
+                raise SourceError(
+                    f"--input {self._file_label(path)} has no column {column!r} (its columns "
+                    f"are: {', '.join(schema.names)}), unlike {os.path.basename(files[0])}"
+                )
+            t = schema.field(column).type
+            if _arrow_kind(t) != what:
+                raise SourceError(
+                    f"--input {self._file_label(path)}, column {column!r} holds {t}, but in "
+                    f"{os.path.basename(files[0])} it holds {first_type} "
+                    f"({'text' if what == 'text' else 'token ids'}); every file must hold the same"
+                )
+
+    def _json_records(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, record) of every record: where is ``record N`` or ``record N (line L)``."""
         with open(self.path, encoding="utf-8") as f:
             head = f.read(1 << 16).lstrip()
             f.seek(0)
@@ -278,41 +376,53 @@ class CorpusSource:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
                     raise SourceError(f"--input {self.path!r} is not valid JSON: {e}") from None
-                for rec in data:
+                for n, rec in enumerate(data, 1):
                     if not isinstance(rec, dict):
                         raise SourceError(
                             f"--input {self.path!r}: expected an array of objects, found a "
-                            f"{type(rec).__name__}"
+                            f"{type(rec).__name__} (record {n})"
                         )
-                    yield rec
+                    yield f"record {n:,}", rec
                 return
-            for n, line in enumerate(f, 1):
+            n = 0
+            for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SourceError(
-                        f"--input {self.path!r} line {n} is not a JSON object: {e}"
+                        f"--input {self.path!r} line {line_no} is not a JSON object: {e}"
                     ) from None
                 if not isinstance(rec, dict):
                     raise SourceError(
-                        f"--input {self.path!r} line {n} is a JSON {type(rec).__name__}, not an object"
+                        f"--input {self.path!r} line {line_no} is a JSON "
+                        f"{type(rec).__name__}, not an object"
                     )
-                yield rec
+                n += 1
+                yield f"record {n:,} (line {line_no:,})", rec
 
     def _chunks(self) -> Iterator[list[Any]]:
-        """The column's values in file order, in chunks (text: str; pre-tokenised: list[int])."""
+        """The column's values in file order, in chunks (text: str; pre-tokenised: list[int]),
+        each checked: a value of another type, or a token id outside ``[0, vocab_size)``, is a
+        :class:`SourceError` naming the file, the record and the column."""
+        import pyarrow as pa
+
         try:
-            yield from self._chunks_raw()
+            for file, where, values, arr in self._chunks_raw():
+                self._check_values(file, where, values, arr)
+                yield values
         except UnicodeDecodeError as e:
             raise SourceError(
                 f"--input {self.path!r} is not UTF-8 text (byte {e.start}: {e.reason}); convert it first"
             ) from None
+        except pa.ArrowException as e:  # a damaged file, or a CSV row that does not parse
+            raise SourceError(f"cannot read --input {self.path!r}: {_one_line(e)}") from None
         except OSError as e:
             raise SourceError(f"cannot read --input {self.path!r}: {e.strerror or e}") from None
 
-    def _chunks_raw(self) -> Iterator[list[Any]]:
+    def _chunks_raw(self) -> Iterator[tuple[str, Any, list[Any], Any]]:
+        """(file, where, values, arrow array or None): ``where(i)`` names value i's record."""
         col = self.column
         if self.kind == "txt":
             with open(self.path, encoding="utf-8") as f:
@@ -322,41 +432,104 @@ class CorpusSource:
                     if line:
                         chunk.append(line)
                         if len(chunk) == _CHUNK:
-                            yield chunk
+                            yield self.path, None, chunk, None
                             chunk = []
                 if chunk:
-                    yield chunk
+                    yield self.path, None, chunk, None
         elif self.kind in ("json", "jsonl"):
-            chunk = []
-            for rec in self._json_records():
+            chunk, wheres = [], []
+            for where, rec in self._json_records():
                 if col not in rec:
                     raise SourceError(
-                        f"a record of {os.path.basename(self.path)} has no {col!r}: {sorted(rec)}"
+                        f"--input {self.path!r}, {where} has no column {col!r} (it has: "
+                        f"{', '.join(sorted(rec)) or 'nothing'})"
                     )
                 chunk.append(rec[col])
+                wheres.append(where)
                 if len(chunk) == _CHUNK:
-                    yield chunk
-                    chunk = []
+                    yield self.path, wheres.__getitem__, chunk, None
+                    chunk, wheres = [], []
             if chunk:
-                yield chunk
+                yield self.path, wheres.__getitem__, chunk, None
         elif self.kind == "parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
             for path in self._parquet_files():
-                with pq.ParquetFile(path) as pf:
-                    for rb in pf.iter_batches(batch_size=_CHUNK, columns=[col]):
-                        yield rb.column(0).to_pylist()
+                done = 0
+                try:
+                    with pq.ParquetFile(path) as pf:
+                        for rb in pf.iter_batches(batch_size=_CHUNK, columns=[col]):
+                            arr = _plain(rb.column(0))
+                            yield path, _rows_from(done), arr.to_pylist(), arr
+                            done += len(arr)
+                except (pa.ArrowException, OSError) as e:
+                    raise SourceError(
+                        f"cannot read --input {self._file_label(path)} after {done:,} records: "
+                        f"{_one_line(e)}"
+                    ) from None
         elif self.kind == "csv":
             import pyarrow.csv as pcsv
 
             opts = pcsv.ConvertOptions(include_columns=[col])
+            done = 0
             with pcsv.open_csv(self.path, convert_options=opts) as r:
                 for rb in r:
-                    yield rb.column(0).to_pylist()
+                    arr = _plain(rb.column(0))
+                    yield self.path, _rows_from(done), arr.to_pylist(), arr
+                    done += len(arr)
         else:  # arrow (memory-mapped)
-            ds = self._dataset()
+            ds = self._dataset().with_format("arrow")
             for start in range(0, len(ds), _CHUNK):
-                yield ds[start : start + _CHUNK][col]
+                arr = _plain(ds[start : start + _CHUNK][col])
+                yield self.path, _rows_from(start), arr.to_pylist(), arr
+
+    def _check_values(self, file: str, where: Any, values: list[Any], arr: Any) -> None:
+        if not self.pretokenized:
+            if arr is not None or all(type(v) is str or v is None for v in values):
+                return  # an Arrow string column holds strings (or nulls) by its type
+            i, v = next(
+                (i, v) for i, v in enumerate(values) if type(v) is not str and v is not None
+            )
+            hint = (
+                "; pyhook reads one text per record (a list would be encoded as a sentence "
+                "pair): join the texts, or give one per record"
+                if isinstance(v, list)
+                else ""
+            )
+            raise SourceError(
+                f"--input {self._file_label(file)}, {where(i)}, column {self.column!r}: holds "
+                f"{_describe(v)}, not text (a string) as the first record does{hint}"
+            )
+        vocab = self.vocab_size
+        if arr is not None:  # integers by the column's type: check the range, vectorised
+            import pyarrow.compute as pc
+
+            flat = pc.list_flatten(arr)
+            if not flat.null_count and len(flat):
+                lo, hi = pc.min_max(flat).values()
+                if lo.as_py() >= 0 and (vocab is None or hi.as_py() < vocab):
+                    return
+            elif not flat.null_count:
+                return
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if type(v) is not list or (v and set(map(type, v)) != _INT):
+                bad = next(t for t in v if type(t) is not int) if isinstance(v, list) else None
+                what = f"a list with {_describe(bad)}" if isinstance(v, list) else _describe(v)
+                raise SourceError(
+                    f"--input {self._file_label(file)}, {where(i)}, column {self.column!r}: "
+                    f"holds {what}, not token ids (a list of integers) as the first record does"
+                )
+            if v and (min(v) < 0 or (vocab is not None and max(v) >= vocab)):
+                t = next(t for t in v if t < 0 or (vocab is not None and t >= vocab))
+                what = "negative" if t < 0 else f"not below the vocabulary size {vocab:,}"
+                raise SourceError(
+                    f"--input {self._file_label(file)}, {where(i)}, column {self.column!r}: "
+                    f"token id {t} is {what} (ids go from 0 to vocab_size - 1); "
+                    "were these ids made with another tokenizer?"
+                )
 
     def _check_not_empty(self) -> None:
         for chunk in self._chunks():
@@ -399,18 +572,35 @@ class CorpusSource:
             return int(self._dataset().data.column(self.column).nbytes)
         return os.path.getsize(self.path)
 
+    def _files(self) -> list[str]:
+        """The files this source reads, in reading order."""
+        if self.kind == "parquet":
+            return self._parquet_files()
+        if self.kind == "arrow":
+            # the split's own files (a DatasetDict keeps them under train/, not at the top)
+            files = [f["filename"] for f in self._dataset().cache_files]
+            return files or sorted(
+                glob.glob(os.path.join(glob.escape(self.path), "**", "*.arrow"), recursive=True)
+            )
+        return [self.path]
+
     def fingerprint(self) -> str:
-        """A short identity of the corpus (size and sampled bytes of its files, and the column):
-        a resumed capture must read the same data."""
+        """A short identity of the corpus (the column and the bytes of every file it reads: all
+        of a file up to 64 MB, else its size and its first, middle and last MB): a resumed
+        capture must read the same data.
+
+        >>> import tempfile, os, datasets
+        >>> d = tempfile.mkdtemp()
+        >>> datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b"]})}
+        ...                      ).save_to_disk(d)
+        >>> a = open_source(d).fingerprint()
+        >>> datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["c d"]})}
+        ...                      ).save_to_disk(d)
+        >>> open_source(d).fingerprint() == a
+        False
+        """
         h = hashlib.sha1(f"{self.kind}:{self.column}".encode())
-        files = (
-            self._parquet_files()
-            if self.kind == "parquet"
-            else sorted(glob.glob(os.path.join(glob.escape(self.path), "*.arrow")))
-            if self.kind == "arrow"
-            else [self.path]
-        )
-        for p in files:
+        for p in self._files():
             size = os.path.getsize(p)
             h.update(str(size).encode())
             with open(p, "rb") as f:
@@ -468,17 +658,20 @@ class CorpusSource:
         start = lo + self.skip
         excluded = self._excluded()
         pad = self.special_ids()[2]
+        self._check_special_ids()
         buf: list[tuple[int, Any]] = []
 
         def flush(buf: list[tuple[int, Any]]) -> Batch:
             idx = torch.tensor([i for i, _ in buf], dtype=torch.long)
             vals = [v for _, v in buf]
             if self.pretokenized:
-                ids_list = [list(map(int, v)) for v in vals]
+                ids_list = vals  # checked as read: lists of ints
                 texts = None
             else:
                 texts = vals
                 ids_list = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+                for (e, _), x in zip(buf, ids_list):
+                    self._check_encoded(e, x)
             cap = self.max_length
             truncated = sum(len(x) > cap for x in ids_list) if cap else 0
             if cap:
@@ -512,15 +705,43 @@ class CorpusSource:
         bos, eos, _ = self.special_ids()
         head = [bos] if bos is not None else []
         tail = [eos] if eos is not None else []
+        self._check_special_ids()
+        n = 0  # examples before this chunk
         for chunk in self._chunks():
             if self.pretokenized:
-                yield from ([int(t) for t in v] for v in chunk if v)
+                yield from (v for v in chunk if v)  # checked as read: lists of ints
             else:
-                texts = [t for t in chunk if t]
+                docs = [(n + j, t) for j, t in enumerate(chunk) if t]
                 # slices: the first contexts come out after a few documents, not a whole chunk
-                for i in range(0, len(texts), _ENCODE):
-                    for ids in self._encode(texts[i : i + _ENCODE]):
+                for i in range(0, len(docs), _ENCODE):
+                    part = docs[i : i + _ENCODE]
+                    for (e, _), ids in zip(part, self._encode([t for _, t in part])):
+                        self._check_encoded(e, ids)
                         yield head + ids + tail
+            n += len(chunk)
+
+    def _check_special_ids(self) -> None:
+        vocab = self.vocab_size
+        if vocab is None or self.pretokenized or self.tokenizer is None:
+            return
+        for what, i in zip(("BOS", "EOS", "padding"), self.special_ids()):
+            if i is not None and not 0 <= i < vocab:
+                raise SourceError(
+                    f"the tokenizer's {what} token id {i} is not below the vocabulary size "
+                    f"{vocab:,} (the model's); is the tokenizer (--tokenizer) the model's?"
+                )
+
+    def _check_encoded(self, example: int, ids: list[int]) -> None:
+        """Token ids a tokenizer made from a text, against ``vocab_size``."""
+        vocab = self.vocab_size
+        if vocab is None or not ids or max(ids) < vocab:
+            return
+        t = next(t for t in ids if t >= vocab)
+        raise SourceError(
+            f"--input {self.path!r}, example {example:,} (from 0), column {self.column!r}: the "
+            f"tokenizer gives token id {t}, not below the vocabulary size {vocab:,} (the "
+            "model's); is the tokenizer (--tokenizer) the model's?"
+        )
 
     def _contexts(self) -> Iterator[tuple[int, list[int]]]:
         """(global context index, ids) of every full context, after ``limit``."""
@@ -577,7 +798,10 @@ class CorpusSource:
         return self._batches_per_example()
 
     def __iter__(self) -> Iterator[Batch]:
-        """The batches, tokenised ahead by a background thread (``prefetch`` batches)."""
+        """The batches, tokenised ahead by a background thread (``prefetch`` batches).
+
+        Closing the iterator early (``close()``, or a forward that raised) stops the thread
+        promptly: it never waits on a full queue that nobody reads any more."""
         if self.prefetch < 1:
             yield from self.batches()
             return
@@ -585,20 +809,24 @@ class CorpusSource:
         stop = threading.Event()
         done = object()
 
+        def put(item: Any) -> bool:
+            """Queue ``item`` unless the consumer left; False when it did."""
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def work() -> None:
             try:
                 for b in self.batches():
-                    while not stop.is_set():
-                        try:
-                            q.put(b, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(b):
                         return
-                q.put(done)
+                put(done)
             except BaseException as e:  # re-raised in the consumer
-                q.put(e)
+                put(e)
 
         t = threading.Thread(target=work, name="pyhook-source", daemon=True)
         t.start()
@@ -612,6 +840,11 @@ class CorpusSource:
                 yield item
         finally:
             stop.set()
+            while True:  # free a put in progress at once
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
             t.join(timeout=5)
 
     # -- checks and estimates -------------------------------------------------------------------
