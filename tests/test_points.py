@@ -1027,3 +1027,104 @@ def test_point_like_typos_suggest_points():
         pyhook.Trace(model, "transformer.h.9")
     with pyhook.Trace(model, "transformer.h.1"):
         model(ids())
+
+
+# -- module inputs: "<module>:in" ---------------------------------------------------------------
+def _hand_inputs(model, paths):
+    seen: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(
+            lambda m, a, k, p=p: seen[p].append(_arg0(a, k).clone()), with_kwargs=True
+        )
+        for p in paths
+    ]
+    return seen, handles
+
+
+def test_module_inputs_in_every_tool():
+    """'<module>:in' is the module's input wherever a module name is taken: Trace, TraceDict
+    (globs too), capture, TruncatedModule, FlexModel; equal to a hand-written pre-hook."""
+    model = build("gpt2")
+    paths = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    seen, handles = _hand_inputs(model, paths)
+    try:
+        with torch.no_grad():
+            with pyhook.Trace(model, "transformer.h.1.mlp:in") as t:
+                model(ids())
+            with pyhook.TraceDict(model, ["transformer.h.*.mlp:in", "resid_post.0"]) as ret:
+                model(ids())
+            with capture(model, "transformer.h.*.mlp:in", to="host") as rec:
+                model(ids())
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(t.output, seen[paths[1]][0])
+    assert list(ret) == ["transformer.h.0.mlp:in", "transformer.h.1.mlp:in", "resid_post.0"]
+    assert rec.layers == ["transformer.h.0.mlp:in", "transformer.h.1.mlp:in"]
+    for p in paths:
+        assert torch.equal(ret[f"{p}:in"].output, seen[p][1])
+        assert torch.equal(rec[f"{p}:in"], seen[p][2].reshape(10, H))
+    # TruncatedModule stops at a module's input: the block's input is resid_pre.1
+    with torch.no_grad():
+        got = pyhook.TruncatedModule(model, "transformer.h.1:in")(ids())
+        hs = model(ids(), output_hidden_states=True).hidden_states
+    assert torch.equal(got, hs[1])
+    # FlexModel's HookFunction takes it too
+    out: dict = {}
+    fm = pyhook.FlexModel(model, out)
+    fm.register_forward_hook(pyhook.HookFunction("transformer.h.0.mlp:in"))
+    try:
+        with torch.no_grad():
+            fm(ids())
+    finally:
+        fm.restore()
+    assert torch.equal(out["transformer.h.0.mlp:in"][0], seen[paths[0]][0])
+
+
+def test_module_input_by_keyword_and_its_edit_is_a_pre_hook_edit():
+    """Llama's attention is called with hidden_states= (no positional argument); an edit at
+    '<module>:in' equals a hand-written pre-hook edit and reaches that module only."""
+    model = build("llama")
+    name = "model.layers.1.self_attn"
+    seen, handles = _hand_inputs(model, [name])
+    d = _delta(H, 5)
+    try:
+        with torch.no_grad(), pyhook.Trace(model, f"{name}:in") as t:
+            plain = model(ids()).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(t.output, seen[name][0])
+
+    def by_hand(_m, args, kwargs):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + d}
+
+    with torch.no_grad():
+        handle = model.get_submodule(name).register_forward_pre_hook(by_hand, with_kwargs=True)
+        try:
+            expected = model(ids()).logits
+        finally:
+            handle.remove()
+        with pyhook.TraceDict(
+            model,
+            [f"{name}:in", "resid_pre.1"],
+            edit_output={f"{name}:in": lambda output: output + d},
+        ) as ret:
+            edited = model(ids()).logits
+    assert torch.equal(edited, expected) and not torch.equal(edited, plain)
+    # the block's input (the skip connection) is untouched
+    assert torch.equal(
+        ret["resid_pre.1"].output, model(ids(), output_hidden_states=True).hidden_states[1]
+    )
+
+
+def test_module_input_errors_name_the_layer_and_leave_no_hook():
+    model = build("gpt2")
+    before = _hooks_of(model)
+    with pytest.raises(LookupError, match=r"'transformer\.h\.9\.mlp'.*closest names"):
+        pyhook.TraceDict(model, ["resid_post.0", "transformer.h.9.mlp:in"])
+    with pytest.raises(LookupError, match="matches no module"):
+        capture(model, ["transformer.h.*", "transformer.zz*:in"], to="host")
+    with pytest.raises(LookupError, match="is a standard point"):
+        pyhook.Trace(model, "resid_post.1:in")
+    assert _hooks_of(model) == before
