@@ -841,8 +841,8 @@ def _unavailable(
     elif kind == "mlp_hidden" and arch.moe:
         why = (
             "its MLP is a mixture of experts: each token's hidden activation lives in the experts "
-            "it was routed to, not in one tensor per token; use mlp_in / mlp_out, or capture an "
-            "expert module by name"
+            "it was routed to, not in one tensor per token; use mlp_in / mlp_out (the input and "
+            "output of the whole MoE block)"
         )
     else:
         why = (

@@ -8,6 +8,7 @@ from the transformers source, not from pyhook's mapping), and the residual-strea
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from pathlib import Path
@@ -789,8 +790,15 @@ def test_site_identities(arch):
     if arch in SHARED_NORM:
         assert torch.equal(v["attn_in"], v["mlp_in"])
         assert "same values" in points.architecture_of(model).sites_note
-    if arch in TWO_NORMS:
-        assert not torch.equal(v["attn_in"], v["mlp_in"])
+    if arch in TWO_NORMS:  # freshly initialised norms agree: make the MLP's norm differ
+        other = copy.deepcopy(model)
+        norm = {"gpt_neox": "post_attention_layernorm", "falcon_new": "ln_mlp"}[arch]
+        with torch.no_grad():
+            other.get_submodule(blocks_of(other))[1].get_submodule(norm).weight.add_(1.0)
+            with pyhook.TraceDict(other, ["attn_in.1", "mlp_in.1"]) as ret2:
+                other(ids())
+        assert torch.equal(ret2["attn_in.1"].output, v["attn_in"])
+        assert not torch.equal(ret2["attn_in.1"].output, ret2["mlp_in.1"].output)
 
 
 def _delta(width: int, seed: int) -> torch.Tensor:
