@@ -876,7 +876,7 @@ def point_names(model: nn.Module, *, tl: bool = False) -> list[str]:
         >>> from pyhook.points import point_names
         >>> cfg = transformers.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64)
         >>> point_names(transformers.GPTJForCausalLM(cfg))  # parallel attention: no resid_mid
-        ['embed', 'resid_pre.0', 'attn_out.0', 'mlp_out.0', 'resid_post.0', 'final']
+        ['embed', 'resid_pre.0', 'attn_in.0', 'attn_z.0', 'attn_out.0', 'mlp_in.0', 'mlp_hidden.0', 'mlp_out.0', 'resid_post.0', 'final']
     """
     layout = _layout(model)
     kinds = _available(layout.arch)
@@ -924,7 +924,7 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=64)
         >>> model = transformers.GPT2LMHeadModel(cfg)
         >>> [n for n, _ in expand_points(model, "resid_post.1:3")], [n for n, _ in expand_points(model, "*.-1")][:2]
-        (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_out.3'])
+        (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_in.3'])
     """
     layout = _layout(model)
     parts = _split(pattern)
