@@ -10,9 +10,15 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 =================  ===========================================================================
 ``embed``          the hidden state entering block 0 (token + position embeddings, any scaling)
 ``resid_pre.L``    the input of block ``L`` (a pre-hook on the block)
+``attn_in.L``      what the attention module receives (the normalised input on pre-norm models)
+``attn_z.L``       the attention's per-head output before the output projection,
+                   ``[..., heads, d_head]``
 ``attn_out.L``     the attention branch's output, as it is added to the residual stream
 ``resid_mid.L``    the residual stream after attention, before the MLP (absent on parallel
                    attention architectures: GPT-J, Pythia, Falcon, Phi, ...)
+``mlp_in.L``       what the MLP module receives (the normalised input on pre-norm models)
+``mlp_hidden.L``   the MLP's hidden activation, the input of its down projection (refused in
+                   a mixture of experts: :class:`PointUnavailableError`)
 ``mlp_out.L``      the MLP branch's output, as it is added to the residual stream
 ``resid_post.L``   the output of block ``L``
 ``final``          the output of the final norm (the last block's output where there is none)
@@ -20,7 +26,9 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 
 ``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
 a glob (``resid_post.*``, ``*.3``); TransformerLens' spellings are aliases
-(``blocks.3.hook_resid_post``, ``hook_embed``, ``ln_final.hook_normalized``). A point resolves
+(``blocks.3.hook_resid_post``, ``hook_embed``, ``ln_final.hook_normalized``,
+``blocks.3.ln2.hook_normalized``, ``blocks.3.attn.hook_z``, ...). Any module's input is spelt
+``"<module name>:in"`` (:func:`module_inputs`) wherever a module name is taken. A point resolves
 to a :class:`Point`: a module, whether the tensor is its input (a forward pre-hook) or its
 output, and where the tensor sits in the arguments or the output tuple. Tools hand users the
 hidden-state tensor itself, and an edit replaces exactly that tensor (an edit at
@@ -45,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 import weakref
@@ -61,11 +70,13 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "Point",
+    "PointUnavailableError",
     "UnknownArchitectureError",
     "architecture_of",
     "architecture_table",
     "expand_points",
     "is_point_name",
+    "module_inputs",
     "point_names",
     "points_by_module",
     "register_architecture",
@@ -73,8 +84,27 @@ __all__ = [
 ]
 
 #: The per-layer point kinds, in the order a block computes them.
-LAYER_KINDS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+LAYER_KINDS = (
+    "resid_pre",
+    "attn_in",
+    "attn_z",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_hidden",
+    "mlp_out",
+    "resid_post",
+)
 KINDS = ("embed", *LAYER_KINDS, "final")
+#: The sites inside a block: the input of a module of the block (see :class:`Architecture`).
+SITE_KINDS = ("attn_in", "attn_z", "mlp_in", "mlp_hidden")
+#: TransformerLens' names of the sites inside a block (``blocks.L.<alias>``).
+TL_SITES = {
+    "attn_in": "ln1.hook_normalized",
+    "attn_z": "attn.hook_z",
+    "mlp_in": "ln2.hook_normalized",
+    "mlp_hidden": "mlp.hook_post",
+}
 
 
 # -- the data ---------------------------------------------------------------------------------
@@ -93,6 +123,15 @@ class Architecture:
     ``"not attr"``, joined by ``" or "``): rows of one key are tried in order, the first whose
     condition holds is used. ``key`` is a ``config.model_type`` or a model class name.
 
+    The sites inside a block name, relative to one block, the module whose *input* each is:
+    ``attn_in`` (the attention module), ``attn_z`` (the attention's output projection: its
+    input is the per-head output, handed over as ``[..., heads, d_head]``, with ``heads`` a
+    config attribute or a number), ``mlp_in`` (the MLP module) and ``mlp_hidden`` (the MLP's
+    down projection). ``None``: the site is not mapped (it is then not listed, and asking for it
+    raises :class:`PointUnavailableError`); ``moe=True``: the MLP is a mixture of experts, whose
+    hidden activations are not one tensor per token (``mlp_hidden`` is refused). ``sites_note``
+    is the docs' note on the sites.
+
     Example::
 
         >>> from pyhook.points import Architecture
@@ -108,6 +147,13 @@ class Architecture:
     final: str | None
     when: str | None = None
     note: str = ""
+    attn_in: str | None = None
+    attn_z: str | None = None
+    mlp_in: str | None = None
+    mlp_hidden: str | None = None
+    heads: str | int = "num_attention_heads"
+    moe: bool = False
+    sites_note: str = ""
 
     @property
     def parallel(self) -> bool:
@@ -119,54 +165,100 @@ A = Architecture
 _POST_NORM = "post-norm: no final norm, `final` is the last block's output"
 _POST_BRANCH = "attn_out/mlp_out are taken after the post-branch norms"
 _MULTIPLIER = "`attn_out`/`mlp_out` are taken before the residual multiplier"
+_SHARED = "parallel: one norm feeds both branches, so `attn_in` and `mlp_in` hold the same values (an edit at either reaches its own branch only)"
+_TWO_NORMS = "parallel: each branch has its own norm"
+_MOE = "`mlp_hidden`: refused (a mixture of experts has no one hidden activation per token)"
+_SANDWICH = "sandwich norms: `attn_in`/`mlp_in` are after the pre-norms; the projections of `attn_z` and the MLP of `mlp_in` give the branch outputs before the post-norms"
+_NO_PRE_NORM = "no pre-norms: `attn_in` holds `resid_pre`'s values and `mlp_in` `resid_mid`'s (an edit there reaches that branch only, not the skip connection)"
+_ENCODER = "post-norm: `attn_in` holds `resid_pre`'s values and `mlp_in` `resid_mid`'s (an edit there reaches that branch only)"
+_OPT = "`mlp_in`/`mlp_hidden` are [batch*tokens, ...], as OPT computes them"
+# The sites inside a block, by family: (attn_in, attn_z, mlp_in, mlp_hidden), relative to a block.
+_LLAMA = dict(
+    attn_in="self_attn", attn_z="self_attn.o_proj", mlp_in="mlp", mlp_hidden="mlp.down_proj"
+)
+_MOE_SITES = dict(
+    attn_in="self_attn", attn_z="self_attn.o_proj", mlp_in="mlp", moe=True, sites_note=_MOE
+)
+_GPT2 = dict(attn_in="attn", attn_z="attn.c_proj", mlp_in="mlp", mlp_hidden="mlp.c_proj")
+_GPTJ = dict(
+    attn_in="attn",
+    attn_z="attn.out_proj",
+    mlp_in="mlp",
+    mlp_hidden="mlp.fc_out",
+    sites_note=_SHARED,
+)
+_NEOX = dict(
+    attn_in="attention", attn_z="attention.dense", mlp_in="mlp", mlp_hidden="mlp.dense_4h_to_h"
+)
+_OPT_SITES = dict(
+    attn_in="self_attn",
+    attn_z="self_attn.out_proj",
+    mlp_in="fc1",
+    mlp_hidden="fc2",
+    sites_note=_OPT,
+)
+_FALCON = dict(
+    attn_in="self_attention",
+    attn_z="self_attention.dense",
+    mlp_in="mlp",
+    mlp_hidden="mlp.dense_4h_to_h",
+)
+_PHI = dict(attn_in="self_attn", attn_z="self_attn.dense", mlp_in="mlp", mlp_hidden="mlp.fc2")
+_BERT = dict(
+    attn_in="attention.self",
+    attn_z="attention.output.dense",
+    mlp_in="intermediate",
+    mlp_hidden="output.dense",
+    sites_note=_ENCODER,
+)
 
 #: The mapping, one row (or a few, with conditions) per architecture. Generates docs/points.md.
 # fmt: off
 ARCHITECTURES: list[Architecture] = [
-    A("gpt2", "h", "attn", "mlp", "ln_2", "ln_f"),
-    A("gpt_neo", "h", "attn", "mlp", "ln_2", "ln_f"),
-    A("gpt_bigcode", "h", "attn", "mlp", "ln_2", "ln_f"),
-    A("gptj", "h", "attn", "mlp", None, "ln_f"),
-    A("codegen", "h", "attn", "mlp", None, "ln_f"),
-    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual"),
-    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm"),
-    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", "decoder.final_layer_norm", when="not do_layer_norm_before", note="post-norm (OPT-350m); `mlp_out`, `resid_mid` are [tokens, hidden]"),
-    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them"),
-    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used"),
-    A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn"),
-    A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f"),
-    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used"),
-    A("phi", "layers", "self_attn", "mlp", None, "final_layernorm"),
-    A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual"),
-    A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm"),
-    A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm"),
-    A("cohere", "layers", "self_attn", "mlp", None, "norm"),
-    A("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("mistral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("mixtral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("qwen2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("qwen2_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("qwen3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("qwen3_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("gemma", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("phi3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("olmo", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("starcoder2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("helium", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("glm", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("smollm3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm"),
-    A("granite", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
-    A("granitemoe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER),
-    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
-    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH),
-    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
-    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH),
-    A("bert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
-    A("roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
-    A("xlm-roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
-    A("electra", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
-    A("camembert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM),
-    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM),
+    A("gpt2", "h", "attn", "mlp", "ln_2", "ln_f", **_GPT2),
+    A("gpt_neo", "h", "attn", "mlp", "ln_2", "ln_f", **{**_GPT2, "attn_z": "attn.attention.out_proj"}),
+    A("gpt_bigcode", "h", "attn", "mlp", "ln_2", "ln_f", **_GPT2),
+    A("gptj", "h", "attn", "mlp", None, "ln_f", **_GPTJ),
+    A("codegen", "h", "attn", "mlp", None, "ln_f", **_GPTJ),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual", **_NEOX, sites_note=_TWO_NORMS),
+    A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm", **_NEOX),
+    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", None, when="not do_layer_norm_before", note="post-norm (OPT-350m): no final norm, `final` is the last block's output; `mlp_out`, `resid_mid` are [tokens, hidden]", **_OPT_SITES),
+    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them", **_OPT_SITES),
+    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used", **_FALCON),
+    A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn", **_FALCON, sites_note="parallel: `attn_in` and `mlp_in` hold the same values when one norm feeds both (`num_ln_in_parallel_attn=1`; `new_decoder_architecture` defaults to two norms)"),
+    A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f", **_FALCON),
+    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used", attn_in="attn", attn_z="attn.out_proj", mlp_in="ffn", mlp_hidden="ffn.down_proj"),
+    A("phi", "layers", "self_attn", "mlp", None, "final_layernorm", **_PHI, sites_note=_SHARED),
+    A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual", **_LLAMA, sites_note=_SHARED),
+    A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm", **_LLAMA),
+    A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm", **{**_PHI, "mlp_hidden": "mlp.dense_4h_to_h"}),
+    A("cohere", "layers", "self_attn", "mlp", None, "norm", **_LLAMA, sites_note=_SHARED),
+    A("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("mistral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("mixtral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_MOE_SITES),
+    A("qwen2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("qwen2_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_MOE_SITES),
+    A("qwen3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("qwen3_moe", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_MOE_SITES),
+    A("gemma", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("phi3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("olmo", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("starcoder2", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **{**_LLAMA, "mlp_hidden": "mlp.c_proj"}),
+    A("helium", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("glm", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("smollm3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
+    A("granite", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER, **_LLAMA),
+    A("granitemoe", "layers", "self_attn", "block_sparse_moe", "post_attention_layernorm", "norm", note=_MULTIPLIER, **{**_MOE_SITES, "mlp_in": "block_sparse_moe"}),
+    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_SANDWICH),
+    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_SANDWICH),
+    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_NO_PRE_NORM),
+    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_NO_PRE_NORM),
+    A("bert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
+    A("roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
+    A("xlm-roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
+    A("electra", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
+    A("camembert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
+    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM, attn_in="attention", attn_z="attention.out_lin", mlp_in="ffn", mlp_hidden="ffn.lin2", sites_note=_ENCODER),
 ]
 # fmt: on
 del A
@@ -182,10 +274,17 @@ def register_architecture(
     final: str | None = None,
     when: str | None = None,
     note: str = "",
+    attn_in: str | None = None,
+    attn_z: str | None = None,
+    mlp_in: str | None = None,
+    mlp_hidden: str | None = None,
+    heads: str | int = "num_attention_heads",
+    moe: bool = False,
 ) -> Architecture:
     """Add (or override) the mapping for an architecture: a ``config.model_type`` or a class.
 
-    The new row is tried before the built-in ones. See :class:`Architecture` for the fields.
+    The new row is tried before the built-in ones. See :class:`Architecture` for the fields
+    (the sites inside a block, ``attn_in`` ... ``mlp_hidden``, are optional).
 
     Example::
 
@@ -220,7 +319,17 @@ def register_architecture(
     for field_name, value in (("blocks", blocks), ("attn", attn), ("mlp", mlp)):
         if not isinstance(value, str) or not value:
             raise TypeError(f"{field_name} must be a dotted module path (str), got {value!r}")
-    row = Architecture(name, blocks, attn, mlp, mid, final, when, note)
+    sites = {"attn_in": attn_in, "attn_z": attn_z, "mlp_in": mlp_in, "mlp_hidden": mlp_hidden}
+    for field_name, value in sites.items():
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TypeError(
+                f"{field_name} must be a dotted module path (str) or None, got {value!r}"
+            )
+    if isinstance(heads, bool) or not isinstance(heads, (str, int)) or heads == "":
+        raise TypeError(f"heads must be a config attribute (str) or a number, got {heads!r}")
+    row = Architecture(
+        name, blocks, attn, mlp, mid, final, when, note, **sites, heads=heads, moe=bool(moe)
+    )
     _USER_ROWS.insert(0, row)
     _CACHE.clear()
     return row
@@ -230,6 +339,23 @@ _USER_ROWS: list[Architecture] = []
 
 
 # -- errors -----------------------------------------------------------------------------------
+class PointUnavailableError(LayerNotFoundError):
+    """A standard point that this architecture does not have as one tensor per token: ``resid_mid``
+    on parallel-attention blocks, ``mlp_hidden`` in a mixture of experts, a site that the
+    mapping does not name. The message says why and what to use instead.
+
+    Example::
+
+        >>> import transformers, pyhook
+        >>> cfg = transformers.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64)
+        >>> try:
+        ...     pyhook.Trace(transformers.GPTJForCausalLM(cfg), "resid_mid.0")
+        ... except pyhook.points.PointUnavailableError as e:
+        ...     print(e.name)
+        resid_mid.0
+    """
+
+
 class UnknownArchitectureError(LayerNotFoundError):
     """A standard point was asked of a model whose architecture has no mapping.
 
@@ -277,6 +403,8 @@ class Point:
     kind: str
     inplace: bool = False
     copy: bool = False
+    #: ``attn_z``: the input's last dimension is handed over split as ``[heads, d_head]``
+    heads: int | None = None
 
     def register(
         self,
@@ -311,25 +439,70 @@ class Point:
             )
 
         inplace = self.inplace
+        heads = self.heads
 
         def on_input(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            value = args[0] if args else kwargs.get("hidden_states")
+            key = None if args else _input_key(kwargs)
+            value = args[0] if args else kwargs.get(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"standard point {point.name!r}: {point.module_name!r} was called without a "
-                    "tensor as its first argument or hidden_states= keyword"
+                    f"{'standard point' if point.kind_name else 'module input'} {point.name!r}: "
+                    f"{point.module_name!r} was called without a tensor as its first argument "
+                    "(or hidden_states= keyword)"
                 )
-            new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
-            if new is None or new is value:
+            handed = value if heads is None else _split_heads(point, value, heads)
+            new = fn(module, args, kwargs, handed) if with_kwargs else fn(module, args, handed)
+            if new is None or new is handed:
                 return None
+            if heads is not None:
+                new = _merge_heads(point, new, handed)
             if inplace:
                 value.copy_(new)  # every reader of the tensor (the skip connection too) sees it
                 return None
             if args:
                 return (new, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": new}
+            return args, {**kwargs, key: new}
 
         return hooks.forward_pre(self.module, on_input, with_kwargs=True, prepend=prepend)
+
+    @property
+    def kind_name(self) -> str | None:
+        """The standard point kind (``"attn_z"``, ...), None for a module input (``name:in``)."""
+        if self.name.endswith(INPUT_SUFFIX):
+            return None
+        parts = _split(self.name)
+        return parts[0] if parts is not None else None
+
+
+def _input_key(kwargs: dict[str, Any]) -> str | None:
+    """The keyword a module's input came in when it was called without positional arguments:
+    ``hidden_states``, else the first keyword holding a tensor."""
+    if "hidden_states" in kwargs:
+        return "hidden_states"
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return k
+    return None
+
+
+def _split_heads(point: Point, value: torch.Tensor, heads: int) -> torch.Tensor:
+    width = value.shape[-1] if value.dim() else 0
+    if width % heads:
+        raise ValueError(
+            f"standard point {point.name!r}: the input of {point.module_name!r} has "
+            f"{width} features, not a multiple of the {heads} heads"
+        )
+    return value.unflatten(-1, (heads, width // heads))
+
+
+def _merge_heads(point: Point, new: Any, handed: torch.Tensor) -> torch.Tensor:
+    if not isinstance(new, torch.Tensor) or new.shape[-2:] != handed.shape[-2:]:
+        raise ValueError(
+            f"standard point {point.name!r}: an edit must return a tensor [..., heads, d_head] "
+            f"= [..., {handed.shape[-2]}, {handed.shape[-1]}], got "
+            f"{tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__}"
+        )
+    return new.flatten(-2)
 
 
 def _output_tensor(point: Point, output: Any) -> torch.Tensor:
@@ -490,11 +663,19 @@ def _unknown(model: nn.Module, keys: list[str]) -> UnknownArchitectureError:
 
 
 # -- names ------------------------------------------------------------------------------------
-_ALIAS_KINDS = "|".join(LAYER_KINDS)
-_CANON_RX = re.compile(rf"(?:(embed|final)|({_ALIAS_KINDS})\.(-?\d+|-?\d*:-?\d*|\*))\Z")
+_CANON_KINDS = "|".join(LAYER_KINDS)
+# TransformerLens' hook_<kind> names only for the residual-stream kinds: its hook_attn_in and
+# hook_mlp_in are other tensors (the un-normalised residual stream) than attn_in and mlp_in.
+_ALIAS_KINDS = "|".join(k for k in LAYER_KINDS if k not in SITE_KINDS)
+_TL_SITE_RX = "|".join(re.escape(v) for v in TL_SITES.values())
+_TL_KIND = {v: k for k, v in TL_SITES.items()}
+_CANON_RX = re.compile(rf"(?:(embed|final)|({_CANON_KINDS})\.(-?\d+|-?\d*:-?\d*|\*))\Z")
 _TL_RX = re.compile(
-    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*|\*)\.hook_({_ALIAS_KINDS}))\Z"
+    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*|\*)\."
+    rf"(?:hook_({_ALIAS_KINDS})|({_TL_SITE_RX})))\Z"
 )
+#: The spelling of a module's input (``"transformer.h.3.mlp:in"``): see :func:`resolve_targets`.
+INPUT_SUFFIX = ":in"
 _GLOB = re.compile(r"[*?\[]")
 _HEADS = frozenset(KINDS)
 _TL_HEADS = ("blocks.", "hook_embed", "ln_final.")
@@ -567,7 +748,7 @@ def _split(name: str) -> tuple[str, str | None, bool] | None:
             return "embed", None, True
         if m.group(2):
             return "final", None, True
-        return m.group(4), m.group(3), True
+        return m.group(4) or _TL_KIND[m.group(5)], m.group(3), True
     return None
 
 
@@ -578,6 +759,8 @@ def _spell(kind: str, layer: int | None, tl: bool) -> str:
         return "hook_embed"
     if kind == "final":
         return "ln_final.hook_normalized"
+    if kind in TL_SITES:
+        return f"blocks.{layer}.{TL_SITES[kind]}"
     return f"blocks.{layer}.hook_{kind}"
 
 
@@ -616,15 +799,10 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
             module_name = layout.path(path)  # type: ignore[assignment]
         inplace = False
     else:
-        rel = {"attn_out": arch.attn, "mlp_out": arch.mlp, "resid_mid": arch.mid}[kind]
+        rel = getattr(arch, _FIELD.get(kind, kind))
         if rel is None:
-            raise LayerNotFoundError(
-                name,
-                f"standard point {name!r} does not exist on {type(model).__name__}: its blocks run "
-                "attention and the MLP in parallel on the same input (no residual stream between "
-                "them); use resid_pre, attn_out, mlp_out or resid_post",
-            )
-        path, side, copy = _side(rel, "input" if kind == "resid_mid" else "output")
+            raise _unavailable(model, arch, kind, name)
+        path, side, copy = _side(rel, "output" if kind in ("attn_out", "mlp_out") else "input")
         module_name = f"{blocks}.{layer}.{path}"
         inplace = kind == "resid_mid" and side == "input"
     try:
@@ -635,7 +813,58 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
             f"standard point {name!r}: the mapping for {arch.key!r} names {module_name!r}, which "
             f"{type(model).__name__} does not have ({e}); fix it with register_architecture",
         ) from None
-    return Point(name, module_name, module, side, inplace, copy)  # type: ignore[arg-type]
+    heads = _heads(model, arch, name) if kind == "attn_z" else None
+    return Point(name, module_name, module, side, inplace, copy, heads)  # type: ignore[arg-type]
+
+
+_FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
+
+
+def _available(arch: Architecture) -> list[str]:
+    """The per-layer kinds an architecture has, in forward order."""
+    return [
+        k
+        for k in LAYER_KINDS
+        if k == "resid_pre" or k == "resid_post" or getattr(arch, _FIELD.get(k, k)) is not None
+    ]
+
+
+def _unavailable(
+    model: nn.Module, arch: Architecture, kind: str, name: str
+) -> PointUnavailableError:
+    what = type(model).__name__
+    if kind == "resid_mid":
+        why = (
+            "its blocks run attention and the MLP in parallel on the same input (no residual "
+            "stream between them); use resid_pre, attn_out, mlp_out or resid_post"
+        )
+    elif kind == "mlp_hidden" and arch.moe:
+        why = (
+            "its MLP is a mixture of experts: each token's hidden activation lives in the experts "
+            "it was routed to, not in one tensor per token; use mlp_in / mlp_out (the input and "
+            "output of the whole MoE block)"
+        )
+    else:
+        why = (
+            f"the mapping for {arch.key!r} does not name the module whose input it is; add "
+            f"{_FIELD.get(kind, kind)}=... with register_architecture, or use module names"
+        )
+    return PointUnavailableError(name, f"standard point {name!r} does not exist on {what}: {why}")
+
+
+def _heads(model: nn.Module, arch: Architecture, name: str) -> int:
+    if isinstance(arch.heads, int):
+        return arch.heads
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        value = getattr(cfg, arch.heads, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise PointUnavailableError(
+        name,
+        f"standard point {name!r}: the number of attention heads is not known ({type(model).__name__}"
+        f" has no config.{arch.heads}); pass heads=<number> to register_architecture",
+    )
 
 
 def point_names(model: nn.Module, *, tl: bool = False) -> list[str]:
@@ -647,10 +876,10 @@ def point_names(model: nn.Module, *, tl: bool = False) -> list[str]:
         >>> from pyhook.points import point_names
         >>> cfg = transformers.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64)
         >>> point_names(transformers.GPTJForCausalLM(cfg))  # parallel attention: no resid_mid
-        ['embed', 'resid_pre.0', 'attn_out.0', 'mlp_out.0', 'resid_post.0', 'final']
+        ['embed', 'resid_pre.0', 'attn_in.0', 'attn_z.0', 'attn_out.0', 'mlp_in.0', 'mlp_hidden.0', 'mlp_out.0', 'resid_post.0', 'final']
     """
     layout = _layout(model)
-    kinds = [k for k in LAYER_KINDS if not (k == "resid_mid" and layout.arch.parallel)]
+    kinds = _available(layout.arch)
     names = [_spell("embed", None, tl)]
     for i in range(layout.n):
         names.extend(_spell(k, i, tl) for k in kinds)
@@ -695,7 +924,7 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=64)
         >>> model = transformers.GPT2LMHeadModel(cfg)
         >>> [n for n, _ in expand_points(model, "resid_post.1:3")], [n for n, _ in expand_points(model, "*.-1")][:2]
-        (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_out.3'])
+        (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_in.3'])
     """
     layout = _layout(model)
     parts = _split(pattern)
@@ -704,8 +933,8 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         if text is None or (":" not in text and text != "*"):
             return [(pattern, resolve_point(model, pattern))]
         layers = _range(layout, text)
-        if kind == "resid_mid" and layout.arch.parallel:
-            resolve_point(model, _spell(kind, 0, False))  # raises the parallel-attention error
+        if kind not in _available(layout.arch):
+            raise _unavailable(model, layout.arch, kind, pattern)
         hits = [(_spell(kind, i, tl), kind, i) for i in layers]
     else:
         tl = _is_tl_style(pattern)
@@ -723,18 +952,105 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         raise LayerNotFoundError(
             pattern,
             f"point pattern {pattern!r} matches no standard point of {type(model).__name__}; its "
-            f"points are: embed, resid_pre/attn_out/{'' if layout.arch.parallel else 'resid_mid/'}"
-            f"mlp_out/resid_post.0..{layout.n - 1}, final",
+            f"points are: embed, {'/'.join(_available(layout.arch))}.0..{layout.n - 1}, final",
         )
     return [(n, _make(model, layout, k, i, _spell(k, i, False))) for n, k, i in hits]
 
 
 def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | None:
-    """``expand_points(model, layer)`` when ``layer`` is a point name of ``model``, else None
-    (then it is a module name or a module): the one call tools make while resolving layers."""
-    if type(layer) is not str or not is_point_name(layer, model):
+    """``expand_points(model, layer)`` when ``layer`` is a point name of ``model``, the
+    :func:`module_inputs` of a ``"<module>:in"`` name, else None (then it is a module name or a
+    module): the one call tools make while resolving layers. A name that is neither a module
+    nor a point but looks like a misspelt point raises, suggesting point names."""
+    if type(layer) is not str:
         return None
-    return expand_points(model, layer)
+    if layer.endswith(INPUT_SUFFIX) and _lookup(model, layer) is None:
+        return module_inputs(model, layer)
+    if is_point_name(layer, model):
+        return expand_points(model, layer)
+    _check_point_typo(model, layer)
+    return None
+
+
+def module_inputs(model: nn.Module, name: str) -> list[tuple[str, Point]]:
+    """``[(name, Point), ...]`` for ``"<module name or glob>:in"``: the input of each module (its
+    first positional argument, else its ``hidden_states=`` keyword, else its first tensor
+    keyword), hooked with a forward pre-hook; an edit replaces that argument, so the module
+    alone sees it. Every tool that takes module names takes these (``Trace``, ``TraceDict``,
+    ``capture``, ``TruncatedModule``, ``FlexModel``, ``pyhook capture --layers``).
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> from pyhook.points import module_inputs
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        >>> [n for n, _ in module_inputs(net, "*:in")]
+        ['0:in', '1:in', '2:in']
+        >>> with pyhook.Trace(net, "2:in") as t:
+        ...     y = net(torch.ones(4, 2))
+        >>> torch.equal(t.output, net[1](net[0](torch.ones(4, 2))))
+        True
+    """
+    if not isinstance(name, str) or not name.endswith(INPUT_SUFFIX):
+        raise LayerNotFoundError(
+            str(name),
+            f"{name!r} is not a module input (a module name followed by {INPUT_SUFFIX!r})",
+        )
+    base = name[: -len(INPUT_SUFFIX)]
+    if is_point_name(base, model):
+        raise LayerNotFoundError(
+            name,
+            f"{name!r}: {INPUT_SUFFIX!r} takes a module name, and {base!r} is a standard point; "
+            "the points inside a block are points of their own (attn_in, mlp_in, ...: see "
+            "pyhook.points)",
+        )
+    if _GLOB.search(base):
+        rx = glob_regex(base)
+        hits = [(n, m) for n, m in model.named_modules() if n and rx.match(n)]
+        if not hits:
+            names = [n for n, _ in model.named_modules() if n]
+            shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            raise LayerNotFoundError(
+                name,
+                f"module glob {base!r} (of {name!r}) matches no module of {type(model).__name__}; "
+                f"its modules: {shown or '(none)'}",
+            )
+    else:
+        hits = [(base, get_module(model, base))]
+    return [(n + INPUT_SUFFIX, Point(n + INPUT_SUFFIX, n, m, "input")) for n, m in hits]
+
+
+# A misspelt point is caught when its first part is close to a point's (and is no module).
+_TYPO_HEADS = (*KINDS, "blocks", "hook_embed", "ln_final")
+
+
+def _check_point_typo(model: nn.Module, layer: str) -> None:
+    head = layer.partition(".")[0]
+    if not head or head in model._modules:
+        return
+    if not difflib.get_close_matches(head, _TYPO_HEADS, n=1, cutoff=0.75):
+        return
+    try:
+        names = point_names(model) + point_names(model, tl=True)
+    except LayerNotFoundError:  # no mapping: the module-name error says what there is
+        return
+    close = difflib.get_close_matches(layer, names, n=5, cutoff=0.6)
+    modules = difflib.get_close_matches(
+        layer, [n for n, _ in model.named_modules() if n], n=3, cutoff=0.6
+    )
+    hint = (
+        f"closest points: {', '.join(repr(n) for n in close)}"
+        if close
+        else (
+            f"its points: embed, {'/'.join(_available(_layout(model).arch))}.0..{_layout(model).n - 1}, final"
+        )
+    )
+    if modules:
+        hint += f"; closest module names: {', '.join(repr(n) for n in modules)}"
+    raise LayerNotFoundError(
+        layer,
+        f"{layer!r} is neither a standard point nor a module of {type(model).__name__}; {hint}",
+    )
 
 
 def module_path(name: Any, target: Any) -> Any:
@@ -774,16 +1090,36 @@ def _cell(value: str | None, default: str) -> str:
     return f"`{path}`{extra}{' (copied)' if copy else ''}"
 
 
-def architecture_table(rows: Sequence[Architecture] | None = None) -> str:
-    """The Markdown table of the mapping (what docs/points.md shows; a test keeps them equal).
+def _site_cell(row: Architecture, kind: str) -> str:
+    value = getattr(row, kind)
+    if value is None:
+        return "(experts: refused)" if kind == "mlp_hidden" and row.moe else "(not mapped)"
+    return _cell(value, "input")
+
+
+def architecture_table(rows: Sequence[Architecture] | None = None, *, sites: bool = False) -> str:
+    """The Markdown table of the mapping (what docs/points.md shows; a test keeps them equal):
+    the residual-stream points, or with ``sites=True`` the sites inside a block (the module
+    whose input each one is).
 
     Example::
 
         >>> from pyhook.points import architecture_table
         >>> architecture_table().splitlines()[0]
         '| model_type | when | blocks | attn_out | mlp_out | resid_mid (input of) | final | notes |'
+        >>> architecture_table(sites=True).splitlines()[0]
+        '| model_type | when | attn_in | attn_z | mlp_in | mlp_hidden | notes |'
     """
     rows = ARCHITECTURES if rows is None else rows
+    if sites:
+        lines = [
+            "| model_type | when | attn_in | attn_z | mlp_in | mlp_hidden | notes |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            cells = " | ".join(_site_cell(r, k) for k in SITE_KINDS)
+            lines.append(f"| `{r.key}` | {r.when or ''} | {cells} | {r.sites_note} |")
+        return "\n".join(lines)
     lines = [
         "| model_type | when | blocks | attn_out | mlp_out | resid_mid (input of) | final | notes |",
         "|---|---|---|---|---|---|---|---|",

@@ -343,3 +343,43 @@ def test_resume_over_a_damaged_capture_fails_up_front(tiny_checkpoint, tmp_path,
     (out / "index.json").write_text('{"format": "pyhook-capture", "shar')  # torn merged index
     assert main(base) == 0
     assert open_capture(out, verify=True).examples == len(LINES)
+
+
+def test_capture_transcoder_sites_and_a_module_input(tiny_checkpoint, tmp_path):
+    """--layers takes the sites inside a block and '<module>:in' (issue 25): one run stores
+    mlp_in/mlp_out of every block and a module's input, equal to hand-written pre-hooks."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    out = tmp_path / "acts"
+    layers = ["mlp_in.*", "mlp_out.*", "transformer.h.0.attn.c_proj:in"]
+    args = capture_args(tiny_checkpoint, "--layers", *layers, "--batch-size", "2")
+    assert main([*args, "--max-length", "8", "--quiet", "--out", str(out)]) == 0
+    r = open_capture(out, verify=True)
+    names = ["mlp_in.0", "mlp_in.1", "mlp_out.0", "mlp_out.1", "transformer.h.0.attn.c_proj:in"]
+    assert sorted(r.layers) == sorted(names)
+    model = GPT2LMHeadModel.from_pretrained(tiny_checkpoint).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    paths = {"mlp_in.1": "transformer.h.1.mlp", names[-1]: names[-1][: -len(":in")]}
+    got = {n: [] for n in paths}
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(lambda m, a, n=n: got[n].append(a[0]))
+        for n, p in paths.items()
+    ]
+    try:
+        with torch.no_grad():
+            for i in range(0, len(LINES), 2):
+                enc = tok(
+                    LINES[i : i + 2],
+                    padding=True,
+                    truncation=True,
+                    max_length=8,
+                    return_tensors="pt",
+                )
+                model(**enc)
+                for n in paths:
+                    got[n][-1] = got[n][-1][enc["attention_mask"].bool()]
+    finally:
+        for h in handles:
+            h.remove()
+    for n in paths:
+        assert torch.equal(r[n].to_tensor(), torch.cat(got[n]))

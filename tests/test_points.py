@@ -8,6 +8,7 @@ from the transformers source, not from pyhook's mapping), and the residual-strea
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from pathlib import Path
@@ -133,7 +134,42 @@ CONFIGS = {
         dim=H, n_layers=2, n_heads=2, hidden_dim=32, vocab_size=64, max_position_embeddings=32
     ),
 }
-ENCODERS = {"bert", "roberta", "electra", "distilbert"}
+# The table's other rows (every row of pyhook.points.ARCHITECTURES has a config here or above:
+# test_every_table_row_resolves_and_traces checks it); used by the tests that walk every row.
+MORE_CONFIGS = {
+    "helium": lambda: T.HeliumConfig(**KW, head_dim=8),
+    "glm": lambda: T.GlmConfig(**KW, head_dim=8),
+    "smollm3": lambda: T.SmolLM3Config(**KW),
+    "olmo3": lambda: T.Olmo3Config(**KW),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        **KW, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    ),
+    "granitemoe": lambda: T.GraniteMoeConfig(
+        **KW, num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.5
+    ),
+    "xlm-roberta": lambda: T.XLMRobertaConfig(**ENC),
+    "camembert": lambda: T.CamembertConfig(**ENC),
+    "opt_postnorm": lambda: T.OPTConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=H,
+        do_layer_norm_before=False,
+    ),
+    "stablelm_parallel": lambda: T.StableLmConfig(**KW, use_parallel_residual=True),
+    "falcon_new": lambda: T.FalconConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=64,
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+    ),
+}
+ENCODERS = {"bert", "roberta", "electra", "distilbert", "xlm-roberta", "camembert"}
 # parallel attention: attention and MLP read the same input, no resid_mid
 PARALLEL = {"gptj", "gpt_neox", "falcon", "phi", "cohere", "codegen"}
 POST_NORM = {"bert", "roberta", "electra", "distilbert"}
@@ -184,13 +220,14 @@ for _name in ("olmo", "starcoder2", "granite"):
     HAND[_name] = ("self_attn", "mlp", "post_attention_layernorm")
 
 ARCHS = sorted(CONFIGS)
+ALL_ARCHS = sorted({**CONFIGS, **MORE_CONFIGS})
 DECODERS = [a for a in ARCHS if a not in ENCODERS]
 
 
 @functools.cache
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = CONFIGS[name]()
+    cfg = {**CONFIGS, **MORE_CONFIGS}[name]()
     cfg.pad_token_id = 0
     for attr in ("bos_token_id", "eos_token_id"):
         if getattr(cfg, attr, None) is not None:
@@ -415,11 +452,9 @@ def test_names_globs_ranges_and_transformerlens_aliases():
     exp = points.expand_points
     assert [n for n, _ in exp(model, "resid_post.*")] == ["resid_post.0", "resid_post.1"]
     assert [n for n, _ in exp(model, "resid_post.-1:")] == ["resid_post.1"]
-    assert [n for n, _ in exp(model, "*.1")] == [
+    assert [n for n, _ in exp(model, "resid_*.1")] == [
         "resid_pre.1",
-        "attn_out.1",
         "resid_mid.1",
-        "mlp_out.1",
         "resid_post.1",
     ]
     assert [n for n, _ in exp(model, "blocks.*.hook_resid_post")] == [
@@ -562,3 +597,542 @@ def test_docs_table_is_generated_from_the_mapping():
         "docs/points.md is out of date: paste "
         "`python -c 'import pyhook.points as p; print(p.architecture_table())'` between the markers"
     )
+    m = re.search(r"<!-- sites-table:start -->\n(.*?)\n<!-- sites-table:end -->", text, re.S)
+    assert m, "docs/points.md lost its generated sites-table markers"
+    assert m.group(1) == points.architecture_table(sites=True), (
+        "docs/points.md is out of date: paste `python -c 'import pyhook.points as p; "
+        "print(p.architecture_table(sites=True))'` between the sites-table markers"
+    )
+
+
+# -- every row of the table ---------------------------------------------------------------------
+def test_every_table_row_resolves_and_traces():
+    """Each row of the mapping is used by some tiny config, and on it every point that
+    point_names() lists (and its TransformerLens alias) is a real module of the model, traces in
+    one forward, and the residual points are HF's hidden_states (issue 23: granitemoe's row named
+    a module the model lacks; OPT-350m's row a final norm it lacks)."""
+    rows_seen = set()
+    for arch in ALL_ARCHS:
+        model = build(arch)
+        row = points.architecture_of(model)
+        rows_seen.add(id(row))
+        names = points.point_names(model)
+        tl_names = points.point_names(model, tl=True)
+        assert len(names) == len(tl_names) == len(set(names))
+        for name, alias in zip(names, tl_names):
+            p = points.resolve_point(model, name)
+            assert model.get_submodule(p.module_name) is p.module, (arch, name)
+            assert points.resolve_point(model, alias) == p, (arch, alias)
+        with torch.no_grad(), pyhook.TraceDict(model, names) as ret:
+            hs = model(ids(), output_hidden_states=True).hidden_states
+        for name in names:
+            assert isinstance(ret[name].output, torch.Tensor), (arch, name)
+        assert torch.equal(ret["embed"].output, hs[0]), arch
+        assert torch.equal(ret["resid_pre.1"].output, hs[1]), arch
+        assert torch.equal(ret["final"].output, hs[-1]), arch
+    missing = [f"{r.key} (when {r.when})" for r in points.ARCHITECTURES if id(r) not in rows_seen]
+    assert not missing, f"table rows no test config selects: {missing}"
+
+
+# -- the sites inside a block -------------------------------------------------------------------
+# Hand-written from each architecture's modeling code, paths relative to block 1: the attention
+# module, its output projection, the MLP module, its down projection (None: experts), and how
+# the MLP is applied to its input ("plain", "residual": it adds a residual argument itself,
+# "opt": fc1 -> activation -> fc2 in the block, "bert": intermediate -> output.dense).
+LLAMA_SITES = ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj", "plain")
+MOE_SITES = ("self_attn", "self_attn.o_proj", "mlp", None, "plain")
+BERT_SITES = ("attention.self", "attention.output.dense", "intermediate", "output.dense", "bert")
+OPT_SITES = ("self_attn", "self_attn.out_proj", "fc1", "fc2", "opt")
+FALCON_SITES = ("self_attention", "self_attention.dense", "mlp", "mlp.dense_4h_to_h", "plain")
+NEOX_SITES = ("attention", "attention.dense", "mlp", "mlp.dense_4h_to_h", "plain")
+SITES = {
+    "gpt2": ("attn", "attn.c_proj", "mlp", "mlp.c_proj", "plain"),
+    "gpt_bigcode": ("attn", "attn.c_proj", "mlp", "mlp.c_proj", "plain"),
+    "gpt_neo": ("attn", "attn.attention.out_proj", "mlp", "mlp.c_proj", "plain"),
+    "gptj": ("attn", "attn.out_proj", "mlp", "mlp.fc_out", "plain"),
+    "codegen": ("attn", "attn.out_proj", "mlp", "mlp.fc_out", "plain"),
+    "gpt_neox": NEOX_SITES,
+    "gpt_neox_sequential": NEOX_SITES,
+    "opt": OPT_SITES,
+    "opt_postnorm": OPT_SITES,
+    "bloom": ("self_attention", "self_attention.dense", "mlp", "mlp.dense_4h_to_h", "residual"),
+    "falcon": FALCON_SITES,
+    "falcon_new": FALCON_SITES,
+    "falcon_sequential": FALCON_SITES,
+    "mpt": ("attn", "attn.out_proj", "ffn", "ffn.down_proj", "residual"),
+    "phi": ("self_attn", "self_attn.dense", "mlp", "mlp.fc2", "plain"),
+    "persimmon": ("self_attn", "self_attn.dense", "mlp", "mlp.dense_4h_to_h", "plain"),
+    "starcoder2": ("self_attn", "self_attn.o_proj", "mlp", "mlp.c_proj", "plain"),
+    "granitemoe": ("self_attn", "self_attn.o_proj", "block_sparse_moe", None, "plain"),
+    "distilbert": ("attention", "attention.out_lin", "ffn", "ffn.lin2", "plain"),
+}
+for _name in ("bert", "roberta", "electra", "xlm-roberta", "camembert"):
+    SITES[_name] = BERT_SITES
+for _name in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    SITES[_name] = MOE_SITES
+for _name in ALL_ARCHS:
+    SITES.setdefault(_name, LLAMA_SITES)  # Llama's layout: llama, mistral, qwen, gemma, olmo, ...
+# sandwich norms (a norm after each branch, before the residual add)
+SANDWICH = {"gemma2", "gemma3_text", "olmo2", "olmo3"}
+# no norm before the branches: the branches read the residual stream itself
+NO_PRE_NORM = {
+    "olmo2",
+    "olmo3",
+    "bert",
+    "roberta",
+    "electra",
+    "xlm-roberta",
+    "camembert",
+    "distilbert",
+    "opt_postnorm",
+}
+# parallel blocks where one norm feeds both branches / where each branch has its own
+SHARED_NORM = {"gptj", "codegen", "phi", "cohere", "stablelm_parallel", "falcon"}
+TWO_NORMS = {"gpt_neox", "falcon_new"}
+SITE_NAMES = ("attn_in", "attn_z", "mlp_in", "mlp_hidden")
+
+
+def _hooks_of(model):
+    # transformers adds hooks of its own on a first output_hidden_states forward: compare counts
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def _arg0(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _heads(model):
+    return model.config.num_attention_heads
+
+
+def _mlp_of(block, arch):
+    mlp, how = SITES[arch][2], SITES[arch][4]
+    if how == "opt":
+        return lambda x: block.fc2(block.activation_fn(block.fc1(x)))
+    if how == "bert":
+        return lambda x: block.output.dense(block.intermediate(x))
+    module = block.get_submodule(mlp)
+    if how == "residual":
+        return lambda x: module(x, torch.zeros_like(x))
+    return lambda x: first(module(x))
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_sites_match_hand_written_pre_hooks(arch):
+    model = build(arch)
+    before = _hooks_of(model)
+    block = model.get_submodule(blocks_of(model))[1]
+    attn, o_proj, mlp, down, _ = SITES[arch]
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for key, path in (("attn_in", attn), ("attn_z", o_proj), ("mlp_in", mlp), ("mlp_hidden", down)):
+        if path is None:
+            continue
+        handles.append(
+            block.get_submodule(path).register_forward_pre_hook(
+                lambda m, a, k, key=key: seen.__setitem__(key, _arg0(a, k).clone()),
+                with_kwargs=True,
+            )
+        )
+    names = [f"{s}.1" for s in SITE_NAMES if not (s == "mlp_hidden" and down is None)]
+    try:
+        with torch.no_grad(), pyhook.TraceDict(model, names, clone=True) as ret:
+            model(ids())
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(ret["attn_in.1"].output, seen["attn_in"])
+    assert torch.equal(ret["mlp_in.1"].output, seen["mlp_in"])
+    z = ret["attn_z.1"].output
+    heads = _heads(model)
+    assert z.shape[-2] == heads and z.shape[:2] == (2, 5)
+    assert torch.equal(z, seen["attn_z"].unflatten(-1, (heads, -1)))
+    if down is None:  # a mixture of experts: refused by name, and not listed
+        assert points.architecture_of(model).moe
+        with pytest.raises(points.PointUnavailableError, match="mixture of experts"):
+            pyhook.Trace(model, "mlp_hidden.1")
+        with pytest.raises(points.PointUnavailableError, match="mixture of experts"):
+            points.expand_points(model, "mlp_hidden.*")
+        assert not any(n.startswith("mlp_hidden") for n in points.point_names(model))
+        assert _hooks_of(model) == before
+    else:
+        assert torch.equal(ret["mlp_hidden.1"].output, seen["mlp_hidden"])
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_site_identities(arch):
+    """What a user computes from the sites: the block's MLP applied to mlp_in gives the MLP
+    branch, the down projection applied to mlp_hidden too, the output projection applied to
+    attn_z flattened gives the attention output before any post-norm; on sandwich-norm layouts
+    the post-norms then give attn_out/mlp_out; without pre-norms the sites hold the residual
+    stream's values; on parallel blocks attn_in and mlp_in agree where one norm feeds both."""
+    model = build(arch)
+    block = model.get_submodule(blocks_of(model))[1]
+    o_proj, down = SITES[arch][1], SITES[arch][3]
+    kinds = ["resid_pre", "attn_in", "attn_z", "attn_out", "mlp_in", "mlp_out"]
+    kinds += [] if down is None else ["mlp_hidden"]
+    kinds += [] if arch in PARALLEL or arch in SHARED_NORM | TWO_NORMS else ["resid_mid"]
+    with torch.no_grad(), pyhook.TraceDict(model, [f"{k}.1" for k in kinds], clone=True) as ret:
+        model(ids())
+        v = {k: ret[f"{k}.1"].output for k in kinds}
+        mlp_branch = _mlp_of(block, arch)(v["mlp_in"])
+        attn_branch = block.get_submodule(o_proj)(v["attn_z"].flatten(-2))
+        if down is not None:
+            torch.testing.assert_close(block.get_submodule(down)(v["mlp_hidden"]), mlp_branch)
+        if arch in SANDWICH:
+            mlp_branch = block.post_feedforward_layernorm(mlp_branch)
+            attn_branch = block.post_attention_layernorm(attn_branch)
+    torch.testing.assert_close(mlp_branch, v["mlp_out"])
+    torch.testing.assert_close(attn_branch, v["attn_out"])
+    if arch in NO_PRE_NORM:
+        assert torch.equal(v["attn_in"], v["resid_pre"])
+        assert torch.equal(v["mlp_in"].reshape(v["resid_mid"].shape), v["resid_mid"])
+    if arch in SHARED_NORM:
+        assert torch.equal(v["attn_in"], v["mlp_in"])
+        assert "same values" in points.architecture_of(model).sites_note
+    if arch in TWO_NORMS:  # freshly initialised norms agree: make the MLP's norm differ
+        other = copy.deepcopy(model)
+        norm = {"gpt_neox": "post_attention_layernorm", "falcon_new": "ln_mlp"}[arch]
+        with torch.no_grad():
+            other.get_submodule(blocks_of(other))[1].get_submodule(norm).weight.add_(1.0)
+            with pyhook.TraceDict(other, ["attn_in.1", "mlp_in.1"]) as ret2:
+                other(ids())
+        assert torch.equal(ret2["attn_in.1"].output, v["attn_in"])
+        assert not torch.equal(ret2["attn_in.1"].output, ret2["mlp_in.1"].output)
+
+
+def _delta(width: int, seed: int) -> torch.Tensor:
+    return torch.randn(width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("site", SITE_NAMES)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_edit_at_a_site_is_a_pre_hook_edit_of_that_module(arch, site):
+    """Steering at a site equals a hand-written pre-hook edit of the module whose input it is:
+    that module sees the edit and nothing else does (the skip connection, the other branch)."""
+    model = build(arch)
+    before = _hooks_of(model)
+    block = model.get_submodule(blocks_of(model))[1]
+    attn, o_proj, mlp, down, _ = SITES[arch]
+    path = dict(zip(SITE_NAMES, (attn, o_proj, mlp, down)))[site]
+    if path is None:
+        pytest.skip(
+            "mixture of experts: mlp_hidden is refused (test_sites_match_hand_written_pre_hooks)"
+        )
+    module = block.get_submodule(path)
+    with torch.no_grad(), pyhook.Trace(model, f"{site}.1") as t:
+        model(ids())
+    shape = t.output.shape
+    d = _delta(shape[-1] * (shape[-2] if site == "attn_z" else 1), 3).reshape(
+        shape[-2:] if site == "attn_z" else shape[-1:]
+    )
+
+    def by_hand(_m, args, kwargs):
+        if args:
+            return (args[0] + d.reshape(-1), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + d.reshape(-1)}
+
+    key = "last_hidden_state" if arch in ENCODERS else "logits"
+    other = "mlp_in.1" if site.startswith("attn") else "attn_out.1"
+    with torch.no_grad():
+        with pyhook.TraceDict(model, [other, "resid_pre.1"]) as plain_ret:
+            plain = model(ids())[key]
+        handle = module.register_forward_pre_hook(by_hand, with_kwargs=True)
+        try:
+            expected = model(ids())[key]
+        finally:
+            handle.remove()
+        with pyhook.TraceDict(
+            model,
+            [f"{site}.1", other, "resid_pre.1"],
+            edit_output={f"{site}.1": lambda output: output + d},
+        ) as ret:
+            edited = model(ids())[key]
+    assert torch.equal(edited, expected)
+    assert not torch.allclose(edited, plain)
+    assert torch.equal(ret["resid_pre.1"].output, plain_ret["resid_pre.1"].output)
+    if not (
+        site.startswith("attn") and arch not in PARALLEL and arch not in SHARED_NORM | TWO_NORMS
+    ):
+        # the other branch is untouched (sequential blocks: the MLP sees the attention's edit)
+        assert torch.equal(ret[other].output, plain_ret[other].output)
+    assert _hooks_of(model) == before
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "gemma2", "bert"])
+def test_mlp_in_edit_misses_the_skip_connection_unlike_resid_mid(arch):
+    """An edit at mlp_in reaches the MLP only; the same edit at resid_mid (written in place)
+    reaches the skip connection too: the skip part of resid_post (resid_post - mlp_out) is
+    unchanged by the first and changed by the second (sandwich, no-pre-norm and post-norm
+    layouts, where the two read the same module or the same values)."""
+    model = build(arch)
+    d = _delta(H, 4)
+    names = ["resid_post.1", "mlp_out.1"]
+
+    def skip(ret):
+        return ret["resid_post.1"].output - ret["mlp_out.1"].output
+
+    with torch.no_grad():
+        with pyhook.TraceDict(model, names, clone=True) as plain:
+            model(ids())
+        with (
+            pyhook.Trace(model, "mlp_in.1", edit_output=lambda output: output + d),
+            pyhook.TraceDict(model, names, clone=True) as at_in,
+        ):
+            model(ids())
+        with (
+            pyhook.Trace(model, "resid_mid.1", edit_output=lambda output: output + d),
+            pyhook.TraceDict(model, names, clone=True) as at_mid,
+        ):
+            model(ids())
+    assert not torch.equal(at_in["mlp_out.1"].output, plain["mlp_out.1"].output)
+    if arch in POST_NORM:  # the block's norm follows the add: compare before it
+        return
+    torch.testing.assert_close(skip(at_in), skip(plain), rtol=0, atol=1e-6)
+    assert not torch.allclose(skip(at_mid), skip(plain), atol=1e-3)
+
+
+def test_site_names_globs_and_transformerlens_aliases():
+    model = build("gpt2")
+    pairs = [
+        ("blocks.1.ln1.hook_normalized", "attn_in.1"),
+        ("blocks.1.attn.hook_z", "attn_z.1"),
+        ("blocks.-1.ln2.hook_normalized", "mlp_in.1"),
+        ("blocks.0.mlp.hook_post", "mlp_hidden.0"),
+    ]
+    for alias, canon in pairs:
+        assert points.resolve_point(model, alias) == points.resolve_point(model, canon)
+    assert [n for n, _ in points.expand_points(model, "*.1")] == [
+        "resid_pre.1",
+        "attn_in.1",
+        "attn_z.1",
+        "attn_out.1",
+        "resid_mid.1",
+        "mlp_in.1",
+        "mlp_hidden.1",
+        "mlp_out.1",
+        "resid_post.1",
+    ]
+    assert [n for n, _ in points.expand_points(model, "blocks.*.ln2.hook_normalized")] == [
+        "blocks.0.ln2.hook_normalized",
+        "blocks.1.ln2.hook_normalized",
+    ]
+    assert [n for n, _ in points.expand_points(model, "mlp_*.0")] == [
+        "mlp_in.0",
+        "mlp_hidden.0",
+        "mlp_out.0",
+    ]
+    # TransformerLens' hook_mlp_in / hook_attn_in are the un-normalised residual stream, another
+    # tensor than mlp_in / attn_in: not aliases
+    for tl_other in ("blocks.1.hook_mlp_in", "blocks.1.hook_attn_in"):
+        assert not points.is_point_name(tl_other)
+        with pytest.raises(LookupError):
+            pyhook.Trace(model, tl_other)
+
+
+def test_capture_sites_rows():
+    """capture stores attn_z as [tokens, heads, d_head] rows and the other sites as one row per
+    token, equal to what TraceDict sees."""
+    model = build("llama")
+    names = ["attn_z.1", "mlp_in.1", "mlp_hidden.0"]
+    with torch.no_grad(), capture(model, names, to="host") as rec:
+        model(ids())
+    with torch.no_grad(), pyhook.TraceDict(model, names) as ret:
+        model(ids())
+    assert rec["attn_z.1"].shape == (10, 2, H // 2)
+    assert rec["mlp_hidden.0"].shape == (10, 32)
+    for name in names:
+        assert torch.equal(rec[name], ret[name].output.reshape(10, *ret[name].output.shape[2:]))
+
+
+def test_attn_z_edit_of_the_wrong_shape_is_refused():
+    model = build("gpt2")
+    before = _hooks_of(model)
+    with (
+        pytest.raises(ValueError, match=r"\[\.\.\., heads, d_head\]"),
+        torch.no_grad(),
+        pyhook.Trace(model, "attn_z.1", edit_output=lambda output: output.flatten(-2)),
+    ):
+        model(ids())
+    assert _hooks_of(model) == before
+
+
+def test_register_architecture_sites_are_optional():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.ff = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = x + self.mix(x)
+            return x + self.ff(x)
+
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for b in self.stack:
+                x = b(x)
+            return x
+
+    net = Bare()
+    points.register_architecture("Bare", blocks="stack", attn="mix", mlp="ff", mid="ff")
+    try:
+        assert "mlp_in.0" not in points.point_names(net)
+        with pytest.raises(
+            points.PointUnavailableError, match=r"mlp_in=\.\.\. with register_architecture"
+        ):
+            pyhook.Trace(net, "mlp_in.0")
+        points.register_architecture(
+            "Bare", blocks="stack", attn="mix", mlp="ff", mid="ff", mlp_in="ff", attn_z="mix"
+        )
+        with pytest.raises(points.PointUnavailableError, match="heads=<number>"):
+            pyhook.Trace(net, "attn_z.0")
+        points.register_architecture(
+            "Bare",
+            blocks="stack",
+            attn="mix",
+            mlp="ff",
+            mid="ff",
+            mlp_in="ff",
+            attn_z="mix",
+            heads=2,
+        )
+        x = torch.randn(3, 4)
+        with pyhook.TraceDict(net, ["mlp_in.1", "attn_z.0"]) as ret:
+            net(x)
+        assert ret["attn_z.0"].output.shape == (3, 2, 2)
+        h = net.stack[0](x)
+        torch.testing.assert_close(ret["mlp_in.1"].output, h + net.stack[1].mix(h))
+    finally:
+        points._USER_ROWS.clear()
+        points._CACHE.clear()
+
+
+def test_point_like_typos_suggest_points():
+    """issue 23: 'resid_pots.1' suggested '', 'transformer', ...: a point-like name that is no
+    module suggests point names."""
+    model = build("gpt2")
+    before = _hooks_of(model)
+    for typo, expect in (
+        ("resid_pots.1", "'resid_post.1'"),
+        ("mlp_ot.*", "'mlp_out."),
+        ("blocks.1.hook_resid_pots", "'blocks.1.hook_resid_post'"),
+        ("atn_z.0", "'attn_z.0'"),
+    ):
+        with pytest.raises(LookupError) as info:
+            pyhook.TraceDict(model, ["resid_post.0", typo])
+        msg = str(info.value)
+        assert expect in msg and "neither a standard point nor a module" in msg, msg
+        assert "(the root)" not in msg
+        with pytest.raises(LookupError, match="closest points"):
+            capture(model, typo, to="host")
+    assert _hooks_of(model) == before
+    # module names and their typos are unchanged
+    with pytest.raises(LookupError, match="closest names"):
+        pyhook.Trace(model, "transformer.h.9")
+    with pyhook.Trace(model, "transformer.h.1"):
+        model(ids())
+
+
+# -- module inputs: "<module>:in" ---------------------------------------------------------------
+def _hand_inputs(model, paths):
+    seen: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(
+            lambda m, a, k, p=p: seen[p].append(_arg0(a, k).clone()), with_kwargs=True
+        )
+        for p in paths
+    ]
+    return seen, handles
+
+
+def test_module_inputs_in_every_tool():
+    """'<module>:in' is the module's input wherever a module name is taken: Trace, TraceDict
+    (globs too), capture, TruncatedModule, FlexModel; equal to a hand-written pre-hook."""
+    model = build("gpt2")
+    paths = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    seen, handles = _hand_inputs(model, paths)
+    try:
+        with torch.no_grad():
+            with pyhook.Trace(model, "transformer.h.1.mlp:in") as t:
+                model(ids())
+            with pyhook.TraceDict(model, ["transformer.h.*.mlp:in", "resid_post.0"]) as ret:
+                model(ids())
+            with capture(model, "transformer.h.*.mlp:in", to="host") as rec:
+                model(ids())
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(t.output, seen[paths[1]][0])
+    assert list(ret) == ["transformer.h.0.mlp:in", "transformer.h.1.mlp:in", "resid_post.0"]
+    assert rec.layers == ["transformer.h.0.mlp:in", "transformer.h.1.mlp:in"]
+    for p in paths:
+        assert torch.equal(ret[f"{p}:in"].output, seen[p][1])
+        assert torch.equal(rec[f"{p}:in"], seen[p][2].reshape(10, H))
+    # TruncatedModule stops at a module's input: the block's input is resid_pre.1
+    with torch.no_grad():
+        got = pyhook.TruncatedModule(model, "transformer.h.1:in")(ids())
+        hs = model(ids(), output_hidden_states=True).hidden_states
+    assert torch.equal(got, hs[1])
+    # FlexModel's HookFunction takes it too
+    out: dict = {}
+    fm = pyhook.FlexModel(model, out)
+    fm.register_forward_hook(pyhook.HookFunction("transformer.h.0.mlp:in"))
+    try:
+        with torch.no_grad():
+            fm(ids())
+    finally:
+        fm.restore()
+    assert torch.equal(out["transformer.h.0.mlp:in"][0], seen[paths[0]][0])
+
+
+def test_module_input_by_keyword_and_its_edit_is_a_pre_hook_edit():
+    """Llama's attention is called with hidden_states= (no positional argument); an edit at
+    '<module>:in' equals a hand-written pre-hook edit and reaches that module only."""
+    model = build("llama")
+    name = "model.layers.1.self_attn"
+    seen, handles = _hand_inputs(model, [name])
+    d = _delta(H, 5)
+    try:
+        with torch.no_grad(), pyhook.Trace(model, f"{name}:in") as t:
+            plain = model(ids()).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(t.output, seen[name][0])
+
+    def by_hand(_m, args, kwargs):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + d}
+
+    with torch.no_grad():
+        handle = model.get_submodule(name).register_forward_pre_hook(by_hand, with_kwargs=True)
+        try:
+            expected = model(ids()).logits
+        finally:
+            handle.remove()
+        with pyhook.TraceDict(
+            model,
+            [f"{name}:in", "resid_pre.1"],
+            edit_output={f"{name}:in": lambda output: output + d},
+        ) as ret:
+            edited = model(ids()).logits
+    assert torch.equal(edited, expected) and not torch.equal(edited, plain)
+    # the block's input (the skip connection) is untouched
+    assert torch.equal(
+        ret["resid_pre.1"].output, model(ids(), output_hidden_states=True).hidden_states[1]
+    )
+
+
+def test_module_input_errors_name_the_layer_and_leave_no_hook():
+    model = build("gpt2")
+    before = _hooks_of(model)
+    with pytest.raises(LookupError, match=r"'transformer\.h\.9\.mlp'.*closest names"):
+        pyhook.TraceDict(model, ["resid_post.0", "transformer.h.9.mlp:in"])
+    with pytest.raises(LookupError, match="matches no module"):
+        capture(model, ["transformer.h.*", "transformer.zz*:in"], to="host")
+    with pytest.raises(LookupError, match="is a standard point"):
+        pyhook.Trace(model, "resid_post.1:in")
+    assert _hooks_of(model) == before
