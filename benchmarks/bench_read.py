@@ -141,6 +141,17 @@ class Spinner:
         self.proc.wait()
 
 
+def clock() -> tuple[float, float]:
+    """(wall, process CPU) seconds now."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall, process CPU) seconds since ``t0 = clock()``: what a method returns when its setup
+    (dropping the page cache, opening the capture) must not count."""
+    return time.perf_counter() - t0[0], time.process_time() - t0[1]
+
+
 def paired(
     fns: dict[str, Callable[[int], object]],
     rounds: int,
@@ -165,11 +176,11 @@ def paired(
             rng.shuffle(order)
             for name in order:
                 evict_cpu_caches()
-                c0 = time.process_time()
-                t0 = time.perf_counter()
+                t0 = clock()
                 own = fns[name](r)
-                times[s][name].append(own if isinstance(own, float) else time.perf_counter() - t0)
-                times[s].setdefault(f"cpu:{name}", []).append(time.process_time() - c0)
+                wall, cpu = own if isinstance(own, tuple) else since(t0)
+                times[s][name].append(wall)
+                times[s].setdefault(f"cpu:{name}", []).append(cpu)
             loads[s].append(load())
     if spinner is not None:
         spinner.set(False)
@@ -396,15 +407,15 @@ def case_cold_shuffled(
     page = mmap.PAGESIZE
     pool = ThreadPoolExecutor(8)
 
-    def timed_raw(read: Callable[[int, object], None]) -> Callable[[int], float]:
-        def run(r: int) -> float:
+    def timed_raw(read: Callable[[int, object], None]) -> Callable[[int], tuple[float, float]]:
+        def run(r: int) -> tuple[float, float]:
             gc.collect()
             drop_cache(files)
             with open(raw_path, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                t0 = time.perf_counter()
+                t0 = clock()
                 read(r, (f, m))
-                dt = time.perf_counter() - t0
+                dt = since(t0)
                 m.close()
             return dt
 
@@ -437,14 +448,14 @@ def case_cold_shuffled(
             )
         )
 
-    def pyhook_cold(r: int) -> float:
+    def pyhook_cold(r: int) -> tuple[float, float]:
         gc.collect()
         drop_cache(files)
         d = CaptureDataset(out, "h", batch_size=BATCH)
         d._sources()
-        t0 = time.perf_counter()
+        t0 = clock()
         d.batch(idxs[r])
-        dt = time.perf_counter() - t0
+        dt = since(t0)
         del d
         gc.collect()
         return dt
@@ -542,24 +553,24 @@ def case_sequential(
     gc.collect()
 
     # cold: the first n_seq batches after a drop
-    def cold_raw_seq(r: int) -> float:
+    def cold_raw_seq(r: int) -> tuple[float, float]:
         drop_cache(files)
-        t0 = time.perf_counter()
+        t0 = clock()
         with open(raw_path, "rb", buffering=0) as f:
             for _ in range(n_seq):
                 f.readinto(view)
-        return time.perf_counter() - t0
+        return since(t0)
 
-    def cold_ds_seq(r: int) -> float:
+    def cold_ds_seq(r: int) -> tuple[float, float]:
         gc.collect()
         drop_cache(files)
         d = CaptureDataset(out, "h", batch_size=BATCH, shuffle=False)
         it = iter(d)
         d._sources()
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(n_seq):
             next(it)
-        dt = time.perf_counter() - t0
+        dt = since(t0)
         del it, d
         gc.collect()
         return dt
@@ -591,20 +602,20 @@ def case_loader(out: str, files: list[str], loader_batches: int, rounds: int, fu
     step, width, t_step, t_load = sae_step(out)
     startups: dict[tuple[int, int], list[float]] = {}
 
-    def loader(workers: int, slots: int, train: bool) -> Callable[[int], float]:
-        def run(r: int) -> float:
+    def loader(workers: int, slots: int, train: bool) -> Callable[[int], tuple[float, float]]:
+        def run(r: int) -> tuple[float, float]:
             d = CaptureDataset(out, "h", batch_size=BATCH, seed=r, worker_slots=slots)
             t_start = time.perf_counter()
             it = iter(DataLoader(d, batch_size=None, num_workers=workers))
             next(it)  # worker start-up excluded
-            t0 = time.perf_counter()
-            startups.setdefault((workers, slots), []).append(t0 - t_start)
+            t0 = clock()
+            startups.setdefault((workers, slots), []).append(t0[0] - t_start)
             for _ in range(loader_batches - 1):
                 batch = next(it)
                 if train:
                     step(batch["h"])
                 del batch
-            steady = time.perf_counter() - t0
+            steady = since(t0)
             del it
             return steady
 

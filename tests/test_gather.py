@@ -299,3 +299,24 @@ def test_a_sequential_batch_from_a_cold_file_reads_the_next_batch_ahead(native, 
     assert all(_resident(mapped[2 * n : 3 * n]))
     del out, parts, mapped
     mm.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "row_shape"),
+    [
+        (torch.float32, (75,)),
+        (torch.float16, (129,)),
+        (torch.float32, (768,)),
+        (torch.int64, (8, 9)),
+    ],
+)
+def test_shuffled_rows_of_odd_sizes_across_pieces_are_exact(native, dtype, row_shape):
+    # Rows of 300, 258, 3072 and 576 bytes (prefetched a page at a time, ahead of the copy and
+    # past the end of each piece of work), a batch that is not a multiple of the piece size,
+    # repeats and rows of every part, on one thread and (above 1 MiB) on several.
+    parts = make_parts(dtype, sizes=(700, 3, 0, 1300), row_shape=row_shape, seed=3)
+    for n in (5, 4099):
+        idx = torch.randint(0, 2003, (n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
+        out = torch.empty((n, *row_shape), dtype=dtype)
+        assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
