@@ -1,12 +1,16 @@
 """Reading a capture for training, against the strongest hand-written reader of each case.
 
-Run:  python benchmarks/bench_read.py [--quick] [--busy {both,off,on}] [--pin] [--dir DIR]
+Run:  python benchmarks/bench_read.py [--quick] [--busy {both,off,on}] [--pin] [--only abcde]
+                                     [--dir DIR]
 
 One run writes a capture (float32 rows of 768 values, the GPT-2-small residual width; 128 MB
 shards) and the same rows as one raw file, then times paired rounds: each round times every
 method on the same batch indices, in a shuffled order, after overwriting 96 MB so that no
 method reads rows the previous one left in the CPU caches; ratios are medians of per-round
-ratios. Every number is printed with the load average it was measured under.
+ratios. Every number is printed with the load average it was measured under, and next to the
+wall time this process's CPU time (user + system, all its threads) of the timed part: steadier
+than wall time on a shared machine, but blind to waiting for the disk and to DataLoader workers
+(not shown for (d)).
 
 **The other core busy.** A reader for training shares the machine with the trainer. With
 ``--busy both`` (the default) a spinning process runs for the whole run and is paused

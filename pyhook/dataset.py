@@ -12,7 +12,8 @@ Index:
 
 Batches are assembled inside the dataset (a plain ``DataLoader(ds, batch_size=None, ...)``
 consumes them) by :func:`pyhook._backend.gather_rows`, which copies the rows of a batch from the
-memory-mapped shards in ascending file order on all cores and returns memory the caller owns.
+memory-mapped shards (with a second thread only when a core is free; rows not in the page cache
+are read in ascending file order) and returns memory the caller owns.
 See docs/training.md for the shuffling trade-off and measured throughput.
 """
 
