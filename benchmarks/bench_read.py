@@ -15,7 +15,7 @@ than wall time on a shared machine, but blind to waiting for the disk and to Dat
 **The other core busy.** A reader for training shares the machine with the trainer. With
 ``--busy both`` (the default) a spinning process runs for the whole run and is paused
 (``SIGSTOP``) or resumed (``SIGCONT``) before every round, in a shuffled order: every case is
-measured "quiet" and "other core busy" in paired rounds of one run. ``--pin`` pins the spinner
+measured "no spinner" and "spinner on a core" in paired rounds of one run. ``--pin`` pins the spinner
 to the last core (else the scheduler places it).
 
 Cases (pyhook = ``CaptureDataset.batch`` / its iterator; the hand-written readers use the raw
@@ -76,7 +76,7 @@ D = 768
 BATCH = 4096
 ROW = D * 4
 med = statistics.median
-STATES = ("quiet", "other core busy")
+STATES = ("no spinner", "spinner on a core")
 SINGLE_STATE = STATES[0]  # the label of rounds run without pausing the spinner (--busy off/on)
 
 
@@ -163,8 +163,8 @@ def paired(
     seed: int = 0,
 ) -> dict[str, dict[str, list[float]]]:
     """Seconds per state, method and round. Round r of every method uses the same indices, in
-    a shuffled order; with a spinner, every round is run once quiet and once with the other
-    core busy (in a shuffled order). A method may return its own measured time as a float (when
+    a shuffled order; with a spinner, every round is run once with it paused and once with it
+    spinning (in a shuffled order). A method may return its own measured time (when
     its setup must not count)."""
     states = STATES if spinner is not None else (SINGLE_STATE,)
     times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in fns} for s in states}
@@ -633,8 +633,8 @@ def case_loader(out: str, files: list[str], loader_batches: int, rounds: int, fu
         methods["DataLoader num_workers=2, worker_slots=0 (fresh shared memory)"] = (2, 0)
     fns = {}
     for name, (workers, slots) in methods.items():
-        fns[f"{name} | feed"] = loader(workers, slots, False)
-        fns[f"{name} | feed+train"] = loader(workers, slots, True)
+        fns[f"{name}, feed"] = loader(workers, slots, False)
+        fns[f"{name}, feed+train"] = loader(workers, slots, True)
     t = paired(fns, rounds, None)[SINGLE_STATE]
     n_rows = BATCH * (loader_batches - 1)
     base = "in-process (num_workers=0)"
@@ -642,11 +642,11 @@ def case_loader(out: str, files: list[str], loader_batches: int, rounds: int, fu
     for name in methods:
         row = [name]
         for kind in ("feed", "feed+train"):
-            ts = t[f"{name} | {kind}"]
+            ts = t[f"{name}, {kind}"]
             row += [
                 f"{1e3 * med(ts) / (loader_batches - 1):.2f}",
                 f"{n_rows * ROW / med(ts) / 1e9:.2f}",
-                f"{ratio(t, f'{base} | {kind}', f'{name} | {kind}'):.2f}",
+                f"{ratio(t, f'{base}, {kind}', f'{name}, {kind}'):.2f}",
             ]
         cells.append(row)
     print(
@@ -679,8 +679,8 @@ def case_loader(out: str, files: list[str], loader_batches: int, rounds: int, fu
             f"(d) 2 workers, {kind}, vs in-process",
             SINGLE_STATE,
             t,
-            f"{ring} | {kind}",
-            f"{base} | {kind}",
+            f"{ring}, {kind}",
+            f"{base}, {kind}",
             1.0,
             cpu=False,
         )
@@ -753,8 +753,8 @@ def main() -> None:
         "--busy",
         choices=("both", "off", "on"),
         default="both",
-        help="measure cases (a)-(c) quiet and with a spinning process on the other core "
-        "(both, the default), quiet only (off), or busy only (on)",
+        help="measure cases (a)-(c) without and with a spinning process on the other core "
+        "(both, the default), without only (off), or with it only (on)",
     )
     p.add_argument("--pin", action="store_true", help="pin the spinning process to the last core")
     p.add_argument("--only", default="abcde", help="the cases to run, e.g. 'ab'")
@@ -802,9 +802,11 @@ def main() -> None:
         sp = spinner if args.busy == "both" else None
         print(
             "other core: "
-            + {"both": "quiet and busy rounds, paired", "off": "quiet", "on": "busy throughout"}[
-                args.busy
-            ]
+            + {
+                "both": "rounds without and with a spinner, paired",
+                "off": "no spinner",
+                "on": "a spinner throughout",
+            }[args.busy]
             + (" (spinner pinned)" if args.pin else "")
         )
         if "a" in args.only:
@@ -815,7 +817,7 @@ def main() -> None:
         if "c" in args.only:
             case_sequential(out, raw_path, files, rows, cold_rounds, n_seq, sp)
         if sp is not None:
-            sp.set(False)  # (d) in quiet rounds (its two workers use both cores)
+            sp.set(False)  # (d) without the spinner (its two workers use both cores)
         if "d" in args.only:
             case_loader(out, files, loader_batches, d_rounds, not args.quick)
         if "e" in args.only and not args.quick:
