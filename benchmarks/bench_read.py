@@ -1,32 +1,46 @@
-"""Reading a capture for training: shuffled and sequential batches, warm and cold, DataLoader.
+"""Reading a capture for training, against the strongest hand-written reader of each case.
 
-Run:  python benchmarks/bench_read.py [--quick] [--dir DIR]
+Run:  python benchmarks/bench_read.py [--quick] [--busy {both,off,on}] [--pin] [--only abcde]
+                                     [--dir DIR]
 
-One run writes a capture larger than the native buffer pool (float32 rows of 768 values, the
-GPT-2-small residual width) and the same rows as one raw file, then prints tables of paired
-rounds (each round times every method on the same batch indices, in a shuffled order; medians
-of the per-round ratios):
+One run writes a capture (float32 rows of 768 values, the GPT-2-small residual width; 128 MB
+shards) and the same rows as one raw file, then times paired rounds: each round times every
+method on the same batch indices, in a shuffled order, after overwriting 96 MB so that no
+method reads rows the previous one left in the CPU caches; ratios are medians of per-round
+ratios. Every number is printed with the load average it was measured under, and next to the
+wall time this process's CPU time (user + system, all its threads) of the timed part: steadier
+than wall time on a shared machine, but blind to waiting for the disk and to DataLoader workers
+(not shown for (d)).
 
-(a) shuffled batches of 4096 rows, page cache warm: ``numpy.memmap`` fancy indexing of the raw
-    file (the baseline), ``LayerData[idx]`` as the reader does it today, the native
-    ``gather_rows`` and ``CaptureDataset.batch`` (target: >= 1.0x the baseline);
-(b) the same after dropping the files from the page cache (``posix_fadvise(DONTNEED)``, maps
-    closed) before every round: the first batch read from disk;
-(c) sequential batches against ``readinto`` of the raw file, warm and cold (target: >= 0.9x);
-    (before every timed call, 96 MB are overwritten so that no method reads rows the previous
-    one left in the CPU caches);
-(d) a ``DataLoader(ds, batch_size=None, num_workers=k)`` over shuffled batches, warm: 2
-    workers sending batches through their reused shared-memory slots (the default), 2 workers
-    through torch's fresh shared memory (``worker_slots=0``, the path before the slots), and 0
-    workers (the dataset iterated in the main process); time from the first batch to the
-    last (worker start-up excluded; the first batch's time is printed). Two consumers side by side, paired in the same rounds:
-    one that does nothing with the batch (the feed rate), and one that runs a training step
-    on every batch (a 768 -> 64 -> 768 ReLU autoencoder, forward, backward and Adam, on as
-    many of the batch's rows as make a step about as long as loading a batch in-process):
-    in-process loads then trains, workers load while the main process trains;
-(e) shuffle quality and speed of the modes: global permutation, chunk windows, sequential.
+**The other core busy.** A reader for training shares the machine with the trainer. With
+``--busy both`` (the default) a spinning process runs for the whole run and is paused
+(``SIGSTOP``) or resumed (``SIGCONT``) before every round, in a shuffled order: every case is
+measured "no spinner" and "spinner on a core" in paired rounds of one run. ``--pin`` pins the spinner
+to the last core (else the scheduler places it).
 
-Rows/s and GB/s are for the rows delivered (4096 x 768 x 4 bytes = 12.6 MB a batch).
+Cases (pyhook = ``CaptureDataset.batch`` / its iterator; the hand-written readers use the raw
+file, the best of them is named in the table):
+
+(a) shuffled batches of 4096 rows, page cache warm. Hand-written: numpy memmap fancy index;
+    ``np.take`` into a preallocated buffer, in batch order and with the rows sorted first (a
+    batch is a uniform sample: a trainer may take its rows in file order); ``torch.index_select``
+    into a preallocated buffer (torch's intra-op threads). Limit: ``copy_`` of the same number of
+    *consecutive* bytes into a preallocated buffer (memory bandwidth). Targets: pyhook >= 1.0x
+    the best hand-written reader and >= 80% of the ``copy_`` bandwidth.
+(b) the same batch as the first read after the files left the page cache (``posix_fadvise
+    (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
+    Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
+    ``np.take`` into a preallocated buffer; sorted ``os.preadv`` of each row from 8 threads.
+    Target: >= 1.0x the WILLNEED reader (and the best is named).
+(c) sequential batches against one ``readinto`` a batch of the raw file: warm, and cold (the
+    first 16/32 batches after the files left the page cache). Target cold: >= 0.9x readinto.
+(d) ``DataLoader(ds, batch_size=None, num_workers=2)`` (reused shared-memory slots) against the
+    dataset iterated in the main process, warm, feeding nothing and feeding a training step (a
+    768 -> 64 -> 768 autoencoder, forward, backward, Adam, on as many rows as make a step about
+    as long as loading a batch in-process). Quiet rounds only.
+(e) (full runs only) shuffle modes: quality and speed.
+
+At the end: one table of every target, measured in this run, with pass/miss.
 """
 
 from __future__ import annotations
@@ -34,14 +48,20 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
+import mmap
 import os
 import platform
 import random
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -50,11 +70,18 @@ from torch.utils.data import DataLoader
 import pyhook
 from pyhook import _backend
 from pyhook.dataset import CaptureDataset, shuffle_quality
-from pyhook.store import ShardWriter, open_capture
+from pyhook.store import ShardWriter
 
 D = 768
 BATCH = 4096
+ROW = D * 4
 med = statistics.median
+STATES = ("no spinner", "spinner on a core")
+SINGLE_STATE = STATES[0]  # the label of rounds run without pausing the spinner (--busy off/on)
+
+
+def load() -> float:
+    return os.getloadavg()[0]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -67,8 +94,8 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def drop_cache(paths: list[str]) -> None:
-    """Evict the files from the page cache (pages still mapped by this process stay: callers
-    close their maps first)."""
+    """Evict the files from the page cache (pages still mapped by a process stay: callers close
+    their maps first)."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -97,51 +124,142 @@ def evict_cpu_caches() -> None:
     _EVICT += 1
 
 
+class Spinner:
+    """A process spinning on one core, paused (SIGSTOP) or running (SIGCONT) on demand."""
+
+    def __init__(self, pin: bool) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        if pin:
+            os.sched_setaffinity(self.proc.pid, {max(os.sched_getaffinity(0))})
+        self.busy = True
+        self.set(False)
+
+    def set(self, busy: bool) -> None:
+        if busy != self.busy:
+            os.kill(self.proc.pid, signal.SIGCONT if busy else signal.SIGSTOP)
+            self.busy = busy
+            time.sleep(0.02)  # let the scheduler see it
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def clock() -> tuple[float, float]:
+    """(wall, process CPU) seconds now."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall, process CPU) seconds since ``t0 = clock()``: what a method returns when its setup
+    (dropping the page cache, opening the capture) must not count."""
+    return time.perf_counter() - t0[0], time.process_time() - t0[1]
+
+
 def paired(
-    fns: dict[str, Callable[[int], object]], rounds: int, seed: int = 0
-) -> dict[str, list[float]]:
-    """Seconds per method and round; every method sees round r (same indices), in a shuffled
-    order, after the CPU caches were flushed of the previous method's rows. A method may return
-    its own measured time as a float (when setup must not count)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    fns: dict[str, Callable[[int], object]],
+    rounds: int,
+    spinner: Spinner | None,
+    seed: int = 0,
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds per state, method and round. Round r of every method uses the same indices, in
+    a shuffled order; with a spinner, every round is run once with it paused and once with it
+    spinning (in a shuffled order). A method may return its own measured time (when
+    its setup must not count)."""
+    states = STATES if spinner is not None else (SINGLE_STATE,)
+    times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in fns} for s in states}
+    loads: dict[str, list[float]] = {s: [] for s in states}
     order = list(fns)
     rng = random.Random(seed)
     for r in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            evict_cpu_caches()
-            t0 = time.perf_counter()
-            own = fns[name](r)
-            times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
+        st = list(states)
+        rng.shuffle(st)
+        for s in st:
+            if spinner is not None:
+                spinner.set(s != STATES[0])
+            rng.shuffle(order)
+            for name in order:
+                evict_cpu_caches()
+                t0 = clock()
+                own = fns[name](r)
+                wall, cpu = own if isinstance(own, tuple) else since(t0)
+                times[s][name].append(wall)
+                times[s].setdefault(f"cpu:{name}", []).append(cpu)
+            loads[s].append(load())
+    if spinner is not None:
+        spinner.set(False)
+    for s in states:
+        times[s]["__load__"] = loads[s]
     return times
 
 
-def report(times: dict[str, list[float]], base: str, rows: int, target: str = "") -> str:
+def ratio(times: dict[str, list[float]], base: str, name: str) -> float:
+    """Speed of ``name`` relative to ``base`` (> 1: faster), median of paired rounds."""
+    return med(b / t for b, t in zip(times[base], times[name]))
+
+
+def report(times: dict[str, list[float]], base: str, nbytes: int, rows: int) -> str:
     out = []
-    nbytes = rows * D * 4
     for name, ts in times.items():
-        ratio = med(b / t for b, t in zip(times[base], ts))
+        if name.startswith(("__", "cpu:")):
+            continue
         t = med(ts)
         out.append(
             [
                 name,
                 f"{1e3 * t:.2f}",
+                f"{1e3 * med(times[f'cpu:{name}']):.2f}",
                 f"{rows / t / 1e6:.2f}",
                 f"{nbytes / t / 1e9:.2f}",
-                f"{ratio:.2f}",
+                f"{ratio(times, base, name):.2f}",
+                f"{ratio(times, f'cpu:{base}', f'cpu:{name}'):.2f}",
             ]
         )
-    return table(out, ["method", "ms", "M rows/s", "GB/s", f"speed vs {base} (paired)"]) + target
+    return table(
+        out,
+        ["method", "ms", "CPU ms", "M rows/s", "GB/s", f"speed vs {base}", "CPU time ratio"],
+    )
+
+
+SUMMARY: list[list[str]] = []
+
+
+def verdict(
+    case: str,
+    state: str,
+    times: dict[str, list[float]],
+    ours: str,
+    base: str,
+    target: float,
+    cpu: bool = True,
+) -> None:
+    """A summary row; ``cpu=False`` where this process's CPU time is not the reader's (workers)."""
+    r = ratio(times, base, ours)
+    SUMMARY.append(
+        [
+            case,
+            state,
+            f"{med(times['__load__']):.1f}",
+            base,
+            f"{1e3 * med(times[ours]):.2f}",
+            f"{1e3 * med(times[base]):.2f}",
+            f"{r:.2f}x",
+            f"{ratio(times, f'cpu:{base}', f'cpu:{ours}'):.2f}x" if cpu else "-",
+            f">= {target:.2f}x",
+            "pass" if r >= target else "MISS",
+        ]
+    )
+
+
+def best_of(times: dict[str, list[float]], names: list[str]) -> str:
+    return min(names, key=lambda n: med(times[n]))
 
 
 def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, float]:
     """A training step on a batch: a 768 -> 64 -> 768 ReLU autoencoder on the batch's first
-    ``n`` rows, MSE loss, backward, Adam, on one intra-op thread. On this CPU a step on a whole
-    4096-row batch takes 10x-20x the load (even 768 -> 8 -> 768: the elementwise passes over
-    12.6 MB), so ``n`` is the number of rows whose step time is the closest to loading one batch
-    in-process. One thread: on the shared 2-core VM, two OpenMP threads made a 64-row step take
-    ~220 ms instead of ~1 ms (each parallel region waits for a thread that has no core).
-    Returns (step, n, step seconds, load seconds)."""
+    ``n`` rows, MSE loss, backward, Adam, on one intra-op thread; ``n`` is the number of rows
+    whose step time is the closest to loading one batch in-process (a step on all 4096 rows
+    takes 10x-20x the load on this CPU). Returns (step, n, step seconds, load seconds)."""
     d = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     plan = list(d._plan())[:12]
     loads = []
@@ -157,7 +275,7 @@ def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, floa
     def make(n: int) -> Callable[[torch.Tensor], None]:
         def step(rows: torch.Tensor) -> None:
             threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # see the docstring; the gather keeps its threads
+            torch.set_num_threads(1)  # two OpenMP threads on a shared 2-core VM wait for a core
             try:
                 rows = rows[:n]
                 loss = (dec(torch.relu(enc(rows))) - rows).pow(2).mean()
@@ -185,102 +303,480 @@ def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, floa
     return make(best[1]), best[1], best[2], t_load
 
 
-def warm_sections(
-    out: str, raw_path: str, files: list[str], rows: int, idxs: list[torch.Tensor], rounds: int
+# -- (a) warm shuffled ---------------------------------------------------------------------------
+def case_warm_shuffled(
+    out: str,
+    raw_path: str,
+    files: list[str],
+    rows: int,
+    idxs: list[torch.Tensor],
+    rounds: int,
+    spinner: Spinner | None,
 ) -> None:
-    # (a) shuffled, warm
     warm(files)
     mm = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
-    reader = open_capture(out)
-    layer = reader.layer("h")
-    ds = CaptureDataset(reader, "h", batch_size=BATCH, seed=0)
+    arr = np.asarray(mm)  # a plain ndarray over the same map (no memmap subclass wrapping)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory: only ever read here
+        mt = torch.from_numpy(arr)
+    ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     parts = ds._sources()["h"]
-    mm[:].sum(), layer[:].sum()  # map every page in this process once
-    for r in range(2):
-        assert np.array_equal(mm[idxs[r].numpy()], ds.batch(idxs[r])["h"].numpy())
-    t = paired(
-        {
-            "numpy memmap fancy index": lambda r: mm[idxs[r].numpy()],
-            "LayerData[idx] (reader today)": lambda r: layer[idxs[r]],
-            "gather_rows (native)": lambda r: _backend.gather_rows(parts, idxs[r]),
-            "CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
-        },
-        rounds,
-    )
-    print(
-        f"\n(a) shuffled batches of {BATCH} rows, page cache warm; medians of {rounds} paired rounds"
-    )
-    print(
-        report(
-            t,
-            "numpy memmap fancy index",
-            BATCH,
-            f"\ntarget: CaptureDataset >= 1.0x numpy: "
-            f"{med(a / b for a, b in zip(t['numpy memmap fancy index'], t['CaptureDataset.batch'])):.2f}x",
-        )
-    )
-
-    # (c) sequential, warm: readinto of the raw file vs sequential dataset batches
-    seq = CaptureDataset(reader, "h", batch_size=BATCH, shuffle=False)
     buf = np.empty((BATCH, D), dtype=np.float32)
+    tbuf = torch.from_numpy(buf)
+    float(mm.sum()), sum(float(p.sum()) for p in parts)  # map every page in this process once
+    np_idx = [i.numpy() for i in idxs]
+    offsets = [int(i[0]) % (rows - BATCH) for i in idxs]
+    for r in range(2):  # exactness, before timing
+        want = mm[np_idx[r]]
+        assert np.array_equal(want, ds.batch(idxs[r])["h"].numpy())
+        torch.index_select(mt, 0, idxs[r], out=tbuf)
+        assert np.array_equal(want, buf)
+        np.take(arr, np_idx[r], axis=0, out=buf, mode="clip")
+        assert np.array_equal(want, buf)
+        np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip")
+        assert np.array_equal(mm[np.sort(np_idx[r])], buf)
+
+    def one_thread(fn: Callable[[int], object]) -> Callable[[int], object]:
+        def run(r: int) -> object:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return fn(r)
+            finally:
+                torch.set_num_threads(threads)
+
+        return run
+
+    # np.take's mode="clip" (the indices are valid): with the default "raise", `out` is buffered.
+    hand = [
+        "numpy memmap fancy index",
+        "np.take into preallocated",
+        "sorted np.take into preallocated",
+        "torch.index_select into preallocated",
+        "torch.index_select into preallocated, 1 thread",
+    ]
+    limits = [
+        "copy_ of consecutive rows (bandwidth limit)",
+        "copy_ of consecutive rows, 1 thread",
+    ]
+    copy = lambda r: tbuf.copy_(mt[offsets[r] : offsets[r] + BATCH])  # noqa: E731
+    fns: dict[str, Callable[[int], object]] = {
+        hand[0]: lambda r: mm[np_idx[r]],
+        hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
+        hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
+        hand[3]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
+        hand[4]: one_thread(lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf)),
+        limits[0]: copy,
+        limits[1]: one_thread(copy),
+        "pyhook gather_rows (native, alone)": lambda r: _backend.gather_rows(parts, idxs[r]),
+        "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
+    }
+    t = paired(fns, rounds, spinner)
+    for state, ts in t.items():
+        best = best_of(ts, hand)
+        print(
+            f"\n(a) shuffled batches of {BATCH} rows, page cache warm, {state} (load "
+            f"{med(ts['__load__']):.1f}); medians of {rounds} paired rounds; best hand-written: {best}"
+        )
+        print(report(ts, best, BATCH * ROW, BATCH))
+        verdict(
+            "(a) warm shuffled vs best hand-written",
+            state,
+            ts,
+            "pyhook CaptureDataset.batch",
+            best,
+            1.0,
+        )
+        verdict(
+            "(a) warm shuffled vs copy_ bandwidth",
+            state,
+            ts,
+            "pyhook CaptureDataset.batch",
+            best_of(ts, limits),
+            0.8,
+        )
+
+
+# -- (b) cold shuffled ---------------------------------------------------------------------------
+def case_cold_shuffled(
+    out: str,
+    raw_path: str,
+    files: list[str],
+    rows: int,
+    idxs: list[torch.Tensor],
+    rounds: int,
+    spinner: Spinner | None,
+) -> None:
+    buf = np.empty((BATCH, D), dtype=np.float32)
+    page = mmap.PAGESIZE
+    pool = ThreadPoolExecutor(8)
+
+    def timed_raw(read: Callable[[int, object], None]) -> Callable[[int], tuple[float, float]]:
+        def run(r: int) -> tuple[float, float]:
+            gc.collect()
+            drop_cache(files)
+            with open(raw_path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                t0 = clock()
+                read(r, (f, m))
+                dt = since(t0)
+                m.close()
+            return dt
+
+        return run
+
+    def numpy_fancy(r: int, fm: object) -> None:
+        _, m = fm  # type: ignore[misc]
+        a = np.frombuffer(m, dtype=np.float32).reshape(rows, D)
+        a[idxs[r].numpy()]
+        del a
+
+    def willneed(r: int, fm: object) -> None:
+        _, m = fm  # type: ignore[misc]
+        s = np.sort(idxs[r].numpy())
+        for row in s.tolist():
+            lo = row * ROW // page * page
+            m.madvise(mmap.MADV_WILLNEED, lo, (row + 1) * ROW - lo)
+        a = np.frombuffer(m, dtype=np.float32).reshape(rows, D)
+        np.take(a, s, axis=0, out=buf)
+        del a
+
+    def preadv(r: int, fm: object) -> None:
+        f, _ = fm  # type: ignore[misc]
+        s = np.sort(idxs[r].numpy()).tolist()
+        views = memoryview(buf).cast("B")
+        fd = f.fileno()
+        list(
+            pool.map(
+                lambda k: os.preadv(fd, [views[k * ROW : (k + 1) * ROW]], s[k] * ROW), range(len(s))
+            )
+        )
+
+    def pyhook_cold(r: int) -> tuple[float, float]:
+        gc.collect()
+        drop_cache(files)
+        d = CaptureDataset(out, "h", batch_size=BATCH)
+        d._sources()
+        t0 = clock()
+        d.batch(idxs[r])
+        dt = since(t0)
+        del d
+        gc.collect()
+        return dt
+
+    hand = [
+        "numpy memmap fancy index",
+        "sorted + madvise(WILLNEED) + np.take into preallocated",
+        "sorted os.preadv, 8 threads",
+    ]
+    fns = {
+        hand[0]: timed_raw(numpy_fancy),
+        hand[1]: timed_raw(willneed),
+        hand[2]: timed_raw(preadv),
+        "pyhook CaptureDataset.batch": pyhook_cold,
+    }
+    t = paired(fns, rounds, spinner)
+    pool.shutdown()
+    for state, ts in t.items():
+        best = best_of(ts, hand)
+        print(
+            f"\n(b) shuffled batches of {BATCH} rows, first read after the files left the page "
+            f"cache, {state} (load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds; "
+            f"best hand-written: {best}"
+        )
+        print(report(ts, hand[1], BATCH * ROW, BATCH))
+        verdict(
+            "(b) cold shuffled vs WILLNEED reader",
+            state,
+            ts,
+            "pyhook CaptureDataset.batch",
+            hand[1],
+            1.0,
+        )
+        if best != hand[1]:
+            verdict(
+                "(b) cold shuffled vs best hand-written",
+                state,
+                ts,
+                "pyhook CaptureDataset.batch",
+                best,
+                1.0,
+            )
+
+
+# -- (c) sequential -------------------------------------------------------------------------------
+def case_sequential(
+    out: str,
+    raw_path: str,
+    files: list[str],
+    rows: int,
+    rounds: int,
+    n_seq: int,
+    spinner: Spinner | None,
+) -> None:
+    buf = np.empty((BATCH, D), dtype=np.float32)
+    view = memoryview(buf).cast("B")
     nb = rows // BATCH
+
+    # warm
+    warm(files)
+    seq = CaptureDataset(out, "h", batch_size=BATCH, shuffle=False)
+    seq._sources()
 
     def raw_seq(r: int) -> None:
         with open(raw_path, "rb", buffering=0) as f:
-            f.seek((r % nb) * BATCH * D * 4)
-            f.readinto(memoryview(buf).cast("B"))
+            f.seek((r % nb) * BATCH * ROW)
+            f.readinto(view)
 
     t = paired(
         {
             "raw file readinto": raw_seq,
-            "CaptureDataset (shuffle=False)": lambda r: seq.batch(
+            "pyhook CaptureDataset (shuffle=False)": lambda r: seq.batch(
                 torch.arange((r % nb) * BATCH, (r % nb + 1) * BATCH)
             ),
         },
         rounds * 2,
+        spinner,
     )
-    print(
-        f"\n(c1) sequential batches of {BATCH} rows, page cache warm; medians of {rounds * 2} paired rounds"
-    )
-    print(
-        report(
-            t,
+    for state, ts in t.items():
+        print(
+            f"\n(c1) sequential batches of {BATCH} rows, page cache warm, {state} (load "
+            f"{med(ts['__load__']):.1f}); medians of {rounds * 2} paired rounds"
+        )
+        print(report(ts, "raw file readinto", BATCH * ROW, BATCH))
+        verdict(
+            "(c1) warm sequential vs readinto",
+            state,
+            ts,
+            "pyhook CaptureDataset (shuffle=False)",
             "raw file readinto",
-            BATCH,
-            f"\ntarget: >= 0.9x raw: {med(a / b for a, b in zip(t['raw file readinto'], t['CaptureDataset (shuffle=False)'])):.2f}x",
+            0.9,
+        )
+
+    seq = None  # unmap: mapped pages cannot leave the page cache
+    gc.collect()
+
+    # cold: the first n_seq batches after a drop
+    def cold_raw_seq(r: int) -> tuple[float, float]:
+        drop_cache(files)
+        t0 = clock()
+        with open(raw_path, "rb", buffering=0) as f:
+            for _ in range(n_seq):
+                f.readinto(view)
+        return since(t0)
+
+    def cold_ds_seq(r: int) -> tuple[float, float]:
+        gc.collect()
+        drop_cache(files)
+        d = CaptureDataset(out, "h", batch_size=BATCH, shuffle=False)
+        it = iter(d)
+        d._sources()
+        t0 = clock()
+        for _ in range(n_seq):
+            next(it)
+        dt = since(t0)
+        del it, d
+        gc.collect()
+        return dt
+
+    t = paired(
+        {"raw file readinto": cold_raw_seq, "pyhook CaptureDataset (shuffle=False)": cold_ds_seq},
+        rounds,
+        spinner,
+    )
+    for state, ts in t.items():
+        print(
+            f"\n(c2) the first {n_seq} sequential batches of {BATCH} rows after the files left "
+            f"the page cache, {state} (load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds"
+        )
+        print(report(ts, "raw file readinto", BATCH * ROW * n_seq, BATCH * n_seq))
+        verdict(
+            "(c2) cold sequential vs readinto",
+            state,
+            ts,
+            "pyhook CaptureDataset (shuffle=False)",
+            "raw file readinto",
+            0.9,
+        )
+
+
+# -- (d) DataLoader ------------------------------------------------------------------------------
+def case_loader(out: str, files: list[str], loader_batches: int, rounds: int, full: bool) -> None:
+    warm(files)
+    step, width, t_step, t_load = sae_step(out)
+    startups: dict[tuple[int, int], list[float]] = {}
+
+    def loader(workers: int, slots: int, train: bool) -> Callable[[int], tuple[float, float]]:
+        def run(r: int) -> tuple[float, float]:
+            d = CaptureDataset(out, "h", batch_size=BATCH, seed=r, worker_slots=slots)
+            t_start = time.perf_counter()
+            it = iter(DataLoader(d, batch_size=None, num_workers=workers))
+            next(it)  # worker start-up excluded
+            t0 = clock()
+            startups.setdefault((workers, slots), []).append(t0[0] - t_start)
+            for _ in range(loader_batches - 1):
+                batch = next(it)
+                if train:
+                    step(batch["h"])
+                del batch
+            steady = since(t0)
+            del it
+            return steady
+
+        return run
+
+    methods = {
+        "in-process (num_workers=0)": (0, 8),
+        "DataLoader num_workers=2 (reused slots)": (2, 8),
+    }
+    if full:
+        methods["DataLoader num_workers=2, worker_slots=0 (fresh shared memory)"] = (2, 0)
+    fns = {}
+    for name, (workers, slots) in methods.items():
+        fns[f"{name}, feed"] = loader(workers, slots, False)
+        fns[f"{name}, feed+train"] = loader(workers, slots, True)
+    t = paired(fns, rounds, None)[SINGLE_STATE]
+    n_rows = BATCH * (loader_batches - 1)
+    base = "in-process (num_workers=0)"
+    cells = []
+    for name in methods:
+        row = [name]
+        for kind in ("feed", "feed+train"):
+            ts = t[f"{name}, {kind}"]
+            row += [
+                f"{1e3 * med(ts) / (loader_batches - 1):.2f}",
+                f"{n_rows * ROW / med(ts) / 1e9:.2f}",
+                f"{ratio(t, f'{base}, {kind}', f'{name}, {kind}'):.2f}",
+            ]
+        cells.append(row)
+    print(
+        f"\n(d) DataLoader over {loader_batches} shuffled batches of {BATCH} rows (warm), time "
+        f"after the first batch, load {med(t['__load__']):.1f}; medians of {rounds} paired rounds. "
+        f"Training step: autoencoder 768 -> 64 -> 768 on {width} rows of each batch, "
+        f"{1e3 * t_step:.1f} ms a step alone (in-process load {1e3 * t_load:.1f} ms a batch); "
+        "first batch, start-up included: "
+        + ", ".join(
+            f"{k} workers (slots {s}) {1e3 * med(v):.0f} ms" for (k, s), v in startups.items()
+        )
+    )
+    print(
+        table(
+            cells,
+            [
+                "method",
+                "feed: ms/batch",
+                "GB/s",
+                "vs in-process",
+                "feed+train: ms/batch",
+                "GB/s",
+                "vs in-process",
+            ],
+        )
+    )
+    ring = "DataLoader num_workers=2 (reused slots)"
+    for kind in ("feed", "feed+train"):
+        verdict(
+            f"(d) 2 workers, {kind}, vs in-process",
+            SINGLE_STATE,
+            t,
+            f"{ring}, {kind}",
+            f"{base}, {kind}",
+            1.0,
+            cpu=False,
+        )
+
+
+# -- (e) shuffle modes ---------------------------------------------------------------------------
+def case_modes(out: str, files: list[str], rows: int, rounds: int, cold_rounds: int) -> None:
+    modes = {
+        "global permutation": {"shuffle": True},
+        "chunks 2048 x 64 (default)": {"shuffle": "chunks"},
+        "chunks 2048 x 8": {"shuffle": "chunks", "buffer_chunks": 8},
+        "sequential": {"shuffle": False},
+    }
+    rows_out = []
+    for name, kw in modes.items():
+        d = CaptureDataset(out, "h", batch_size=BATCH, seed=0, with_index=True, **kw)
+        plan = list(d._plan())
+        q = shuffle_quality(plan[:64], rows, group_rows=128)
+        warm(files)
+        d._sources()
+        ts = []
+        for r in range(min(rounds, len(plan))):
+            t0 = time.perf_counter()
+            d.batch(plan[r])
+            ts.append(time.perf_counter() - t0)
+        del d
+        gc.collect()
+        cts = []
+        for r in range(cold_rounds):
+            gc.collect()
+            drop_cache(files)
+            d = CaptureDataset(out, "h", batch_size=BATCH, seed=0, **kw)
+            d._sources()
+            t0 = time.perf_counter()
+            d.batch(plan[r])
+            cts.append(time.perf_counter() - t0)
+            del d
+            gc.collect()
+        rows_out.append(
+            [
+                name,
+                f"{q['neighbour_corr']:.3f}",
+                f"{q['distinct_groups']:.2f}",
+                f"{BATCH / med(ts) / 1e6:.2f}",
+                f"{BATCH / med(cts) / 1e6:.3f}",
+            ]
+        )
+    print(
+        f"\n(e) shuffle modes, batches of {BATCH} rows, load {load():.1f}: quality (first 64 "
+        "batches; groups = 128 consecutive rows) and speed (medians)"
+    )
+    print(
+        table(
+            rows_out,
+            [
+                "mode",
+                "neighbour corr",
+                "distinct groups vs uniform",
+                "M rows/s warm",
+                "M rows/s cold",
+            ],
         )
     )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller capture, fewer rounds (~2 min)")
     p.add_argument(
-        "--quick", action="store_true", help="smaller capture and fewer rounds (< 2 min)"
+        "--busy",
+        choices=("both", "off", "on"),
+        default="both",
+        help="measure cases (a)-(c) without and with a spinning process on the other core "
+        "(both, the default), without only (off), or with it only (on)",
     )
+    p.add_argument("--pin", action="store_true", help="pin the spinning process to the last core")
+    p.add_argument("--only", default="abcde", help="the cases to run, e.g. 'ab'")
     p.add_argument("--dir", default=None, help="where to write the capture (default: a temp dir)")
     args = p.parse_args()
     if not _backend.native_available():
         raise SystemExit(f"the native core is not built: {_backend.native_load_error()}")
 
     if args.quick:
-        # A smaller pool keeps "capture larger than the pool" true at a quick size.
-        pool = 128 << 20
-        _backend.set_pool_limit(pool)
-        rows, rounds, cold_rounds, loader_batches = 80_000, 15, 3, 18
+        rows, rounds, cold_rounds, loader_batches, d_rounds, n_seq = 120_000, 9, 3, 16, 3, 16
     else:
-        pool = _backend.pool_stats()["limit_bytes"]
-        rows, rounds, cold_rounds, loader_batches = 460_000, 15, 5, 64
-    nbytes = rows * D * 4
+        rows, rounds, cold_rounds, loader_batches, d_rounds, n_seq = 500_000, 21, 7, 64, 5, 32
+    nbytes = rows * ROW
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"pyhook {pyhook.__version__}, intra-op threads {torch.get_num_threads()}, "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"load average at start {load():.1f}"
     )
-    print(
-        f"capture: {rows} rows x {D} float32 = {nbytes / 1e9:.2f} GB (pool limit {pool / 1e9:.2f} GB)"
-    )
+    print(f"capture: {rows} rows x {D} float32 = {nbytes / 1e9:.2f} GB, shards of 128 MB")
 
     root = tempfile.mkdtemp(prefix="pyhook-bench-read-", dir=args.dir)
+    spinner = None
     try:
         out = os.path.join(root, "cap")
         raw_path = os.path.join(root, "raw.f32")
@@ -297,231 +793,58 @@ def main() -> None:
         idxs = [
             torch.randperm(rows, generator=rng)[:BATCH] for _ in range(max(rounds, cold_rounds))
         ]
-
-        warm_sections(out, raw_path, files, rows, idxs, rounds)
-        gc.collect()
-
-        # (b) shuffled, cold: first batch after dropping the files from the page cache
-        def cold_numpy(r: int) -> float:
-            gc.collect()
-            drop_cache(files)
-            m = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
-            t0 = time.perf_counter()
-            m[idxs[r].numpy()]
-            dt = time.perf_counter() - t0
-            del m
-            return dt
-
-        def cold_dataset(r: int, **kw) -> float:
-            gc.collect()
-            drop_cache(files)
-            d = CaptureDataset(out, "h", batch_size=BATCH, **kw)
-            d._sources()
-            t0 = time.perf_counter()
-            d.batch(idxs[r])
-            dt = time.perf_counter() - t0
-            del d
-            gc.collect()
-            return dt
-
-        t = paired(
-            {"numpy memmap fancy index": cold_numpy, "CaptureDataset.batch": cold_dataset},
-            cold_rounds,
-        )
+        if args.busy != "off":
+            spinner = Spinner(args.pin)
+            if args.busy == "on":
+                spinner.set(True)
+                global SINGLE_STATE
+                SINGLE_STATE = STATES[1]
+        sp = spinner if args.busy == "both" else None
         print(
-            f"\n(b) shuffled batches of {BATCH} rows, files dropped from the page cache before each; medians of {cold_rounds} paired rounds"
+            "other core: "
+            + {
+                "both": "rounds without and with a spinner, paired",
+                "off": "no spinner",
+                "on": "a spinner throughout",
+            }[args.busy]
+            + (" (spinner pinned)" if args.pin else "")
         )
+        if "a" in args.only:
+            case_warm_shuffled(out, raw_path, files, rows, idxs, rounds, sp)
+            gc.collect()  # unmap: mapped pages cannot leave the page cache
+        if "b" in args.only:
+            case_cold_shuffled(out, raw_path, files, rows, idxs, cold_rounds, sp)
+        if "c" in args.only:
+            case_sequential(out, raw_path, files, rows, cold_rounds, n_seq, sp)
+        if sp is not None:
+            sp.set(False)  # (d) without the spinner (its two workers use both cores)
+        if "d" in args.only:
+            case_loader(out, files, loader_batches, d_rounds, not args.quick)
+        if "e" in args.only and not args.quick:
+            case_modes(out, files, rows, rounds, cold_rounds)
         print(
-            report(
-                t,
-                "numpy memmap fancy index",
-                BATCH,
-                f"\ntarget: >= 1.0x numpy: {med(a / b for a, b in zip(t['numpy memmap fancy index'], t['CaptureDataset.batch'])):.2f}x",
-            )
-        )
-
-        # (c2) sequential, cold: the first n batches after a drop
-        nb = rows // BATCH
-        n_seq = min(nb, 16 if args.quick else 32)
-        buf = np.empty((BATCH, D), dtype=np.float32)
-
-        def cold_raw_seq(r: int) -> float:
-            drop_cache(files)
-            t0 = time.perf_counter()
-            with open(raw_path, "rb", buffering=0) as f:
-                for _ in range(n_seq):
-                    f.readinto(memoryview(buf).cast("B"))
-            return time.perf_counter() - t0
-
-        def cold_ds_seq(r: int) -> float:
-            gc.collect()
-            drop_cache(files)
-            d = CaptureDataset(out, "h", batch_size=BATCH, shuffle=False)
-            it = iter(d)
-            t0 = time.perf_counter()
-            for _ in range(n_seq):
-                next(it)
-            dt = time.perf_counter() - t0
-            del it, d
-            gc.collect()
-            return dt
-
-        t = paired(
-            {"raw file readinto": cold_raw_seq, "CaptureDataset (shuffle=False)": cold_ds_seq},
-            cold_rounds,
-        )
-        print(
-            f"\n(c2) {n_seq} sequential batches of {BATCH} rows from a dropped page cache; medians of {cold_rounds} paired rounds"
-        )
-        print(
-            report(
-                t,
-                "raw file readinto",
-                BATCH * n_seq,
-                f"\ntarget: >= 0.9x raw: {med(a / b for a, b in zip(t['raw file readinto'], t['CaptureDataset (shuffle=False)'])):.2f}x",
-            )
-        )
-
-        # (d) DataLoader, warm
-        warm(files)
-        step, width, t_step, t_load = sae_step(out)
-
-        def loader(workers: int, slots: int, train: bool) -> Callable[[int], float]:
-            def run(r: int) -> float:
-                d = CaptureDataset(out, "h", batch_size=BATCH, seed=r, worker_slots=slots)
-                t_start = time.perf_counter()
-                it = iter(DataLoader(d, batch_size=None, num_workers=workers))
-                next(it)  # worker start-up excluded
-                t0 = time.perf_counter()
-                startups.setdefault((workers, slots), []).append(t0 - t_start)
-                for _ in range(loader_batches - 1):
-                    batch = next(it)
-                    if train:
-                        step(batch["h"])
-                    del batch
-                steady = time.perf_counter() - t0
-                del it
-                return steady
-
-            return run
-
-        startups: dict[tuple[int, int], list[float]] = {}
-        methods = {
-            "in-process (num_workers=0)": (0, 8),
-            "DataLoader num_workers=2 (reused slots)": (2, 8),
-            "DataLoader num_workers=2, worker_slots=0 (fresh shared memory)": (2, 0),
-        }
-        fns = {}
-        for name, (workers, slots) in methods.items():
-            fns[(name, False)] = loader(workers, slots, False)
-            fns[(name, True)] = loader(workers, slots, True)
-        d_rounds = max(3, rounds // 3)
-        t = paired(fns, d_rounds)  # type: ignore[arg-type]
-        n_rows = BATCH * (loader_batches - 1)
-        base = "in-process (num_workers=0)"
-        cells = []
-        for name in methods:
-            row = [name]
-            for train in (False, True):
-                ts = t[(name, train)]
-                tm = med(ts)
-                ratio = med(b / x for b, x in zip(t[(base, train)], ts))
-                row += [
-                    f"{1e3 * tm / (loader_batches - 1):.2f}",
-                    f"{n_rows / tm / 1e6:.2f}",
-                    f"{n_rows * D * 4 / tm / 1e9:.2f}",
-                    f"{ratio:.2f}",
-                ]
-            cells.append(row)
-        print(
-            f"\n(d) DataLoader over {loader_batches} shuffled batches of {BATCH} rows (warm), time "
-            f"after the first batch; medians of {d_rounds} paired rounds. Training step: "
-            f"autoencoder 768 -> 64 -> 768 on {width} rows of each batch, {1e3 * t_step:.1f} ms a step alone "
-            f"(in-process load {1e3 * t_load:.1f} ms a batch); first batch, start-up included: "
-            + ", ".join(
-                f"{k} workers (slots {s}) {1e3 * med(v):.0f} ms" for (k, s), v in startups.items()
-            )
+            f"\nSummary (pyhook vs the named reader, paired medians; load average at end {load():.1f})"
         )
         print(
             table(
-                cells,
+                SUMMARY,
                 [
-                    "method",
-                    "feed: ms/batch",
-                    "M rows/s",
-                    "GB/s",
-                    "vs in-process",
-                    "feed+train: ms/batch",
-                    "M rows/s",
-                    "GB/s",
-                    "vs in-process",
-                ],
-            )
-        )
-        ring = "DataLoader num_workers=2 (reused slots)"
-        print(
-            "target: 2 workers faster than one process: feed "
-            + f"{med(a / b for a, b in zip(t[(base, False)], t[(ring, False)])):.2f}x, "
-            + f"feeding a training step {med(a / b for a, b in zip(t[(base, True)], t[(ring, True)])):.2f}x"
-        )
-
-        # (e) shuffle modes: quality and speed (warm and cold)
-        modes = {
-            "global permutation": {"shuffle": True},
-            "chunks 2048 x 64 (default)": {"shuffle": "chunks"},
-            "chunks 2048 x 8": {"shuffle": "chunks", "buffer_chunks": 8},
-            "sequential": {"shuffle": False},
-        }
-        rows_out = []
-        for name, kw in modes.items():
-            d = CaptureDataset(out, "h", batch_size=BATCH, seed=0, with_index=True, **kw)
-            plan = list(d._plan())
-            q = shuffle_quality(plan[:64], rows, group_rows=128)
-            warm(files)
-            d._sources()
-            ts = []
-            for r in range(min(rounds, len(plan))):
-                t0 = time.perf_counter()
-                d.batch(plan[r])
-                ts.append(time.perf_counter() - t0)
-            del d
-            gc.collect()
-            cts = []
-            for r in range(cold_rounds):
-                gc.collect()
-                drop_cache(files)
-                d = CaptureDataset(out, "h", batch_size=BATCH, seed=0, **kw)
-                d._sources()
-                t0 = time.perf_counter()
-                d.batch(plan[r])
-                cts.append(time.perf_counter() - t0)
-                del d
-                gc.collect()
-            rows_out.append(
-                [
-                    name,
-                    f"{q['neighbour_corr']:.3f}",
-                    f"{q['distinct_groups']:.2f}",
-                    f"{BATCH / med(ts) / 1e6:.2f}",
-                    f"{BATCH / med(cts) / 1e6:.3f}",
-                ]
-            )
-        print(
-            f"\n(e) shuffle modes, batches of {BATCH} rows: quality (first 64 batches; groups = 128 consecutive rows) and speed (medians)"
-        )
-        print(
-            table(
-                rows_out,
-                [
-                    "mode",
-                    "neighbour corr",
-                    "distinct groups vs uniform",
-                    "M rows/s warm",
-                    "M rows/s cold",
+                    "case",
+                    "other core",
+                    "load",
+                    "against",
+                    "pyhook ms",
+                    "its ms",
+                    "speed",
+                    "CPU time ratio",
+                    "target (speed)",
+                    "",
                 ],
             )
         )
     finally:
+        if spinner is not None:
+            spinner.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

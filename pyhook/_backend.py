@@ -454,6 +454,40 @@ def _gather_native(parts: list[torch.Tensor], idx: torch.Tensor) -> bool:
     )
 
 
+def _direct_gather_ok(parts: Sequence[torch.Tensor]) -> bool:
+    """Whether ``parts`` (kept and reused by a caller, e.g. a dataset's memory maps) may skip
+    :func:`gather_rows`' per-call checks: plain strided CPU tensors of one dtype and row shape
+    that need no autograd. The caller still checks ``get_backend() == "native"`` per call."""
+    parts = list(parts)
+    return (
+        bool(parts)
+        and native_available()
+        and all(
+            isinstance(p, torch.Tensor)
+            and p.dim() >= 1
+            and p.dtype == parts[0].dtype
+            and p.shape[1:] == parts[0].shape[1:]
+            and _native_group(p) == "cpu"
+            and not p.requires_grad
+            for p in parts
+        )
+    )
+
+
+def _gather_direct(parts: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_rows` for parts that passed :func:`_direct_gather_ok` and a 1-D int64 CPU
+    ``idx`` (the kernel still checks every index and the parts' memory)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return torch.ops.pyhook.gather_rows.default(parts, idx)
+
+
+def _gather_direct_into(parts: list[torch.Tensor], idx: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`gather_rows_into` for parts that passed :func:`_direct_gather_ok` (the kernel
+    checks ``out``'s dtype, shape and contiguity)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
+
+
 def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Rows ``idx`` of ``torch.cat(parts)`` (without concatenating), as a fresh tensor.
 

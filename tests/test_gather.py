@@ -256,3 +256,73 @@ def test_reference_backend_forced_by_env():
     with _backend.use_backend("reference"):
         a = gather_rows(parts, [7, 1])
     assert torch.equal(a, gather_rows(parts, [7, 1]))
+
+
+def _resident(t: torch.Tensor) -> list[bool]:
+    """Whether each 4 KiB page under tensor ``t``'s memory is in the page cache (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    first = t.data_ptr() // page * page
+    length = t.data_ptr() + t.nbytes - first
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), vec) != 0:
+        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
+def test_a_sequential_batch_from_a_cold_file_reads_the_next_batch_ahead(native, tmp_path):
+    rows, n = 4096, 512  # 1.5 MiB rows of 768 bytes; batches of 384 KiB
+    data = torch.randn(rows, 192)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages: DONTNEED can drop them
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory, only read here
+        mapped = torch.frombuffer(mm, dtype=torch.float32).view(rows, 192)
+    parts = [mapped[:1000], mapped[1000:]]  # the next batch crosses into the second part
+    if any(_resident(mapped[n : 3 * n])):
+        pytest.skip("the file system keeps the file in memory (tmpfs?): no cold read to test")
+    # Rows 2n..3n are asked for ahead (the 8 sampled rows find them cold), across the parts.
+    # The kernel may drop advice under memory pressure (its read-ahead allocations do not wait
+    # for reclaim; seen once on a loaded machine), so the batch is read up to 3 times: each
+    # read advises again while the next rows are still cold. Without read-ahead, none would be.
+    for _ in range(3):
+        out = gather_rows(parts, torch.arange(n, 2 * n))
+        assert torch.equal(out, data[n : 2 * n])
+        if all(_resident(mapped[2 * n : 3 * n])):
+            break
+    assert all(_resident(mapped[2 * n : 3 * n]))
+    del out, parts, mapped
+    mm.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "row_shape"),
+    [
+        (torch.float32, (75,)),
+        (torch.float16, (129,)),
+        (torch.float32, (768,)),
+        (torch.int64, (8, 9)),
+    ],
+)
+def test_shuffled_rows_of_odd_sizes_across_pieces_are_exact(native, dtype, row_shape):
+    # Rows of 300, 258, 3072 and 576 bytes (prefetched a page at a time, ahead of the copy and
+    # past the end of each piece of work), a batch that is not a multiple of the piece size,
+    # repeats and rows of every part, on one thread and (above 1 MiB) on several.
+    parts = make_parts(dtype, sizes=(700, 3, 0, 1300), row_shape=row_shape, seed=3)
+    for n in (5, 4099):
+        idx = torch.randint(0, 2003, (n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
+        out = torch.empty((n, *row_shape), dtype=dtype)
+        assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))

@@ -12,7 +12,8 @@ Index:
 
 Batches are assembled inside the dataset (a plain ``DataLoader(ds, batch_size=None, ...)``
 consumes them) by :func:`pyhook._backend.gather_rows`, which copies the rows of a batch from the
-memory-mapped shards in ascending file order on all cores and returns memory the caller owns.
+memory-mapped shards (with a second thread only when a core is free; rows not in the page cache
+are read in ascending file order) and returns memory the caller owns.
 See docs/training.md for the shuffling trade-off and measured throughput.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import _backend
 from .._backend import gather_rows, gather_rows_into
 from . import _ring
 from . import reader as _reader
@@ -261,6 +263,7 @@ class CaptureDataset(IterableDataset):
         self._ring: tuple[int, _ring.WorkerRing | None] | None = None
         self._pid = os.getpid()
         self._cache: dict[str, list[torch.Tensor]] = {}
+        self._direct = False  # set by _sources: every part may go straight to the native kernel
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -274,6 +277,10 @@ class CaptureDataset(IterableDataset):
         if not self._cache:
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
             self._cache = {n: _parts(self._reader.layer(n)) for n in names}
+            # The parts are plain CPU memory maps: checked once here, so that each batch goes
+            # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
+            # batch for a dozen shards, per layer).
+            self._direct = all(_backend._direct_gather_ok(p) for p in self._cache.values())
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
             if check is not None:
@@ -360,6 +367,8 @@ class CaptureDataset(IterableDataset):
     # -- reading -------------------------------------------------------------------------------
     def _read(self, parts: list[torch.Tensor], idx: torch.Tensor, shared: bool) -> torch.Tensor:
         if not shared:
+            if self._direct and _backend.get_backend() == "native":
+                return _backend._gather_direct(parts, idx)
             return gather_rows(parts, idx)
         # In a worker: gather straight into new shared memory, which the DataLoader then sends
         # to the main process as is (a pooled buffer would be copied into shared memory again:
@@ -380,7 +389,12 @@ class CaptureDataset(IterableDataset):
         >>> CaptureDataset(out, "x").batch([2, 0])["x"].tolist()
         [[4.0, 5.0], [0.0, 1.0]]
         """
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        if type(idx) is not torch.Tensor or idx.dtype != torch.long or idx.dim() != 1:
+            idx = torch.as_tensor(idx, dtype=torch.long)
+            if idx.dim() != 1:
+                raise ValueError(
+                    f"idx must be 1-D global row numbers, got shape {tuple(idx.shape)}"
+                )
         shared = get_worker_info() is not None
         out = {_key(n): self._read(parts, idx, shared) for n, parts in self._sources().items()}
         if self.with_index:
@@ -416,8 +430,13 @@ class CaptureDataset(IterableDataset):
             return self.batch(idx)
         out = ring.batch(slot, idx.numel())
         # On an error the batch is never sent: its slot is free again once `out` is gone.
-        for name, parts in self._sources().items():
-            gather_rows_into(parts, idx, out[_key(name)])
+        sources = self._sources()
+        direct = self._direct and _backend.get_backend() == "native"
+        for name, parts in sources.items():
+            if direct:
+                _backend._gather_direct_into(parts, idx, out[_key(name)])
+            else:
+                gather_rows_into(parts, idx, out[_key(name)])
         if self.with_index:
             out["index"].copy_(idx)
         return out
