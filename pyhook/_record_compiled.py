@@ -19,17 +19,17 @@ from torch import nn
 
 from ._compiled import call_outside
 from ._hooks import HookSet, check_not_compiled
-from .points import module_path
 from ._record import (
     Reduction,
     batch_stats,
-    stats_later,
     check_mask_tensor,
     first_input,
     input_token_ids,
     layer_rows,
     positional_index,
+    stats_later,
 )
+from .points import module_path
 
 if TYPE_CHECKING:
     from .capture import Recorder

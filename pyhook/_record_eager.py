@@ -23,11 +23,11 @@ from ._record import (
     Reduction,
     batch_size,
     batch_stats,
-    stats_later,
     check_guard,
     check_mask_tensor,
     input_token_ids,
     layer_rows,
+    stats_later,
 )
 from .offload import PendingCopy
 
