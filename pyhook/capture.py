@@ -57,7 +57,7 @@ from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
 from ._version import __version__
 from .modules import LayerNotFoundError, glob_regex, resolve_module
-from .offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
+from .offload import Offloader, PendingCopy, check_byte_count, resident_bytes, trim_host_memory
 from .points import all_points, module_path, resolve_targets
 from .store import ShardWriter, dtype_name, parse_dtype
 
@@ -150,6 +150,8 @@ def resolve_layers(
 
 # Joined host results from this size on give the freed batch buffers back to the system.
 _TRIM_BYTES = 16 << 20
+# A disk capture that closes with the process this much above its size before is trimmed.
+_TRIM_SLACK = 32 << 20
 
 
 class _Note:
@@ -451,6 +453,7 @@ class Recorder:
         self._held = 0
         if self.to == "disk":
             assert self.out is not None
+            self._rss_before = resident_bytes()
             self._writer = ShardWriter(
                 self.out,
                 settings=self.settings,
@@ -491,7 +494,9 @@ class Recorder:
             self._saved_pool_limit = None
         if self._offloader_ is not None:
             self._offloader_.empty_pool()
-        trim_host_memory()
+        # The heap is trimmed only when the capture left the process bigger than it found it:
+        # a trim also unmaps the free pages the forward reuses, so the next forward would fault.
+        trim_host_memory(above=getattr(self, "_rss_before", 0) + _TRIM_SLACK)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
