@@ -299,7 +299,7 @@ def main() -> None:
         "| pooled MB | left after close MB | s/batch capture / forward |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for malloc in args.malloc.split(","):
+    for malloc in args.malloc.split(",") if disk else []:
         fixed = malloc == "fixed"
         runs: dict[str, list[dict]] = {c: [] for c in ["forward", *disk]}
         for _ in range(args.rounds):  # a forward-only process paired with every round

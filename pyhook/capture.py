@@ -343,6 +343,8 @@ class Recorder:
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self.max_host_bytes = max_host_bytes
         self._pool_share = share
+        # Rows held for the writer get the rest: with the pool's idle share, within the budget.
+        self._rows_budget = max_host_bytes - share
         self._saved_pool_limit: int | None = None
         self._held = 0  # bytes of rows handed to the writer and not yet written
         self._held_cv = threading.Condition()
@@ -730,14 +732,16 @@ class Recorder:
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Back-pressure on host memory: a batch goes to the writer once the rows it still
-        holds leave room for it within max_host_bytes (or it holds none)."""
+        holds leave room for it within max_host_bytes, less the pool's idle share (or it holds
+        none)."""
+        budget = self._rows_budget
         with self._held_cv:
-            if self._held == 0 or self._held + nbytes <= self.max_host_bytes:
+            if self._held == 0 or self._held + nbytes <= budget:
                 return
         assert self._writer is not None
         self._writer.flush()  # what it buffers becomes a shard, so that it can be released
         with self._held_cv:
-            while self._held > 0 and self._held + nbytes > self.max_host_bytes:
+            while self._held > 0 and self._held + nbytes > budget:
                 self._held_cv.wait(0.1)
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
