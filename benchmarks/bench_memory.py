@@ -294,11 +294,12 @@ def main() -> None:
                 f"| {med(x['s_per_batch'] for x in r):.3f} |"
             )
         print("(peak and left: the largest of the rounds)")
-    print(
-        "\n| config | malloc | captured MB | forward peak MB | capture peak MB | **extra MB** "
-        "| pooled MB | left after close MB | s/batch capture / forward |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if disk:
+        print(
+            "\n| config | malloc | captured MB | forward peak MB | capture peak MB | **extra MB** "
+            "| pooled MB | left after close MB | s/batch capture / forward |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
     for malloc in args.malloc.split(",") if disk else []:
         fixed = malloc == "fixed"
         runs: dict[str, list[dict]] = {c: [] for c in ["forward", *disk]}
