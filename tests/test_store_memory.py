@@ -139,3 +139,29 @@ def test_disk_capture_host_memory_stays_within_the_default_budget(tmp_path, opts
     got = _identity_capture(tmp_path, opts)
     assert got["peak"] <= 256 * MB, f"peak +{got['peak'] / MB:.0f} MB"
     assert got["left"] <= 64 * MB, f"left +{got['left'] / MB:.0f} MB after close"
+
+
+def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path, monkeypatch):
+    # malloc_trim also unmaps the free pages the model's forward reuses batch after batch, so
+    # the forward after a capture faulted them in again: a disk capture that leaves the process
+    # at its size before does not trim; an explicit trim_host_memory() still does.
+    from pyhook import offload
+    from pyhook.capture import capture
+
+    calls: list[int] = []
+
+    class Libc:
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(pad)
+            return 0
+
+    monkeypatch.setattr(offload, "_libc", Libc())
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with torch.no_grad(), capture(net, "0", out=tmp_path):
+        for _ in range(3):
+            net(torch.randn(4, 8))
+    assert calls == []
+    offload.trim_host_memory(above=offload.resident_bytes() + (1 << 30))
+    assert calls == []
+    offload.trim_host_memory()
+    assert calls == [0]
