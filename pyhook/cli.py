@@ -27,8 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
-from .runner import resolve_model_path as _resolve
+from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
+from .pipeline.runner import resolve_model_path as _resolve
 
 __all__ = ["BUILTIN_MODELS", "default_corpus", "load_model", "main"]
 
@@ -66,7 +66,7 @@ def load_model(
     The model class is the checkpoint's own (``config.architectures[0]``, e.g.
     ``GPT2LMHeadModel``, so layer names are those of the saved model), else ``AutoModel``.
     """
-    from .runner import load_model as _load
+    from .pipeline.runner import load_model as _load
 
     loaded = _load(spec, tokenizer=tokenizer, model_class=model_class, device=device, dtype=dtype)
     return loaded.model, loaded.tokenizer, loaded.path
@@ -284,7 +284,7 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
     row shape and dtype; a layer that never runs is an error (it would capture nothing)."""
     import torch
 
-    from .capture import capture
+    from .pipeline.capture import capture
 
     ids = batch.input_ids[:1, :16].to(device)
     with capture(model, layers, positions="last") as probe, torch.no_grad():
@@ -319,9 +319,9 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
 def cmd_capture(args: argparse.Namespace) -> int:
     import torch
 
-    from .capture import capture
-    from .runner import _Keep, load_tokenizer, load_weights, prepare_model, run
-    from .source import SourceError, open_source
+    from .pipeline.capture import capture
+    from .pipeline.runner import _Keep, load_tokenizer, load_weights, prepare_model, run
+    from .pipeline.source import SourceError, open_source
     from .store import dtype_name, parse_dtype
 
     try:
@@ -516,7 +516,11 @@ def cmd_capture(args: argparse.Namespace) -> int:
     summary = (
         f"plan: {est['examples']:,} {unit} ({est['rows']:,} rows kept, {how}) through "
         f"{type(model).__name__} -> {len(rec.layers)} layer(s), about {_human(total)} in ~{shards} "
-        + (f"shard(s) to {out}" if remote else f"shard(s); {_human(free)} free at {_existing_dir(out)}")
+        + (
+            f"shard(s) to {out}"
+            if remote
+            else f"shard(s); {_human(free)} free at {_existing_dir(out)}"
+        )
     )
     if args.dry_run:
         print(f"model {prepared.path} ({type(model).__name__}), input {input_path}")
@@ -715,7 +719,7 @@ def _settings_line(st: dict[str, Any]) -> str:
 def _stored_stats(reader: Any) -> str:
     """The statistics of all rows gathered while capturing, and what token bookkeeping the
     capture keeps (``pyhook inspect``)."""
-    from . import annotations
+    from .pipeline import annotations
 
     has_tokens = reader.tokens is not None
     lines = [

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._compiled import call_outside
-from ._hooks import HookSet, check_not_compiled
+from .._compiled import call_outside
+from .._hooks import HookSet, check_not_compiled
+from ..points import module_path
 from ._record import (
+    RecorderState,
     Reduction,
     batch_stats,
     check_mask_tensor,
@@ -29,10 +31,6 @@ from ._record import (
     positional_index,
     stats_later,
 )
-from .points import module_path
-
-if TYPE_CHECKING:
-    from .capture import Recorder
 
 
 class _Batch:
@@ -53,7 +51,7 @@ class _Batch:
 class CompiledPath:
     """Hooks and linked batches of a capture on a compiled model (made by the Recorder)."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: RecorderState) -> None:
         self.rec = rec
         self.reduction: Reduction = rec._reduction
         self.head = _Batch(None, {}, None, None, None)
