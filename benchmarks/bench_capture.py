@@ -38,7 +38,10 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:  # the installed package (with its native core), else the source tree
+    import pyhook  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pyhook.capture import capture
 from pyhook.offload import Offloader
@@ -190,6 +193,13 @@ def bench_per_layer(args: argparse.Namespace) -> None:
         }
         if nnsight is not None:
             nn_model = nnsight.NNsight(model)
+            step = {"attn": 0, "ln_2": 1, "mlp": 2, "": 3}  # a block's order of execution
+
+            def when(name: str) -> tuple[int, int]:
+                parts = name.split(".", 2)
+                return int(parts[1]), step[parts[2] if len(parts) > 2 else ""]
+
+            run_order = sorted((name for name, _ in modules), key=when)
 
             def run_nnsight() -> None:
                 kept = []
@@ -536,6 +546,193 @@ def bench_disk(args: argparse.Namespace) -> None:
     )
 
 
+# -- (d) the main job: a dataset on disk, against a hand-written loop --------------------------------
+def _job_layers(n: int) -> list[str]:
+    """12 hooked modules (every block) or 48 (blocks, attention, MLP, second norm)."""
+    return ["h.*"] if n == 12 else ["h.*", "h.*.attn", "h.*.mlp", "h.*.ln_2"]
+
+
+def _job_modules(model: torch.nn.Module, n: int) -> list[tuple[str, torch.nn.Module]]:
+    names = [f"h.{i}" for i in range(len(model.h))]
+    if n == 48:
+        names = [f"{b}{s}" for b in names for s in ("", ".attn", ".mlp", ".ln_2")]
+    return [(name, model.get_submodule(name)) for name in names]
+
+
+def bench_job(args: argparse.Namespace) -> None:
+    """``capture(model, layers, out=dir)`` against the bare forward, a hand-written
+    ``register_forward_hook`` + ``safetensors.save_file`` loop and nnsight, at 12 and 48 hooked
+    modules: wall and process CPU time (every thread, user + sys) over the bare forward, in
+    paired rounds (shuffled order), and the bare forward right after each variant."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Model
+
+    L, D, H, B, T, steps = args.job_shape
+    rounds = args.job_rounds
+    torch.manual_seed(0)
+    model = GPT2Model(gpt2_config(L, D, H, 1000, T)).eval()
+    batches = [torch.randint(0, 1000, (B, T)) for _ in range(steps)]
+    base = args.out_dir or tempfile.mkdtemp(prefix="pyhook-bench-job-")
+    os.makedirs(base, exist_ok=True)
+    try:
+        import nnsight
+    except ImportError:
+        nnsight = None
+    load = os.getloadavg()
+    print(
+        f"\n(d) the main job, a dataset on disk: GPT-2 n_layer={L} d_model={D} (random weights), "
+        f"{steps} batches of {B}x{T} tokens per loop, torch threads={torch.get_num_threads()}, "
+        f"{rounds} paired rounds (order shuffled), load before {load[0]:.2f}"
+    )
+
+    def bare() -> None:
+        for ids in batches:
+            model(ids)
+
+    for n in args.job_modules:
+        layers = _job_layers(n)
+        modules = _job_modules(model, n)
+        mb = 0.0
+        out = os.path.join(base, f"job-{n}")
+
+        def pyhook_run(**opts) -> Callable[[], None]:
+            def run() -> None:
+                with capture(model, layers, out=out, **opts) as rec:
+                    for ids in batches:
+                        model(ids)
+                assert rec.batches == len(batches)
+
+            return run
+
+        def handwritten() -> None:
+            os.makedirs(out, exist_ok=True)
+            kept: dict[str, torch.Tensor] = {}
+
+            def keep(name: str) -> Callable[..., None]:
+                def hook(_m: torch.nn.Module, _a: object, o: object) -> None:
+                    kept[name] = (o[0] if isinstance(o, tuple) else o).detach().clone()
+
+                return hook
+
+            handles = [m.register_forward_hook(keep(name)) for name, m in modules]
+            try:
+                for i, ids in enumerate(batches):
+                    model(ids)
+                    save_file(kept, os.path.join(out, f"batch-{i:05d}.safetensors"))
+                    kept.clear()
+            finally:
+                for h in handles:
+                    h.remove()
+
+        fns: dict[str, Callable[[], None]] = {
+            "bare forward": bare,
+            "hand-written hooks + clone + save_file per batch": handwritten,
+        }
+        if nnsight is not None:
+            nn_model = nnsight.NNsight(model)
+            step = {"attn": 0, "ln_2": 1, "mlp": 2, "": 3}  # a block's order of execution
+
+            def when(name: str) -> tuple[int, int]:
+                parts = name.split(".", 2)
+                return int(parts[1]), step[parts[2] if len(parts) > 2 else ""]
+
+            run_order = sorted((name for name, _ in modules), key=when)
+
+            def run_nnsight() -> None:
+                os.makedirs(out, exist_ok=True)
+                for i, ids in enumerate(batches):
+                    saved: dict[str, torch.Tensor] = {}
+                    with nn_model.trace(ids):
+                        for name in run_order:  # nnsight reads outputs in execution order
+                            node = nn_model
+                            for part in name.split("."):
+                                node = node[int(part)] if part.isdigit() else getattr(node, part)
+                            o = node.output
+                            saved[name] = (o[0] if isinstance(o, tuple) else o).save()
+                    save_file(
+                        {k: v.contiguous() for k, v in saved.items()},
+                        os.path.join(out, f"batch-{i:05d}.safetensors"),
+                    )
+
+            fns[f"nnsight {nnsight.__version__} trace + save + save_file"] = run_nnsight
+        fns["pyhook capture(out=dir), defaults"] = pyhook_run()
+        fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
+            stats=False, tokens=False, fsync=False
+        )
+        wall: dict[str, list[float]] = {k: [] for k in fns}
+        cpu: dict[str, list[float]] = {k: [] for k in fns}
+        after: dict[str, list[float]] = {k: [] for k in fns}
+        rng = random.Random(n)
+        order = list(fns)
+        with torch.inference_mode():
+            for fn in fns.values():  # warm-up: pools, page cache, threads, nnsight's tracer
+                shutil.rmtree(out, ignore_errors=True)
+                fn()
+            shutil.rmtree(out, ignore_errors=True)
+            with capture(model, layers) as probe:
+                model(batches[0])
+            mb = sum(probe.parts(k)[0].nbytes for k in probe.layers) / 1e6
+            del probe
+            for _ in range(rounds):
+                rng.shuffle(order)
+                for name in order:
+                    shutil.rmtree(out, ignore_errors=True)  # (each writes a fresh directory)
+                    os.sync()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    fns[name]()
+                    wall[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
+                    t0 = time.perf_counter()
+                    model(batches[0])  # the plain forward right after: did the variant slow it?
+                    after[name].append(time.perf_counter() - t0)
+        shutil.rmtree(out, ignore_errors=True)
+        med = statistics.median
+        b = "bare forward"
+        rows = []
+        for name in fns:
+            w = [x / y for x, y in zip(wall[name], wall[b])]
+            c = [x / y for x, y in zip(cpu[name], cpu[b])]
+            a = [x / y for x, y in zip(after[name], after[b])]
+            q = statistics.quantiles(w, n=4) if len(w) > 1 else [w[0], w[0], w[0]]
+            rows.append(
+                [
+                    name,
+                    f"{med(wall[name]) * 1e3:.0f}",
+                    f"{med(w):.3f}x",
+                    f"{q[0]:.3f}-{q[2]:.3f}",
+                    f"{med(c):.3f}x",
+                    f"{med(a):.3f}x",
+                ]
+            )
+        if nnsight is None:
+            rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-"])
+        print(
+            f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
+            f"after {os.getloadavg()[0]:.2f}"
+        )
+        print(
+            table(
+                rows,
+                [
+                    "variant",
+                    "loop ms",
+                    "wall / bare",
+                    "middle half",
+                    "process CPU / bare",
+                    "next forward / bare's",
+                ],
+            )
+        )
+        d = med(x / y for x, y in zip(wall["pyhook capture(out=dir), defaults"], wall[b]))
+        h = med(x / y for x, y in zip(wall[rows[1][0]], wall[b]))
+        c = med(x / y for x, y in zip(cpu["pyhook capture(out=dir), defaults"], cpu[b]))
+        ok = d <= 1.03 and d <= h * 1.01 and c <= 1.02
+        print(
+            f"target (defaults <= 1.03x bare and within 1% of the hand-written loop, CPU <= "
+            f"1.02x): {'met' if ok else 'NOT met'} ({d:.3f}x vs {h:.3f}x, CPU {c:.3f}x)"
+        )
+
+
 # -- (c) GPU -----------------------------------------------------------------------------------------
 def bench_gpu(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
@@ -620,14 +817,24 @@ def main() -> None:
     p.add_argument(
         "--out-dir", default=None, help="directory on the disk to test (default: a temp dir)"
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["peers", "disk", "gpu"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["peers", "disk", "gpu", "job"])
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable timings)"
     )
     p.add_argument("--repeat", type=int, default=15, help="timed rounds per method in (a)")
     p.add_argument("--n-layer", type=int, default=12, help="blocks of the (a) model")
     p.add_argument("--d-model", type=int, default=128, help="width of the (a) model (768 = GPT-2 small)")
+    p.add_argument(
+        "--job-threads", type=int, default=0,
+        help="torch threads for (d) (default 0: torch's default, every core, as a user runs it)",
+    )
+    p.add_argument("--job-rounds", type=int, default=0, help="paired rounds of (d)")
+    p.add_argument(
+        "--job-modules", type=int, nargs="*", default=[12, 48], choices=[12, 48],
+        help="hooked modules of (d)",
+    )
     args = p.parse_args()
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     # (a) GPT-2's 12 blocks at a width (--d-model, default 128) where a forward takes a few ms on
     # a small CPU: at GPT-2 small's 768 a 1 x 32 forward takes ~140 ms on a 2-vCPU VM and every
@@ -644,6 +851,9 @@ def main() -> None:
     args.disk_shape = (4, 128, 4, 64, 4) if args.quick else (6, 256, 4, 128, 8)
     args.disk_steps, args.dd_mb = (4, 64) if args.quick else (12, 512)
     args.disk_rounds = 2 if args.quick else 7
+    # (d) GPT-2 small (12 x 768), 8 x 128 tokens a batch; --quick: a narrow model, few rounds.
+    args.job_shape = (12, 128, 2, 4, 64, 4) if args.quick else (12, 768, 12, 8, 128, 6)
+    args.job_rounds = args.job_rounds or (2 if args.quick else 7)
     print(
         f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}"
@@ -656,6 +866,9 @@ def main() -> None:
         bench_disk(args)
     if "gpu" not in args.skip:
         bench_gpu(args)
+    if "job" not in args.skip:
+        torch.set_num_threads(args.job_threads or default_threads)
+        bench_job(args)
 
 
 if __name__ == "__main__":

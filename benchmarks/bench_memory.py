@@ -21,6 +21,11 @@ so a few forwards before the capture are not a baseline. Printed per configurati
 * left = RSS after ``close()`` above the RSS before the capture;
 * seconds per batch of the capture and of the forward alone.
 
+First, issue 23's setting: one ``nn.Identity`` layer (the forward allocates nothing, so the
+process grows only by the capture's own bytes), 80 batches of 4096 x 768 float32 to disk
+(``--quick``: 40), with the defaults and with ``stats``, ``tokens`` and ``fsync`` off: peak RSS over
+the RSS before the capture and what is left after close (goals: <= 256 MB and <= 64 MB).
+
 Goals (issue 19): extra <= 256 MB by default whatever the capture's size (``--full``: 40
 batches, 3.0 GB on disk; ``--quick``: 8 batches, 0.6 GB), left <= 64 MB. The host
 configuration captures 4 batches and calls ``rec.results()``: bytes held over the bytes of
@@ -170,6 +175,55 @@ def child(config: str, batches: int, out_dir: str) -> dict:
     return result
 
 
+def identity_child(config: str, batches: int, out_dir: str) -> dict:
+    """Issue 23 item 2: one ``nn.Identity`` layer, batches of 4096 x 768 float32 (12.6 MB) to
+    disk, the same input every time, so the forward allocates nothing and every byte the process
+    grows by is the capture's own. ``identity-default`` or ``identity-lean`` (stats, tokens and
+    fsync off)."""
+    import shutil
+
+    import torch
+
+    from pyhook.capture import capture
+    from pyhook.offload import trim_host_memory
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.id = torch.nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.id(x)
+
+    net = Net()
+    x = torch.randn(4096, 768)
+    opts: dict = {"stats": False, "tokens": False, "fsync": False} if "lean" in config else {}
+    out = tempfile.mkdtemp(dir=out_dir)
+    sampler = PoolSampler(every=0.002)
+    with torch.inference_mode():
+        net(x)
+        trim_host_memory()
+        before = sampler.reset()
+        t0 = time.perf_counter()
+        with capture(net, "id", out=out, **opts):
+            for _ in range(batches):
+                net(x)
+        seconds = time.perf_counter() - t0
+        peak = sampler.peak
+        time.sleep(0.2)
+        after = sampler.rss()
+    sampler.stop()
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "config": config,
+        "peak_mb": (peak - before) / MB,
+        "pooled_mb": sampler.pooled / MB,
+        "left_mb": (after - before) / MB,
+        "captured_mb": batches * x.nbytes / MB,
+        "s_per_batch": seconds / batches,
+    }
+
+
 def run_child(config: str, batches: int, out_dir: str, fixed_malloc: bool) -> dict:
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -192,7 +246,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, help="batches of the disk captures")
     ap.add_argument("--rounds", type=int, default=2, help="rounds (medians are printed)")
     ap.add_argument("--out-dir", default=None, help="where the captures are written")
-    ap.add_argument("--configs", default="disk-default,disk-1GiB,host-results")
+    ap.add_argument(
+        "--configs", default="identity-default,identity-lean,disk-default,disk-1GiB,host-results"
+    )
     ap.add_argument(
         "--malloc", default="fixed,default", help="allocator settings: fixed, default or both"
     )
@@ -201,7 +257,11 @@ def main() -> None:
     batches = args.batches or (40 if args.full else 8)
     out_dir = args.out_dir or tempfile.gettempdir()
     if args.child:
-        print(json.dumps(child(args.child, batches, out_dir)))
+        if args.child.startswith("identity"):
+            result = identity_child(args.child, args.batches or 80, out_dir)
+        else:
+            result = child(args.child, batches, out_dir)
+        print(json.dumps(result))
         return
     print(
         f"# bench_memory: {platform.platform()}, {os.cpu_count()} cores, python "
@@ -214,12 +274,33 @@ def main() -> None:
     configs = args.configs.split(",")
     disk = [c for c in configs if c.startswith("disk")]
     med = statistics.median
-    print(
-        "\n| config | malloc | captured MB | forward peak MB | capture peak MB | **extra MB** "
-        "| pooled MB | left after close MB | s/batch capture / forward |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for malloc in args.malloc.split(","):
+    identity = [c for c in configs if c.startswith("identity")]
+    if identity:
+        n = 40 if args.quick else 80
+        print(
+            f"\n# one nn.Identity layer (the forward allocates nothing), {n} batches of 4096 x 768 "
+            "float32 to disk; goal: peak <= 256 MB over the RSS before, <= 64 MB left after close"
+        )
+        print("\n| config | captured MB | **peak MB** | pooled MB | **left after close MB** | s/batch |")
+        print("|---|---|---|---|---|---|")
+        for config in identity:
+            r = [
+                run_child(config, n, out_dir, False)
+                for _ in range(args.rounds)
+            ]
+            print(
+                f"| {config} | {r[0]['captured_mb']:.0f} | **{max(x['peak_mb'] for x in r):.0f}** "
+                f"| {max(x['pooled_mb'] for x in r):.0f} | **{max(x['left_mb'] for x in r):.0f}** "
+                f"| {med(x['s_per_batch'] for x in r):.3f} |"
+            )
+        print("(peak and left: the largest of the rounds)")
+    if disk:
+        print(
+            "\n| config | malloc | captured MB | forward peak MB | capture peak MB | **extra MB** "
+            "| pooled MB | left after close MB | s/batch capture / forward |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+    for malloc in args.malloc.split(",") if disk else []:
         fixed = malloc == "fixed"
         runs: dict[str, list[dict]] = {c: [] for c in ["forward", *disk]}
         for _ in range(args.rounds):  # a forward-only process paired with every round

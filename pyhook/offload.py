@@ -46,7 +46,14 @@ import torch
 
 from . import _backend
 
-__all__ = ["Offloader", "PendingCopy", "PinnedPool", "ReferenceOffloader", "trim_host_memory"]
+__all__ = [
+    "Offloader",
+    "PendingCopy",
+    "PinnedPool",
+    "ReferenceOffloader",
+    "resident_bytes",
+    "trim_host_memory",
+]
 
 _STATS_KEYS = (
     "inflight_bytes",
@@ -72,7 +79,32 @@ def _bucket(nbytes: int) -> int:
 _libc: Any = None
 
 
-def trim_host_memory() -> None:
+def resident_bytes() -> int:
+    """This process's resident set size in bytes (0 where ``/proc`` is missing).
+
+    Example::
+
+        >>> from pyhook.offload import resident_bytes
+        >>> resident_bytes() >= 0
+        True
+    """
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = 4096
+try:
+    import os as _os
+
+    _PAGE = _os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+    pass
+
+
+def trim_host_memory(*, above: int | None = None) -> None:
     """Give idle host memory back to the operating system: the native capture-buffer pool's
     idle buffers, then the C allocator's free heap pages (``malloc_trim(0)`` on glibc).
 
@@ -87,9 +119,15 @@ def trim_host_memory() -> None:
         >>> from pyhook.offload import trim_host_memory
         >>> x = torch.ones(1 << 22); del x
         >>> trim_host_memory()  # never raises; a no-op where there is nothing to trim
+
+    ``above``: trim the C allocator's heap only when the process is still resident beyond
+    ``above`` bytes once the pool is empty (a trim also returns the free pages the model's
+    own forward reuses batch after batch, which the next forward then faults in again).
     """
     global _libc
     _backend.empty_pool()
+    if above is not None and resident_bytes() <= above:
+        return
     if _libc is None:
         _libc = False
         try:

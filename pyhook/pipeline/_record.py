@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -319,15 +320,82 @@ def batch_stats(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().reshape(n, math.prod(t.shape[1:]))
     if n == 0:
         return torch.zeros(1, 2 + 2 * x.shape[1], dtype=torch.float64, device=t.device)
+    if x.is_cpu and not x.is_complex():
+        out = torch.empty(1, 2 + 2 * x.shape[1], dtype=torch.float64)
+        _host_stats(x, out.numpy()[0])
+        return out
     # Two passes over one float64 copy: the column sums, then the squared deviations from their
-    # mean, in place. As exact as var_mean (more, for a large mean), and ~6x faster on CPU,
-    # where var_mean's reduction over dim 0 walks the rows one column at a time.
+    # mean, in place. As exact as var_mean (more, for a large mean), and ~6x faster than it.
     x = x.to(torch.float64, copy=True)
     norms = torch.linalg.vector_norm(x, dim=1).sum()
     mean = x.sum(0).div_(n)
     m2 = x.sub_(mean).square_().sum(0)
     head = torch.stack([norms.new_full((), float(n)), norms])
     return torch.cat([head, mean, m2]).unsqueeze(0)
+
+
+# Float64 elements per block of rows in _host_stats: 512 KiB, so a block stays in cache.
+_STATS_BLOCK = 1 << 16
+
+
+def _host_stats(x: torch.Tensor, out: np.ndarray) -> None:
+    """:func:`batch_stats` of host rows ``x`` ``[n, D]`` (n > 0) into ``out`` ``[2 + 2*D]``.
+
+    numpy, one block of rows at a time, blocks merged with Chan's formula (exact to float64
+    rounding, like the two-pass reduction): the temporaries are one cached block, not a float64
+    copy of the batch (host memory stays within the capture's budget), and numpy runs on the
+    calling thread with the GIL released, never in torch's OpenMP pool, so the writer thread
+    that runs it does not wake a second team of threads against the forward's.
+    """
+    n, d = x.shape
+    convert = x.dtype not in _NUMPY_EXACT
+    src = None if convert else x.contiguous().numpy()
+    step = max(1, _STATS_BLOCK // max(d, 1))
+    mean = out[2 : 2 + d]
+    m2 = out[2 + d :]
+    mean.fill(0.0)
+    m2.fill(0.0)
+    norms = 0.0
+    done = 0
+    block = np.empty((min(step, n), d), dtype=np.float64)
+    col = np.empty(d, dtype=np.float64)
+    for start in range(0, n, step):
+        k = min(step, n - start)
+        b = block[:k]
+        if convert:  # bfloat16 and other dtypes numpy lacks: a small block, serial in torch
+            b[...] = x[start : start + k].to(torch.float64).numpy()
+        else:
+            b[...] = src[start : start + k]  # type: ignore[index]
+        norms += float(np.sqrt(np.einsum("ij,ij->i", b, b)).sum())
+        np.add.reduce(b, axis=0, out=col)
+        col /= k
+        b -= col
+        np.multiply(b, b, out=b)
+        if done == 0:
+            mean[...] = col
+            np.add.reduce(b, axis=0, out=m2)
+        else:
+            total = done + k
+            col -= mean  # the block's mean minus the running mean
+            m2 += np.add.reduce(b, axis=0)
+            m2 += col * col * (done * k / total)
+            mean += col * (k / total)
+        done += k
+    out[0] = float(n)
+    out[1] = norms
+
+
+_NUMPY_EXACT = {
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+}
 
 
 def stats_later(

@@ -45,7 +45,7 @@ from .._compiled import unwrap_compiled
 from .._hooks import HookSet, compiled_path
 from .._version import __version__
 from ..modules import LayerNotFoundError, glob_regex, resolve_module
-from ..offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
+from ..offload import Offloader, PendingCopy, check_byte_count, resident_bytes, trim_host_memory
 from ..points import all_points, module_path, resolve_targets
 from ._record import (
     CaptureModifiedError,
@@ -150,6 +150,8 @@ def resolve_layers(
 
 # Joined host results from this size on give the freed batch buffers back to the system.
 _TRIM_BYTES = 16 << 20
+# A disk capture that closes with the process this much above its size before is trimmed.
+_TRIM_SLACK = 32 << 20
 
 
 def _is_int(v: object) -> bool:
@@ -323,6 +325,8 @@ class Recorder:
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self.max_host_bytes = max_host_bytes
         self._pool_share = share
+        # Rows held for the writer get the rest: with the pool's idle share, within the budget.
+        self._rows_budget = max_host_bytes - share
         self._saved_pool_limit: int | None = None
         self._held = 0  # bytes of rows handed to the writer and not yet written
         self._held_cv = threading.Condition()
@@ -433,6 +437,7 @@ class Recorder:
         self._held = 0
         if self.to == "disk":
             assert self.out is not None
+            self._rss_before = resident_bytes()
             self._writer = ShardWriter(
                 self.out,
                 settings=self.settings,
@@ -473,7 +478,9 @@ class Recorder:
             self._saved_pool_limit = None
         if self._offloader_ is not None:
             self._offloader_.empty_pool()
-        trim_host_memory()
+        # The heap is trimmed only when the capture left the process bigger than it found it:
+        # a trim also unmaps the free pages the forward reuses, so the next forward would fault.
+        trim_host_memory(above=getattr(self, "_rss_before", 0) + _TRIM_SLACK)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._hooks.remove()
@@ -709,14 +716,16 @@ class Recorder:
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Back-pressure on host memory: a batch goes to the writer once the rows it still
-        holds leave room for it within max_host_bytes (or it holds none)."""
+        holds leave room for it within max_host_bytes, less the pool's idle share (or it holds
+        none)."""
+        budget = self._rows_budget
         with self._held_cv:
-            if self._held == 0 or self._held + nbytes <= self.max_host_bytes:
+            if self._held == 0 or self._held + nbytes <= budget:
                 return
         assert self._writer is not None
         self._writer.flush()  # what it buffers becomes a shard, so that it can be released
         with self._held_cv:
-            while self._held > 0 and self._held + nbytes > self.max_host_bytes:
+            while self._held > 0 and self._held + nbytes > budget:
                 self._held_cv.wait(0.1)
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
