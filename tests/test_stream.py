@@ -408,3 +408,12 @@ def test_two_gloo_ranks_uneven_shares(net, tok, corpus, tmp_path):
     assert torch.equal(got["row_index"], ref.row_index)
     for layer in W.LAYERS:
         assert torch.equal(got[layer], ref[layer])
+
+
+def test_module_docstring_examples_run():
+    import doctest
+
+    import pyhook.pipeline.stream as mod
+
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 10 and result.failed == 0
