@@ -24,7 +24,8 @@ One run prints one table per question, each from paired rounds in this process (
     algorithms: shuffle the full buffer, serve half / serve until half full), and no shuffle
     (EleutherAI sparsify's order);
 (d) host memory: peak RSS of a stream pass in a fresh process over 50 MB and 200 MB of rows
-    (a one-block model of the same width), against the bound ``(buffer_rows + (prefetch + 1)
+    (a one-block model of the same width; resident memory sampled at every batch, over the
+    process after one forward), against the bound ``(buffer_rows + (prefetch + 1)
     * batch_size + one forward's rows) * row bytes``;
 (e) stream or cache: seconds per pass of the stream, of the stream with ``tee=`` (the first
     pass of a cache), and of reading the cached rows back in shuffled batches of 4096; the
@@ -336,11 +337,16 @@ def src():
     for i in range(forwards):
         ids = torch.randint(0, 1000, (per, ctx), generator=g)
         yield Batch(ids, torch.ones_like(ids), torch.ones(per, ctx, dtype=torch.bool), torch.arange(i * per, (i + 1) * per), None)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # model loaded, nothing run
+def rss_kb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+with torch.no_grad():  # one forward first: the model's own working memory is not the stream's
+    m(input_ids=torch.zeros(per, ctx, dtype=torch.long))
+base = peak = rss_kb()
 n = 0
 for b in pyhook.stream(m, src(), "h.0", batch_size=bs, buffer_rows=buf):
     n += b["h.0"].shape[0]
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = max(peak, rss_kb())
 print(json.dumps({"rows": n, "base_kb": base, "peak_kb": peak, "forwards": forwards}))
 """
 
@@ -409,6 +415,10 @@ def break_even(model, batches, layer, rounds):
 
 
 def main() -> None:
+    import builtins
+    import functools
+
+    builtins.print = functools.partial(builtins.print, flush=True)  # a log file shows progress
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4 blocks, fewer rounds")
     args = ap.parse_args()
@@ -479,7 +489,7 @@ def main() -> None:
         ]
     )
 
-    print("\n(d) host memory of a stream pass (fresh process; peak RSS over the process before it)")
+    print("\n(d) host memory of a stream pass (fresh process; RSS sampled per batch, growth)")
     sizes = (50, 200)
     rows, growth = memory(sizes, 1024, 8192)
     print(table(rows, ["rows streamed", "rows", "peak RSS growth", "bound (rows held)"]))
