@@ -107,6 +107,17 @@ def test_seeded_and_reproducible(net, tok, corpus):
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
+def test_each_iteration_is_a_new_pass(net, tok, corpus):
+    s = pyhook.stream(net, W.source(corpus, tok), "h.0", batch_size=64, buffer_rows=128, seed=5)
+    a, b = joined(list(s)), joined(list(s))
+    assert sorted(map(tuple, a["row_index"].tolist())) == sorted(
+        map(tuple, b["row_index"].tolist())
+    )
+    assert len(a["row_index"]) == s.rows
+    assert not torch.equal(a["row_index"], b["row_index"])  # pass k draws with seed + k
+    assert torch.equal(by_row_index(a)["h.0"], by_row_index(b)["h.0"])
+
+
 def test_mixer_output_does_not_depend_on_chunking():
     x = torch.arange(1000)
 

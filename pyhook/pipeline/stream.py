@@ -385,11 +385,12 @@ class Stream:
                 drain()  # a tee's last shards went to disk when the recorder closed
                 if not stop.is_set():
                     emit(mixer.finish())
-            put(_DONE)
+            last: Any = _DONE
         except BaseException as e:
-            put(_Failed(e))
+            last = _Failed(e)
         finally:
-            rec._sink = None
+            rec._sink = None  # before the consumer learns the pass is over (and starts another)
+        put(last)
 
     # -- the consumer ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
