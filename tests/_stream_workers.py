@@ -77,7 +77,15 @@ def dist_worker(rank: int, world: int, port: int, outdir: str, corpus: str, limi
             got = list(s)
             res[name] = {k: torch.cat([b[k] for b in got]) for k in got[0]}
             res[f"{name}_batches"] = len(got)
-        # a trainer step with a collective per batch, over uneven shares: equal counts needed
+        # a trainer with a collective per batch (as DDP makes) over uneven shares
+        for even in (False, True):
+            s = pyhook.stream(net, src, LAYERS, batch_size=4, buffer_rows=8, even_batches=even)
+            n = 0
+            for _ in s:
+                if even:
+                    dist.all_reduce(torch.ones(1))  # would wait forever for a rank run dry
+                n += 1
+            res[f"even{int(even)}"] = (n, s.rows, s.dropped_rows)
         dist.barrier()
     except BaseException:
         res["exception"] = traceback.format_exc()

@@ -412,6 +412,12 @@ def test_two_gloo_ranks_uneven_shares(net, tok, corpus, tmp_path):
         assert torch.equal(got["row_index"], ref.row_index)
         for layer in W.LAYERS:
             assert torch.equal(got[layer], ref[layer])
+    # uneven batch counts; with even_batches every rank stops at the shortest, rows counted
+    (n0, rows0, _), (n1, rows1, _) = res[0]["even0"], res[1]["even0"]
+    assert n0 != n1 and rows0 + rows1 == ref.rows["h.0"]
+    (e0, kept0, drop0), (e1, kept1, drop1) = res[0]["even1"], res[1]["even1"]
+    assert e0 == e1 == min(n0, n1)
+    assert kept0 + drop0 <= rows0 and kept1 + drop1 <= rows1 and kept0 + kept1 < ref.rows["h.0"]
     # the merged tee holds both shares: the single-process capture's rows
     r, rows = store_rows(tmp_path / "tee")
     assert r.examples == limit

@@ -230,7 +230,8 @@ class Stream:
     :meth:`close` (or a ``with`` block).
 
     Counters of the last pass: :attr:`rows`, :attr:`batches`, :attr:`examples` (examples or
-    contexts run through the model), :attr:`wait_seconds` (the consumer's time waiting for
+    contexts run through the model), :attr:`dropped_rows` (``even_batches``),
+    :attr:`wait_seconds` (the consumer's time waiting for
     batches, after the first), :attr:`first_batch_seconds` (filling the buffer), and
     :attr:`examples_done` (with a tee: examples already stored when the pass began).
 
@@ -264,6 +265,7 @@ class Stream:
         tee: str | None,
         rank: int,
         world_size: int,
+        even_group: Any = None,
     ) -> None:
         self.model = model
         self.source = source
@@ -278,6 +280,8 @@ class Stream:
         self.tee = tee
         self.rank = rank
         self.world_size = world_size
+        self._even_group = even_group
+        self.dropped_rows = 0
         self._keep = keep
         self._passes = 0
         self._active: threading.Thread | None = None
@@ -398,7 +402,7 @@ class Stream:
             raise RuntimeError("this stream is already being iterated; finish or close() it first")
         seed = self.seed + self._passes
         self._passes += 1
-        self.rows = self.batches = self.examples = 0
+        self.rows = self.batches = self.examples = self.dropped_rows = 0
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
         out: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
@@ -428,6 +432,13 @@ class Stream:
                     except queue.Empty:
                         if not t.is_alive() and out.empty():
                             raise RuntimeError("the pyhook stream's producer thread died") from None
+                if self._even_group is not None and not self._all_have(item):
+                    # another rank's share is used up: every rank stops at the same batch
+                    if isinstance(item, tuple):
+                        self.dropped_rows += int(item[0]["tokens"].shape[0])
+                    elif isinstance(item, _Failed):
+                        raise item.error
+                    return
                 if item is _DONE:
                     return
                 if isinstance(item, _Failed):
@@ -449,6 +460,12 @@ class Stream:
                 yield batch
         finally:
             self._shutdown(stop, t, out)
+
+    def _all_have(self, item: Any) -> bool:
+        """even_batches: whether every rank has a batch this step (a MIN over the ranks)."""
+        have = torch.tensor([1 if isinstance(item, tuple) else 0])
+        torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=self._even_group)
+        return bool(have.item())
 
     def _shutdown(self, stop: threading.Event, t: threading.Thread, out: queue.Queue[Any]) -> None:
         stop.set()
@@ -532,6 +549,7 @@ def stream(
     overwrite: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
+    even_batches: bool = False,
     **options: Any,
 ) -> Stream:
     """Train on activations without a disk: shuffled batches of ``layers``' rows from live
@@ -566,6 +584,11 @@ def stream(
     the same bytes ``capture(out=)`` and :func:`pyhook.runner.run` write; a tee that holds part
     of this capture is resumed (the pass streams the examples it lacks), one that holds another
     capture is refused (``overwrite=True`` replaces it).
+
+    ``even_batches=True`` (several ranks): every rank yields as many batches as the rank with
+    the fewest, for a trainer with a collective per step (DDP), which would wait forever for a
+    rank that has run out; the ranks agree once per batch, and the rows they drop are counted
+    in :attr:`Stream.dropped_rows`. Leave it off to get every row.
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
     capture) raises here, before any forward, naming the argument.
@@ -605,16 +628,8 @@ def stream(
         )
     dev = torch.device(device) if device is not None else _model_device(model)
     r, world = _world(rank, world_size)
-    dist = torch.distributed
-    barrier = None
-    if tee is not None and world > 1 and dist.is_available() and dist.is_initialized():
-        # The ranks meet once, when the tee's index is merged, from the producer thread: on a
-        # group of their own, so it never interleaves with the trainer's collectives.
-        group = dist.new_group(backend="gloo")
-
-        def barrier() -> None:
-            dist.barrier(group=group)
-
+    if not isinstance(even_batches, bool):
+        raise TypeError(f"even_batches must be a bool, got {even_batches!r}")
     keep = _Keep()
     rec_opts: dict[str, Any] = {"positions": positions, "dtype": dtype, "mask": keep, **options}
     if tee is not None:
@@ -628,7 +643,6 @@ def stream(
         )
         if not overwrite:
             _refuse_other_capture(tee, rec)
-        rec._barrier = barrier
     else:
         rec = Recorder(
             model,
@@ -640,6 +654,17 @@ def stream(
     bad = [n for n in rec.layers if n in _RESERVED]
     if bad:
         raise ValueError(f"layers: {bad[0]!r} is a key stream reserves for its own columns")
+    dist = torch.distributed
+    even_group = None
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        # Groups of their own (gloo, made by every rank here, after the checks), so that the
+        # stream's collectives never interleave with the trainer's: the tee's one barrier
+        # (from the producer thread, before the index merge) and even_batches' vote per batch.
+        if tee is not None:
+            tee_group = dist.new_group(backend="gloo")
+            rec._barrier = lambda: dist.barrier(group=tee_group)
+        if even_batches:
+            even_group = dist.new_group(backend="gloo")
     return Stream(
         model,
         source,
@@ -654,6 +679,7 @@ def stream(
         tee=tee,
         rank=r,
         world_size=world,
+        even_group=even_group,
     )
 
 
