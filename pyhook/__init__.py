@@ -17,6 +17,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 * capture: :func:`capture` / :class:`Recorder` pull activations of many layers (names or
   globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
   them back, :func:`verify_capture` checks them (the ``pyhook`` command wraps all three);
+* streaming: :func:`stream` hands shuffled batches of live activations to a trainer (a
+  producer thread ahead of it, a seeded mixing buffer, optionally a tee to a store);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
   :func:`empty_pool` control the native capture-buffer pool;
@@ -77,6 +79,7 @@ from .modules import (
 )
 from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
+from .pipeline.stream import Stream, stream
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -140,6 +143,8 @@ __all__ = [
     "capture",
     "Recorder",
     "resolve_layers",
+    "stream",
+    "Stream",
     "open_capture",
     "verify_capture",
     "CaptureReader",

@@ -399,6 +399,16 @@ CASES: list[Case] = [
         (ValueError, TypeError),
         "dtype",
     ),
+    # --- pyhook.stream (refused before the producer starts)
+    ("stream", lambda: pyhook.stream(NOT_A_MODEL, [], "0"), (TypeError,), "model must be"),
+    ("stream", lambda: pyhook.stream(M, [], "9"), (LookupError, ValueError), "'9'"),
+    (
+        "stream",
+        lambda: pyhook.stream(M, [], "0", batch_size=8, buffer_rows=4),
+        (ValueError,),
+        "buffer_rows",
+    ),
+    ("stream", lambda: pyhook.stream(M, "corpus.txt", "0"), (TypeError,), "source must be"),
 ]
 
 
@@ -462,6 +472,7 @@ def test_every_public_entry_point_has_bad_input_cases():
         "default_editing_function",
         "HOOK_TYPES",
         "Recorder",
+        "Stream",
         "resolve_layers",
         "CompiledModelError",
         "CaptureExistsError",

@@ -346,6 +346,12 @@ class Recorder:
         self._reduction = Reduction(positions, flatten, self.dtype)
         self._stats = (to == "disk") if stats is None else stats
         self._tokens = tokens
+        # Where finished batches go instead of the in-memory results (pyhook.pipeline.stream):
+        # sink(batch, examples) with batch = {layer: rows, reserved name: tensor}. Host and
+        # device captures call it from the forward's thread; disk captures from the writer
+        # thread once the batch is on disk, before its buffers are reused (the sink copies).
+        self._sink: Callable[[dict[str, Any], int], None] | None = None
+        self._barrier: Callable[[], Any] | None = None  # ranks meet before the index merge
         self._writer_opts: dict[str, Any] = {
             "shard_bytes": shard_bytes,
             "max_pending": max_pending_shards,
@@ -508,7 +514,7 @@ class Recorder:
                 barrier = None
                 dist = torch.distributed
                 if self._world > 1 and dist.is_available() and dist.is_initialized():
-                    barrier = dist.barrier
+                    barrier = self._barrier or dist.barrier
                 writer.close(barrier=barrier)
             else:
                 writer.__exit__(exc_type, exc, tb)
@@ -701,6 +707,8 @@ class Recorder:
                 with self._held_cv:
                     self._held -= nbytes
                 raise
+        elif self._sink is not None:
+            self._sink({**rows, **extra}, examples)
         else:
             for name, p in rows.items():
                 self._results[name].append(p)
@@ -730,6 +738,13 @@ class Recorder:
 
     def _release(self, batch: dict[str, torch.Tensor]) -> None:
         # Called by the writer thread once a batch is on disk.
+        try:
+            if self._sink is not None:
+                self._sink(batch, 0)
+        finally:
+            self._release_buffers(batch)
+
+    def _release_buffers(self, batch: dict[str, torch.Tensor]) -> None:
         if not self._compiled:  # compiled batches hold no pooled buffers
             self._offloader.release(list(batch.values()))
         nbytes = sum(t.nbytes for t in batch.values())

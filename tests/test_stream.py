@@ -1,0 +1,436 @@
+"""pyhook.stream: live activations to a trainer, checked against `capture` + `run` over the same
+packed parquet corpus (the rows a capture keeps, each exactly once; a tee that is the same store),
+across 2 gloo ranks with uneven shares, and when the consumer stops (break, exception, Ctrl-C)."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import _stream_workers as W
+import pytest
+import torch
+from _hygiene import diff, hook_snapshot
+
+pytest.importorskip("pyarrow")
+
+import pyhook
+from pyhook.capture import capture
+from pyhook.modules import LayerNotFoundError
+from pyhook.pipeline.stream import Mixer
+from pyhook.runner import _Keep, run
+from pyhook.source import Batch
+from pyhook.store import open_capture
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return W.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return W.write_corpus(str(tmp_path_factory.mktemp("stream") / "c.parquet"))
+
+
+@pytest.fixture(scope="module")
+def net(tok):
+    return W.model(len(tok))
+
+
+def reference(net, src, out=None, **kw):
+    """What `capture` keeps: the recorder the command builds, driven by `run`."""
+    keep = _Keep()
+    rec = capture(net, W.LAYERS, mask=keep, out=out, **kw)
+    with rec:
+        run(net, src, rec, keep=keep)
+    return rec
+
+
+def joined(batches):
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def by_row_index(rows):
+    """Rows sorted by (context, position): the order a capture stores them in."""
+    idx = rows["row_index"]
+    order = torch.argsort(idx[:, 0] * 10_000 + idx[:, 1])
+    return {k: v[order] for k, v in rows.items()}
+
+
+def store_rows(path):
+    r = open_capture(path)
+    out = {n: r[n][:] for n in r.layers}
+    out["tokens"] = r.tokens
+    out["row_index"] = r.row_index
+    return r, out
+
+
+# -- what comes out ---------------------------------------------------------------------------
+def test_every_kept_row_exactly_once_equal_to_capture(net, tok, corpus):
+    ref = reference(net, W.source(corpus, tok))
+    s = pyhook.stream(net, W.source(corpus, tok), W.LAYERS, batch_size=32, buffer_rows=128)
+    batches = list(s)
+    assert all(len(b["tokens"]) == 32 for b in batches[:-1])
+    got = joined(batches)
+    idx = got["row_index"]
+    assert len(set(map(tuple, idx.tolist()))) == len(idx) == ref.rows["h.0"] == s.rows
+    # the stream is mixed: not the capture's order
+    assert not torch.equal(idx, ref.row_index)
+    got = by_row_index(got)
+    assert torch.equal(got["row_index"], ref.row_index)
+    assert torch.equal(got["tokens"], ref.tokens)
+    for layer in W.LAYERS:  # rows of one token stay together across layers
+        assert torch.equal(got[layer], ref[layer]), layer
+    # excluded special tokens (BOS/EOS) are not among the rows, as in the capture
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert not (got["tokens"] == eot).any()
+
+
+def test_seeded_and_reproducible(net, tok, corpus):
+    def order(seed):
+        s = pyhook.stream(
+            net, W.source(corpus, tok), "h.1", batch_size=32, buffer_rows=96, seed=seed
+        )
+        return [b["row_index"] for b in s]
+
+    a, b, c = order(3), order(3), order(4)
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_each_iteration_is_a_new_pass(net, tok, corpus):
+    s = pyhook.stream(net, W.source(corpus, tok), "h.0", batch_size=64, buffer_rows=128, seed=5)
+    a, b = joined(list(s)), joined(list(s))
+    assert sorted(map(tuple, a["row_index"].tolist())) == sorted(
+        map(tuple, b["row_index"].tolist())
+    )
+    assert len(a["row_index"]) == s.rows
+    assert not torch.equal(a["row_index"], b["row_index"])  # pass k draws with seed + k
+    assert torch.equal(by_row_index(a)["h.0"], by_row_index(b)["h.0"])
+
+
+def test_mixer_output_does_not_depend_on_chunking():
+    x = torch.arange(1000)
+
+    def run_chunks(sizes):
+        m = Mixer(256, 64, seed=7)
+        out, at = [], 0
+        for n in sizes:
+            out += list(m.add({"x": x[at : at + n], "y": -x[at : at + n]}))
+            at += n
+        return out + list(m.finish())
+
+    a = run_chunks([1000])
+    b = run_chunks([1, 99, 300, 7, 593])
+    assert [len(t["x"]) for t in a] == [64] * 15 + [40]
+    assert all(torch.equal(p["x"], q["x"]) for p, q in zip(a, b))
+    assert all(torch.equal(p["y"], -p["x"]) for p in a)  # keys move together
+    assert sorted(torch.cat([t["x"] for t in a]).tolist()) == list(range(1000))
+
+
+def test_any_iterable_of_batches_and_dtype(net, tok, corpus):
+    batches = list(W.source(corpus, tok).batches())
+    ref = reference(net, batches, dtype=torch.float16)
+    got = by_row_index(
+        joined(list(pyhook.stream(net, batches, W.LAYERS, batch_size=50, dtype="float16")))
+    )
+    assert got["h.0"].dtype == torch.float16
+    assert torch.equal(got["h.0"], ref["h.0"]) and torch.equal(got["row_index"], ref.row_index)
+
+
+# -- the tee -------------------------------------------------------------------------------------
+def _same_store(a, b):
+    names = sorted(n for n in os.listdir(a) if not n.endswith(".lock"))
+    assert names == sorted(n for n in os.listdir(b) if not n.endswith(".lock"))
+    for n in names:
+        assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
+
+
+def test_tee_is_bit_identical_to_capture(net, tok, corpus, tmp_path):
+    reference(net, W.source(corpus, tok), out=tmp_path / "cap", shard_bytes=20_000)
+    s = pyhook.stream(
+        net,
+        W.source(corpus, tok),
+        W.LAYERS,
+        batch_size=32,
+        buffer_rows=128,
+        tee=tmp_path / "tee",
+        shard_bytes=20_000,
+    )
+    teed = list(s)
+    _same_store(tmp_path / "cap", tmp_path / "tee")
+    assert len(open_capture(tmp_path / "tee").index["shards"]) > 2
+    # the trainer gets the same batches, in the same order, with or without the tee
+    plain = list(
+        pyhook.stream(net, W.source(corpus, tok), W.LAYERS, batch_size=32, buffer_rows=128)
+    )
+    assert len(plain) == len(teed)
+    for p, q in zip(plain, teed):
+        for k in p:
+            assert torch.equal(p[k], q[k]), k
+
+
+def test_tee_resumes_after_break(net, tok, corpus, tmp_path):
+    reference(net, W.source(corpus, tok), out=tmp_path / "cap", shard_bytes=20_000)
+    before = hook_snapshot(net)
+    kw = dict(batch_size=32, buffer_rows=64, tee=tmp_path / "tee", shard_bytes=20_000)
+    first = []
+    for b in pyhook.stream(net, W.source(corpus, tok), W.LAYERS, **kw):
+        first.append(b)
+        if len(first) == 3:
+            break
+    assert diff(before, hook_snapshot(net)) == []
+    partial = open_capture(tmp_path / "tee")  # consistent after the break
+    done = partial.examples
+    total = open_capture(tmp_path / "cap").examples
+    assert 0 < done < total
+    s = pyhook.stream(net, W.source(corpus, tok), W.LAYERS, **kw)
+    second = list(s)
+    assert s.examples_done == done
+    # after the resume the trainer gets the rows of the contexts the tee lacked, each once
+    idx = joined(second)["row_index"]
+    assert set(idx[:, 0].tolist()) == set(range(done, total))
+    assert len(set(map(tuple, idx.tolist()))) == len(idx)
+    # the rows it saw before the break were of stored contexts
+    assert (joined(first)["row_index"][:, 0] < done).all()
+    r, rows = store_rows(tmp_path / "tee")
+    assert r.examples == total
+    c, want = store_rows(tmp_path / "cap")
+    for k in want:
+        assert torch.equal(rows[k], want[k]), k
+    for layer in W.LAYERS:  # per-batch statistics, merged
+        sa, sb = pyhook.annotations.stats(r, layer), pyhook.annotations.stats(c, layer)
+        for key in sb:
+            assert torch.equal(sa[key], sb[key]), (layer, key)
+
+
+def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpus, tmp_path):
+    reference(net, W.source(corpus, tok, limit=4), out=tmp_path / "t", dtype=torch.float16)
+    calls = []
+    h = net.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        before = hook_snapshot(net)
+        with pytest.raises(ValueError, match=r"tee .* already holds a different capture.*dtype"):
+            pyhook.stream(net, W.source(corpus, tok), W.LAYERS, tee=tmp_path / "t")
+        assert calls == [] and diff(before, hook_snapshot(net)) == []
+    finally:
+        h.remove()
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"layers": "h.9"}, LayerNotFoundError, "h.9"),
+        ({"buffer_rows": 8, "batch_size": 16}, ValueError, "buffer_rows"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"source": "c.parquet"}, TypeError, "source"),
+        ({"layers": "h.0", "tee": 3}, TypeError, "tee"),
+    ],
+)
+def test_bad_input_named_before_any_forward(net, tok, corpus, kw, err, match):
+    calls = []
+    h = net.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        before = hook_snapshot(net)
+        args = {"source": W.source(corpus, tok), "layers": W.LAYERS, **kw}
+        src, layers = args.pop("source"), args.pop("layers")
+        with pytest.raises(err, match=match):
+            pyhook.stream(net, src, layers, **args)
+        assert calls == [] and diff(before, hook_snapshot(net)) == []
+    finally:
+        h.remove()
+
+
+# -- stopping ------------------------------------------------------------------------------------
+def _endless(n_forwards, counter):
+    g = torch.Generator().manual_seed(0)
+    for i in range(n_forwards):
+        counter.append(i)
+        ids = torch.randint(2, 40, (2, 8), generator=g)
+        yield Batch(
+            ids,
+            torch.ones_like(ids),
+            torch.ones(2, 8, dtype=torch.bool),
+            torch.tensor([2 * i, 2 * i + 1]),
+            None,
+        )
+
+
+def _no_producer():
+    deadline = time.monotonic() + 5
+    while any(t.name == "pyhook-stream" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the producer thread is still running"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["break", "raise"])
+def test_consumer_stops_producer_within_a_forward(net, how):
+    before = hook_snapshot(net)
+    taken = []
+    got = 0
+    with pytest.raises(RuntimeError, match="trainer") if how == "raise" else _nothing():
+        for _ in pyhook.stream(
+            net, _endless(10_000, taken), "h.0", batch_size=16, buffer_rows=32, prefetch=1
+        ):
+            got += 1
+            if got == 2:
+                if how == "raise":
+                    raise RuntimeError("trainer failed")
+                break
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+    # 2 batches + the buffer + the queue need ~6 forwards of 16 rows; one more may be running
+    assert len(taken) < 20
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_close_and_with_block(net):
+    before = hook_snapshot(net)
+    taken = []
+    with pyhook.stream(net, _endless(10_000, taken), "h.0", batch_size=16, buffer_rows=32) as s:
+        it = iter(s)
+        next(it)
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+    assert len(taken) < 30
+
+
+def test_producer_error_reaches_the_consumer(net):
+    def bad():
+        yield from _endless(3, [])
+        raise OSError("corpus unreadable")
+
+    before = hook_snapshot(net)
+    with pytest.raises(OSError, match="corpus unreadable"):
+        list(pyhook.stream(net, bad(), "h.0", batch_size=4, buffer_rows=8))
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def _start(mode, corpus, tee):
+    env = {**os.environ, "PYTHONPATH": HERE}
+    p = subprocess.Popen(
+        [sys.executable, "-I", os.path.join(HERE, "_stream_workers.py"), mode, corpus, tee],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=HERE,
+    )
+    line = p.stdout.readline()
+    assert line.strip() == "READY", (line, p.stderr.read() if p.poll() is not None else "")
+    return p
+
+
+def test_ctrl_c_leaves_no_hook_and_a_resumable_tee(net, tok, corpus, tmp_path):
+    tee = str(tmp_path / "tee")
+    p = _start("sigint", corpus, tee)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "STOPPED" in out and "hooks=[]" in out and "threads=[]" in out, out + err
+    done = open_capture(tee).examples  # closed consistent
+    total = open_capture(reference(net, W.source(corpus, tok), out=tmp_path / "cap").out).examples
+    assert 0 < done < total
+    list(
+        pyhook.stream(net, W.source(corpus, tok), W.LAYERS, tee=tee, batch_size=16, buffer_rows=32)
+    )
+    _, rows = store_rows(tee)
+    _, want = store_rows(tmp_path / "cap")
+    for k in want:
+        assert torch.equal(rows[k], want[k]), k
+
+
+def test_killed_stream_resumes_the_tee(net, tok, corpus, tmp_path):
+    tee = str(tmp_path / "tee")
+    p = _start("kill", corpus, tee)
+    time.sleep(0.5)
+    p.kill()
+    p.communicate(timeout=60)
+    reference(net, W.source(corpus, tok), out=tmp_path / "cap")
+    s = pyhook.stream(net, W.source(corpus, tok), W.LAYERS, tee=tee, batch_size=16, buffer_rows=32)
+    second = joined(list(s))
+    assert s.examples_done > 0
+    assert set(second["row_index"][:, 0].tolist()) == set(
+        range(s.examples_done, open_capture(tee).examples)
+    )
+    _, rows = store_rows(tee)
+    _, want = store_rows(tmp_path / "cap")
+    for k in want:
+        assert torch.equal(rows[k], want[k]), k
+
+
+# -- ranks ---------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_uneven_shares(net, tok, corpus, tmp_path):
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    limit = 25  # contexts: 13 on rank 0, 12 on rank 1
+    ctx = mp.spawn(
+        W.dist_worker, args=(2, _free_port(), str(tmp_path), corpus, limit), nprocs=2, join=False
+    )
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for q in ctx.processes:
+                if q.is_alive():
+                    q.kill()
+            pytest.fail("the ranks did not finish: a hang")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, x in enumerate(res):
+        assert "exception" not in x, f"rank {r}:\n{x['exception']}"
+    ref = reference(net, W.source(corpus, tok, limit=limit))
+    for name in ("plain", "tee"):
+        shares = [set(x[name]["row_index"][:, 0].tolist()) for x in res]
+        assert shares[0] == set(range(0, limit, 2)) and shares[1] == set(range(1, limit, 2))
+        got = by_row_index({k: torch.cat([x[name][k] for x in res]) for k in res[0][name]})
+        assert torch.equal(got["row_index"], ref.row_index)
+        for layer in W.LAYERS:
+            assert torch.equal(got[layer], ref[layer])
+    # uneven batch counts; with even_batches every rank stops at the shortest, rows counted
+    (n0, rows0, _), (n1, rows1, _) = res[0]["even0"], res[1]["even0"]
+    assert n0 != n1 and rows0 + rows1 == ref.rows["h.0"]
+    (e0, kept0, drop0), (e1, kept1, drop1) = res[0]["even1"], res[1]["even1"]
+    assert e0 == e1 == min(n0, n1)
+    assert kept0 + drop0 <= rows0 and kept1 + drop1 <= rows1 and kept0 + kept1 < ref.rows["h.0"]
+    # the merged tee holds both shares: the single-process capture's rows
+    r, rows = store_rows(tmp_path / "tee")
+    assert r.examples == limit
+    got = by_row_index(rows)
+    assert torch.equal(got["row_index"], ref.row_index)
+    for layer in W.LAYERS:
+        assert torch.equal(got[layer], ref[layer])
+
+
+def test_module_docstring_examples_run():
+    import doctest
+
+    import pyhook.pipeline.stream as mod
+
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 10 and result.failed == 0
