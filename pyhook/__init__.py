@@ -16,7 +16,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   see :mod:`pyhook.distributed`), :class:`DummyModule`;
 * capture: :func:`capture` / :class:`Recorder` pull activations of many layers (names or
   globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
-  them back, :func:`verify_capture` checks them (the ``pyhook`` command wraps all three);
+  them back, :func:`verify_capture` checks them; :class:`CaptureJob` is a whole capture (corpus,
+  model, layers, store) as one config with ``plan()``/``run()``/``stream()``, the job the
+  ``pyhook capture`` command parses its flags or ``--config`` file into;
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
   :func:`empty_pool` control the native capture-buffer pool;
@@ -74,6 +76,7 @@ from .modules import (
     set_requires_grad,
     subsequence,
 )
+from .pipeline.job import CaptureJob
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -134,6 +137,7 @@ __all__ = [
     "default_editing_function",
     # high-throughput capture
     "capture",
+    "CaptureJob",
     "Recorder",
     "resolve_layers",
     "open_capture",

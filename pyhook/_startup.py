@@ -3,8 +3,9 @@
 Importing pyhook imports torch, which takes seconds, before :func:`pyhook.cli.main` (which
 handles ``KeyboardInterrupt`` itself) runs. This module is imported first by ``pyhook/__init__``
 and, only when the process is the ``pyhook`` command (``pyhook ...`` or ``python -m pyhook``),
-turns SIGINT into that one line until ``main`` restores Python's default handler. Importing
-pyhook from any other program leaves SIGINT alone.
+turns SIGINT into that one line until ``main`` restores Python's default handler, and checks the
+command's arguments before torch is imported (:func:`check_arguments_first`). Importing pyhook
+from any other program leaves SIGINT and ``sys.argv`` alone.
 """
 
 from __future__ import annotations
@@ -40,5 +41,16 @@ def restore() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-if launched_as_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, interrupted)
+def check_arguments_first() -> None:
+    """Check the command's arguments before ``pyhook/__init__`` imports torch: a mistyped flag,
+    a value out of range or a bad ``--config`` exits here (status 2, one line; ``--help`` exits
+    0) in milliseconds. :mod:`pyhook.cli` and the capture job import no torch at import time."""
+    from .cli import check_command_line
+
+    check_command_line()
+
+
+if launched_as_command():
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupted)
+    check_arguments_first()

@@ -447,7 +447,9 @@ class CorpusSource:
         return torch.tensor(sorted(ids), dtype=torch.long)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: no "Token indices sequence length is longer than ..." warning; a packed
+        # document is cut into contexts, never run whole
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     def _rows(self) -> Iterator[tuple[int, Any]]:
         """(global example index, value) of every example, after ``limit``."""
