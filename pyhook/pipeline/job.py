@@ -669,6 +669,7 @@ class CaptureJob:
         rows = est["examples"] if positions is not None else est["rows"]
         batches = math.ceil(est["examples"] / self.batch_size)
         extra = rows * 24 if self.tokens else 0  # int64 token id + int64 (context, position)
+        extra += est.get("text_bytes", 0) + 16 * est.get("texts", 0)  # + int64 length, index
         for name in rec.layers:
             row_shape, out_dtype = shapes[name]
             itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
@@ -863,7 +864,8 @@ class CapturePlan:
     """What :meth:`CaptureJob.run` will do: this rank's share still to capture
     (``examples``, ``tokens``, ``rows`` kept per layer: counted when ``exact``, else estimated
     from a sample), ``layers`` (row shape, dtype and bytes each), ``bytes`` in all (the layers'
-    rows, plus 24 bytes a row for token ids and row index, plus the per-batch statistics),
+    rows, plus 24 bytes a row for token ids and row index, the examples' texts and the
+    per-batch statistics),
     ``shards``, the ``free`` bytes at ``out`` (None for a URL), whether it ``fits``, and
     ``stored`` (examples already in ``out``, resumed after). ``note`` is set when there is
     nothing to do. ``str(plan)`` is what ``pyhook capture --dry-run`` prints.
