@@ -145,7 +145,9 @@ def test_config_file_equals_the_flags(ckpt, tmp_path):
 def test_unknown_and_bad_keys_in_a_job_file_are_named(tmp_path, capsys):
     f = tmp_path / "job.json"
     f.write_text(json.dumps({"context_sise": 64}))
-    with pytest.raises(JobError, match=r"job.json: unknown key 'context_sise' \(did you mean 'context_size'\?\)"):
+    with pytest.raises(
+        JobError, match=r"job.json: unknown key 'context_sise' \(did you mean 'context_size'\?\)"
+    ):
         CaptureJob.from_file(f)
     assert main(["capture", "--config", str(f)]) == 2
     assert "unknown key 'context_sise' (did you mean 'context_size'?)" in capsys.readouterr().err
@@ -173,7 +175,9 @@ def test_unknown_and_bad_keys_in_a_job_file_are_named(tmp_path, capsys):
 def test_yaml_without_pyyaml_says_so(tmp_path, monkeypatch):
     (tmp_path / "job.yaml").write_text("limit: 3\n")
     monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml fails
-    with pytest.raises(JobError, match=r"needs PyYAML \(pip install pyyaml\); or write the job as JSON"):
+    with pytest.raises(
+        JobError, match=r"needs PyYAML \(pip install pyyaml\); or write the job as JSON"
+    ):
         CaptureJob.from_file(tmp_path / "job.yaml")
     (tmp_path / "job.json").write_text('{"limit": 3}')
     assert CaptureJob.from_file(tmp_path / "job.json").limit == 3  # JSON always works
@@ -242,7 +246,9 @@ def test_plan_refuses_a_different_capture_and_run_refuses_what_does_not_fit(
     CaptureJob(**base).run()
     with pytest.raises(JobError) as e:
         CaptureJob(**base, dtype="float16").plan()
-    assert "already holds a different capture (4 examples): dtype float16 now, the model's " in str(e.value)
+    assert "already holds a different capture (4 examples): dtype float16 now, the model's " in str(
+        e.value
+    )
     assert "overwrite=True" in str(e.value)
     assert "--dtype float16 now" in e.value.spelled(flags=True)
 
@@ -362,7 +368,9 @@ def _command(*args, cwd=None):
 
 def _imported(stderr):
     """Module names in ``-X importtime``'s report."""
-    return {ln.split("|")[-1].strip() for ln in stderr.splitlines() if ln.startswith("import time:")}
+    return {
+        ln.split("|")[-1].strip() for ln in stderr.splitlines() if ln.startswith("import time:")
+    }
 
 
 def _errors(stderr):

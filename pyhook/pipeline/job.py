@@ -26,7 +26,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CaptureJob", "CapturePlan", "CaptureResult", "JobError", "default_corpus"]
+__all__ = [
+    "CaptureJob",
+    "CapturePlan",
+    "CaptureResult",
+    "JobError",
+    "LayerPlan",
+    "default_corpus",
+    "default_layers",
+]
 
 #: ``context_size`` of the default job (the bundled corpus): packed, SAE-style contexts.
 DEFAULT_CONTEXT_SIZE = 128
