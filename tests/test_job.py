@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,11 +59,11 @@ def ckpt(tmp_path_factory):
 
 
 def _store_files(out):
-    """Every shard's bytes, and the merged index without what names the folder."""
-    shards = {p: open(os.path.join(out, p), "rb").read() for p in os.listdir(out) if "shard" in p}
-    shards = {p: b for p, b in shards.items() if p.endswith(".safetensors")}
-    index = json.load(open(os.path.join(out, "index.json")))
-    return shards, index
+    """Every shard's bytes, and the merged index."""
+    out = os.fspath(out)
+    names = [p for p in os.listdir(out) if p.startswith("shard") and p.endswith(".safetensors")]
+    shards = {p: Path(out, p).read_bytes() for p in names}
+    return shards, json.loads(Path(out, "index.json").read_text())
 
 
 def _same_store(a, b):
@@ -155,7 +156,7 @@ def test_unknown_and_bad_keys_in_a_job_file_are_named(tmp_path, capsys):
     with pytest.raises(JobError, match="unknown key 'frobnicate'; a job's keys are: model, "):
         CaptureJob.from_file(f)
     f.write_text(json.dumps({"limit": "ten"}))
-    with pytest.raises(JobError, match="job.json: limit must be an integer, got 'ten'"):
+    with pytest.raises(JobError, match=r"job\.json: limit must be an integer, got 'ten'"):
         CaptureJob.from_file(f)
     f.write_text("[1, 2]")
     with pytest.raises(JobError, match="must hold a mapping of options"):
@@ -168,7 +169,7 @@ def test_unknown_and_bad_keys_in_a_job_file_are_named(tmp_path, capsys):
     if importlib.util.find_spec("yaml") is not None:
         y = tmp_path / "job.yaml"
         y.write_text("limit: [1\n")
-        with pytest.raises(JobError, match="job.yaml is not valid YAML"):
+        with pytest.raises(JobError, match=r"job\.yaml is not valid YAML"):
             CaptureJob.from_file(y)
 
 
@@ -276,6 +277,11 @@ def test_plan_refuses_a_different_capture_and_run_refuses_what_does_not_fit(
         ({"layers": []}, "layers must be a list of layer names", "--layers must be a list"),
         ({"overwrite": "yes"}, "overwrite must be true or false", "--overwrite must be"),
         (
+            {"model": torch.nn.Sequential(*[torch.nn.Linear(2, 2)] * 3)},
+            "model must be a string, got a Sequential (a checkpoint folder",
+            "--model must be a string",
+        ),
+        (
             {"context_size": 16, "max_length": 8},
             "max_length cuts each example",
             "with --context-size every row is a context of exactly 16 tokens: drop one",
@@ -323,7 +329,7 @@ def test_docstring_examples_of_the_job_module_run():
 # -- stream(): the job's model, corpus and layers handed to pyhook.pipeline.stream ---------------
 def test_stream_without_the_stream_module_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyhook.pipeline.stream", None)
-    with pytest.raises(NotImplementedError, match="needs pyhook.pipeline.stream"):
+    with pytest.raises(NotImplementedError, match=r"needs pyhook\.pipeline\.stream"):
         CaptureJob().stream()
 
 

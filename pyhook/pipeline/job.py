@@ -114,6 +114,12 @@ class JobError(ValueError):
         return _spell(self.template, flags)
 
 
+def _got(v: Any) -> str:
+    """A value as an error shows it: its repr when short, else its type."""
+    text = repr(v)
+    return text if len(text) <= 60 else f"a {type(v).__name__}"
+
+
 def _is_url(path: str) -> bool:
     # pyhook.store.is_url's test, without importing the store (and torch) to check an argument
     return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
@@ -343,25 +349,35 @@ class CaptureJob:
             v = getattr(self, name)
             if name == "layers":
                 if v is not None and (not v or not all(isinstance(x, str) and x for x in v)):
-                    raise JobError(f"`layers` must be a list of layer names or globs, got {v!r}")
+                    raise JobError(
+                        f"`layers` must be a list of layer names or globs, got {_got(v)}"
+                    )
             elif name == "positions":
                 if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
-                    raise JobError(f"`positions` must be 'all', 'last' or an integer, got {v!r}")
+                    raise JobError(
+                        f"`positions` must be 'all', 'last' or an integer, got {_got(v)}"
+                    )
             elif name == "shard_mb":
                 if isinstance(v, bool) or not isinstance(v, float) or not v > 0:
-                    raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {v!r}")
+                    raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {_got(v)}")
             elif "bool" in kind:
                 if not (isinstance(v, bool) or (v is None and "None" in kind)):
-                    raise JobError(f"`{name}` must be true or false, got {v!r}")
+                    raise JobError(f"`{name}` must be true or false, got {_got(v)}")
             elif "int" in kind:
                 if v is None and "None" in kind:
                     continue
                 if isinstance(v, bool) or not isinstance(v, int):
-                    raise JobError(f"`{name}` must be an integer, got {v!r}")
+                    raise JobError(f"`{name}` must be an integer, got {_got(v)}")
                 if v < 1:
                     raise JobError(f"`{name}` must be >= 1, got {v}")
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
-                raise JobError(f"`{name}` must be a string, got {v!r}")
+                hint = (
+                    " (a checkpoint folder or a model's name; a model object in memory is "
+                    "captured with pyhook.capture)"
+                    if name == "model"
+                    else ""
+                )
+                raise JobError(f"`{name}` must be a string, got {_got(v)}{hint}")
         for name in ("dtype", "model_dtype"):
             v = getattr(self, name)
             if v is not None:
