@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import importlib as _importlib
 
-from . import _startup  # noqa: F401  (first: Ctrl-C while the command imports torch)
+# _startup first among the imports of torch (Ctrl-C while the command imports torch);
+# _aliases answers the pipeline's old module paths (pyhook.capture, pyhook.store.writer, ...).
+from . import _aliases, _startup  # noqa: F401
 from ._backend import (
     empty_pool,
     get_backend,
@@ -52,7 +54,6 @@ from ._copy import recursive_copy
 from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
 from ._version import __version__
-from .capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .deephook import TraceMultiple
 from .extend import (
     ActivationMapGrabber,
@@ -76,6 +77,8 @@ from .modules import (
     set_requires_grad,
     subsequence,
 )
+from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
+from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .pipeline.job import CaptureJob
 from .store import (
     CaptureDamagedError,
@@ -92,7 +95,8 @@ from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFi
 
 # The module pyhook.annotations (this name was bound to the __future__ feature above, which
 # would hide the submodule from `from pyhook import annotations`).
-annotations = _importlib.import_module(".annotations", __name__)
+annotations = _importlib.import_module(".pipeline.annotations", __name__)
+_aliases.bind_loaded()
 
 __all__ = [
     "__version__",

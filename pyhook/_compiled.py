@@ -49,6 +49,22 @@ __all__ = [
     "release",
 ]
 
+
+class CompiledModelError(RuntimeError):
+    """Raised when a pyhook tool cannot give eager results on a compiled model.
+
+    Tracing models compiled with ``torch.compile(model)`` or ``model.compile()`` works with
+    dynamo's default settings (see :mod:`pyhook._compiled`); this error remains for the options
+    compiled code cannot honour, and its message names the way out.
+
+    Example::
+
+        >>> import pyhook
+        >>> issubclass(pyhook.CompiledModelError, RuntimeError)
+        True
+    """
+
+
 _ATTR = "_pyhook_dispatch"
 _lock = threading.Lock()  # tables may be changed from several threads (any_thread, remove)
 
@@ -426,8 +442,6 @@ def _invalidate(what: str) -> None:
         return  # nothing compiled yet in this process
     others = _other_threads()
     if others:
-        from ._hooks import CompiledModelError
-
         raise CompiledModelError(
             f"pyhook must drop dynamo's compiled code to {what}, which is unsafe while other "
             f"threads may run compiled code (live threads: {', '.join(others[:5])}). Call "

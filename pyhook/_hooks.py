@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._compiled import CompiledModelError
 from .points import Point
 
 __all__ = [
@@ -71,21 +72,6 @@ def is_own_stop(exc: BaseException | None, owner: object, accept_unowned: bool =
     if not isinstance(exc, StopForward):
         return False
     return exc.owner is owner or (accept_unowned and exc.owner is None)
-
-
-class CompiledModelError(RuntimeError):
-    """Raised when a pyhook tool cannot give eager results on a compiled model.
-
-    Tracing models compiled with ``torch.compile(model)`` or ``model.compile()`` works with
-    dynamo's default settings (see :mod:`pyhook._compiled`); this error remains for the options
-    compiled code cannot honour, and its message names the way out.
-
-    Example::
-
-        >>> import pyhook
-        >>> issubclass(pyhook.CompiledModelError, RuntimeError)
-        True
-    """
 
 
 def _compile_marker(module: nn.Module) -> str | None:
@@ -472,7 +458,6 @@ class HookSet:
 
         # The common case, the owner's own forward, is tested inline first.
         if nargs == 4:
-
             # ``output`` missing: another thread's forward took a snapshot of the module's hooks
             # while this one was being added or removed, and torch saw no kwargs flag for it
             # (torch reads the two dicts separately). That forward is not ours: do nothing.

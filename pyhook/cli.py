@@ -38,8 +38,8 @@ from .pipeline.job import (
     default_corpus,
     default_layers,
 )
-from .runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
-from .runner import resolve_model_path as _resolve
+from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
+from .pipeline.runner import resolve_model_path as _resolve
 
 __all__ = ["BUILTIN_MODELS", "default_corpus", "default_layers", "load_model", "main"]
 
@@ -69,7 +69,7 @@ def load_model(
     The model class is the checkpoint's own (``config.architectures[0]``, e.g.
     ``GPT2LMHeadModel``, so layer names are those of the saved model), else ``AutoModel``.
     """
-    from .runner import load_model as _load
+    from .pipeline.runner import load_model as _load
 
     loaded = _load(spec, tokenizer=tokenizer, model_class=model_class, device=device, dtype=dtype)
     return loaded.model, loaded.tokenizer, loaded.path
@@ -240,7 +240,7 @@ def _settings_line(st: dict[str, Any]) -> str:
 def _stored_stats(reader: Any) -> str:
     """The statistics of all rows gathered while capturing, and what token bookkeeping the
     capture keeps (``pyhook inspect``)."""
-    from . import annotations
+    from .pipeline import annotations
 
     has_tokens = reader.tokens is not None
     lines = [

@@ -345,6 +345,7 @@ def hierarchical_subsequence(
     result.training = sequential.training
     return result
 
+
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """A layer-name glob as a regex: ``*`` and ``?`` stay within one dotted component, ``**``
     crosses dots (the globs of ``capture`` layers and of standard points)."""

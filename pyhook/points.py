@@ -729,8 +729,6 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
     return [(n, _make(model, layout, k, i, _spell(k, i, False))) for n, k, i in hits]
 
 
-
-
 def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | None:
     """``expand_points(model, layer)`` when ``layer`` is a point name of ``model``, else None
     (then it is a module name or a module): the one call tools make while resolving layers."""

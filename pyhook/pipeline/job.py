@@ -500,8 +500,8 @@ class CaptureJob:
 
     def _source(self, *, rank: int, world: int) -> dict[str, Any]:
         """The model's config and tokenizer and the corpus, all checked before the weights."""
-        from ..runner import RunnerError, load_tokenizer, prepare_model
-        from ..source import SourceError, open_source
+        from .runner import RunnerError, load_tokenizer, prepare_model
+        from .source import SourceError, open_source
 
         prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
         try:
@@ -587,10 +587,10 @@ class CaptureJob:
         """
         import torch
 
-        from .. import runner
-        from ..capture import capture
-        from ..runner import check_device
-        from ..store import dtype_name, parse_dtype
+        from . import runner
+        from .capture import capture
+        from .format import dtype_name, parse_dtype
+        from .runner import check_device
 
         dtype = parse_dtype(self.dtype, _spell("`dtype`"))
         model_dtype = parse_dtype(self.model_dtype, _spell("`model_dtype`"))
@@ -749,7 +749,7 @@ class CaptureJob:
             raise JobError("this plan has already run: make a new one with job.plan()")
         plan.check_space()
         state, plan._state = plan._state, None
-        from ..runner import run
+        from .runner import run
 
         src, rec, keep, share = state["source"], state["recorder"], state["keep"], state["share"]
         model, device = state["model"], plan.device
@@ -810,7 +810,8 @@ class CaptureJob:
             return result
         import torch
 
-        from ..store import open_capture, parse_dtype
+        from .format import parse_dtype
+        from .reader import open_capture
 
         reader = open_capture(plan.out)
         result.examples = reader.examples
@@ -848,9 +849,9 @@ class CaptureJob:
             ) from None
         import inspect
 
-        from .. import runner
-        from ..runner import check_device
-        from ..store import parse_dtype
+        from . import runner
+        from .format import parse_dtype
+        from .runner import check_device
 
         check_device(self.device)
         rank, world = self._world()
@@ -1040,7 +1041,7 @@ class CaptureResult:
 def _stored_capture(out: str) -> Any:
     """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
     the writer then reports what is wrong)."""
-    from ..store import open_capture
+    from .reader import open_capture
 
     if not _is_url(out) and (
         not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out))
@@ -1072,7 +1073,7 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
     row shape and dtype; a layer that never runs is an error (it would capture nothing)."""
     import torch
 
-    from ..capture import capture
+    from .capture import capture
 
     ids = batch.input_ids[:1, :16].to(device)
     with capture(model, layers, positions="last") as probe, torch.no_grad():

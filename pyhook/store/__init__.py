@@ -11,9 +11,11 @@ Layout of a capture directory::
       index-r001.json
       index.json                      # all ranks merged, written when the capture closes
 
-The package is laid out as the pipeline: :mod:`.format` (bytes on disk, index schema, errors),
-:mod:`.verify` (checks), :mod:`.writer`, :mod:`.reader` and :mod:`.remote` (fsspec URLs such as
-``s3://bucket/prefix``, accepted wherever a directory is).
+This package is the store's public face; the code lives in the pipeline's stages
+(:mod:`pyhook.pipeline`): ``format`` (bytes on disk, index schema, errors), ``verify``
+(checks), ``writer``, ``reader`` and ``transport`` (fsspec URLs such as ``s3://bucket/prefix``,
+accepted wherever a directory is). ``pyhook.store.format``, ``.verify``, ``.writer``,
+``.reader`` and ``.remote`` are those modules under their old names.
 
 * :class:`ShardWriter` buffers rows in host memory (at most ``max_buffer_bytes``, 256 MiB by
   default) and hands full shards to a background thread (when the disk is slower than the
@@ -35,8 +37,9 @@ The shard files are plain safetensors (``safetensors.torch.load_file`` reads the
 them itself so that the pieces of a shard go to the file without being concatenated first.
 """
 
-from . import format, reader, remote, verify, writer  # noqa: F401 - the pipeline's modules
-from .format import (  # noqa: F401 - the helpers below stay importable from pyhook.store
+from ..pipeline import format, reader, verify, writer  # noqa: F401 - the pipeline's modules
+from ..pipeline import transport as remote  # noqa: F401 - its old name
+from ..pipeline.format import (  # noqa: F401 - the helpers below stay importable from pyhook.store
     _CHECKSUM_FUNCS,
     CHECKSUM,
     FORMAT_VERSION,
@@ -44,14 +47,14 @@ from .format import (  # noqa: F401 - the helpers below stay importable from pyh
     CaptureExistsError,
     CaptureWriteError,
     dtype_name,
-    merged_index,
     parse_dtype,
     write_safetensors,
 )
-from .reader import CaptureReader, LayerData, open_capture
-from .remote import RemoteStorageError, is_url
-from .verify import verify_capture
-from .writer import ShardWriter
+from ..pipeline.reader import CaptureReader, LayerData, open_capture
+from ..pipeline.transport import RemoteStorageError, is_url
+from ..pipeline.transport import merged_index_of as merged_index  # noqa: F401 - also URLs
+from ..pipeline.verify import verify_capture
+from ..pipeline.writer import ShardWriter
 
 # The public objects say they are pyhook.store's (their documented home), not a submodule's.
 for _obj in (

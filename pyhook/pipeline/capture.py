@@ -40,14 +40,19 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _backend
-from ._compiled import unwrap_compiled
-from ._hooks import HookSet, compiled_path
+from .. import _backend
+from .._compiled import unwrap_compiled
+from .._hooks import HookSet, compiled_path
+from .._version import __version__
+from ..modules import LayerNotFoundError, glob_regex, resolve_module
+from ..offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
+from ..points import all_points, module_path, resolve_targets
 from ._record import (
     CaptureModifiedError,
     MaskSpec,
     Positions,
     Reduction,
+    _Note,
     check_guard,
     check_mask_name,
     positions_repr,
@@ -55,11 +60,8 @@ from ._record import (
 )
 from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
-from ._version import __version__
-from .modules import LayerNotFoundError, glob_regex, resolve_module
-from .offload import Offloader, PendingCopy, check_byte_count, trim_host_memory
-from .points import all_points, module_path, resolve_targets
-from .store import ShardWriter, dtype_name, parse_dtype
+from .format import dtype_name, parse_dtype
+from .writer import ShardWriter
 
 __all__ = [
     "CaptureModifiedError",
@@ -73,8 +75,6 @@ __all__ = [
 Destination = Literal["device", "host", "disk"]
 
 _GLOB_CHARS = re.compile(r"[*?]")
-
-
 
 
 def _list_names(names: Sequence[str], limit: int = 60) -> str:
@@ -150,24 +150,6 @@ def resolve_layers(
 
 # Joined host results from this size on give the freed batch buffers back to the system.
 _TRIM_BYTES = 16 << 20
-
-
-class _Note:
-    """What :meth:`Recorder.annotate` says about the next forward."""
-
-    __slots__ = ("examples", "keep", "texts", "token_ids")
-
-    def __init__(
-        self,
-        token_ids: torch.Tensor,
-        keep: torch.Tensor | None,
-        examples: torch.Tensor | None,
-        texts: list[str] | None,
-    ) -> None:
-        self.token_ids = token_ids
-        self.keep = keep
-        self.examples = examples
-        self.texts = texts
 
 
 def _is_int(v: object) -> bool:
@@ -641,7 +623,9 @@ class Recorder:
             # the example index of each text (what row_index says), so text(e) finds example e
             # whatever order ranks and resumes stored the texts in
             if note.examples is not None:
-                extra["__text_examples__"] = note.examples.detach().to("cpu", torch.long).reshape(-1)
+                extra["__text_examples__"] = (
+                    note.examples.detach().to("cpu", torch.long).reshape(-1)
+                )
             else:
                 start = self.examples_done + self.examples
                 extra["__text_examples__"] = torch.arange(start, start + len(enc), dtype=torch.long)

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._compiled import call_outside
-from ._hooks import HookSet, check_not_compiled
-from .points import module_path
+from .._compiled import call_outside
+from .._hooks import HookSet, check_not_compiled
+from ..points import module_path
 from ._record import (
+    RecorderState,
     Reduction,
     batch_stats,
-    stats_later,
     check_mask_tensor,
     first_input,
     input_token_ids,
     layer_rows,
     positional_index,
+    stats_later,
 )
-
-if TYPE_CHECKING:
-    from .capture import Recorder
 
 
 class _Batch:
@@ -53,7 +51,7 @@ class _Batch:
 class CompiledPath:
     """Hooks and linked batches of a capture on a compiled model (made by the Recorder)."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: RecorderState) -> None:
         self.rec = rec
         self.reduction: Reduction = rec._reduction
         self.head = _Batch(None, {}, None, None, None)

@@ -160,7 +160,9 @@ def text(reader: Any, example: int) -> str:
         example += n
     elif where is not None:  # example indices as row_index gives them
         if example not in where:
-            raise IndexError(f"example {example} out of range: the capture keeps no text for it ({n} texts)")
+            raise IndexError(
+                f"example {example} out of range: the capture keeps no text for it ({n} texts)"
+            )
         example = where[example]
     else:  # older stores: texts in storage order
         if not -n <= example < n:

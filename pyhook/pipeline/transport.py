@@ -32,8 +32,10 @@ from typing import Any
 from .format import (
     _CHECKSUM_FUNCS,
     CaptureDamagedError,
+    _check_shard,
     _fault,
     _journal_path,
+    merged_index,
 )
 
 __all__ = ["RemoteStorageError", "is_url"]
@@ -413,8 +415,6 @@ class ShardCache:
 
     def fetch(self, shard: Any) -> tuple[str, dict[str, Any], int]:
         """Local path, header and data start of ``shard`` (downloaded and checked if needed)."""
-        from .verify import _check_shard
-
         name = shard.entry["file"]
         with self._lock:
             fut = self._submit(name)
@@ -473,11 +473,22 @@ def open_remote_index(
     return remote, local, listing
 
 
+def merged_index_of(path: str) -> dict[str, Any]:
+    """:func:`.format.merged_index` of a capture directory or URL (whose index files are
+    fetched into a temporary directory first)."""
+    if not is_url(path):
+        return merged_index(path)
+    _, local, _ = open_remote_index(str(path))
+    try:
+        return merged_index(local)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def verify_remote(url: str) -> tuple[list[str], list[str]]:
     """:func:`verify_capture` of a URL: the index files, then each shard downloaded, checked
     and deleted (one at a time: the local disk needs room for one shard)."""
-    from .format import _check_checksum, _load_json, _load_part
-    from .verify import _check_shard
+    from .format import _check_checksum, _check_shard, _load_json, _load_part
 
     try:
         remote, local, listing = open_remote_index(url)

@@ -591,17 +591,8 @@ def _directory_arg(name: str, value: Any) -> str:
 
 
 def merged_index(out: str) -> dict[str, Any]:
-    """Merge the per-rank index files of a capture directory (or URL) into one index dict."""
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(out)):
-        import shutil
-
-        from .remote import open_remote_index
-
-        _, local, _ = open_remote_index(str(out))
-        try:
-            return merged_index(local)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+    """Merge the per-rank index files of a capture directory into one index dict (for a URL
+    too: :func:`pyhook.store.merged_index` is :func:`.transport.merged_index_of`)."""
     parts = [_load_part(p) for p in sorted(_glob(out, "index-r*.json"))]
     if not parts:
         raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
@@ -641,3 +632,143 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TB"
+
+
+def _file_checksum(path: str, algorithm: str) -> str:
+    crc = _CHECKSUM_FUNCS[algorithm]
+    value = 0
+    with _open_regular(path) as f:
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            value = crc(view[:n], value)
+    return f"{algorithm}:{value & 0xFFFFFFFF:08x}"
+
+
+def _check_shard(
+    out: str,
+    entry: dict[str, Any],
+    layers: dict[str, Any],
+    *,
+    checksum: bool = False,
+    notes: list[str] | None = None,
+) -> tuple[dict[str, Any], int]:
+    """Check one listed shard against its index entry; returns its ``(header, data_start)``.
+
+    Always (cheap: one stat and one small read): the file exists, is a regular file of the
+    recorded size, and its header holds each listed layer with the index's dtype and
+    ``[rows, *row_shape]``, at offsets inside the file, and (stores written since checksums
+    exist) names this shard and its first example. With ``checksum``: the bytes' checksum.
+    Raises :class:`CaptureDamagedError` naming the file and what differs.
+    """
+    path = os.path.join(out, entry["file"])
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CaptureDamagedError(f"{path}: missing (listed in the index)", path) from None
+    except OSError as e:
+        raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read below forever
+        raise CaptureDamagedError(f"{path}: {_file_kind(st.st_mode)}, not a shard file", path)
+    want = entry.get("bytes")
+    if want is not None and not _is_int(want):
+        raise CaptureDamagedError(
+            f"{path}: the index records a size of {want!r} bytes, not an integer", path
+        )
+    if want is not None and st.st_size != want:
+        raise CaptureDamagedError(
+            f"{path}: size {st.st_size} bytes, the index records {want} (truncated or replaced)",
+            path,
+        )
+    header, data_start = _read_header(path)
+    meta = header.get("__metadata__") or {}
+    if "shard" in meta and meta["shard"] != os.path.basename(path):
+        raise CaptureDamagedError(
+            f"{path}: holds {meta['shard']} (shards swapped or renamed on disk)", path
+        )
+    if (
+        "first_example" in meta
+        and "first_example" in entry
+        and str(meta["first_example"]) != str(entry["first_example"])
+    ):
+        raise CaptureDamagedError(
+            f"{path}: starts at example {meta['first_example']}, the index says "
+            f"{entry['first_example']} (shards swapped on disk)",
+            path,
+        )
+    for name, rows in entry["rows"].items():
+        info = layers.get(name)
+        if not isinstance(info, dict):
+            raise CaptureDamagedError(
+                f"{path}: the index lists rows of layer {name!r}, which its layer list lacks", path
+            )
+        h = header.get(name)
+        if not isinstance(h, dict):
+            raise CaptureDamagedError(f"{path}: no tensor {name!r} in its header", path)
+        dtype = getattr(torch, str(info.get("dtype")), None)
+        code = _DTYPE_TO_ST.get(dtype) if isinstance(dtype, torch.dtype) else None
+        if code is None:
+            raise CaptureDamagedError(
+                f"{path}: the index records dtype {info.get('dtype')!r} for layer {name!r}, "
+                "which a capture cannot hold",
+                path,
+            )
+        if h.get("dtype") != code:
+            raise CaptureDamagedError(
+                f"{path}: layer {name!r} has dtype {h.get('dtype')} in the header, the index "
+                f"records {info.get('dtype')} ({code})",
+                path,
+            )
+        shape = [rows, *info.get("row_shape", [])]
+        if h.get("shape") != shape:
+            raise CaptureDamagedError(
+                f"{path}: layer {name!r} has shape {h.get('shape')} in the header, the index "
+                f"records {shape}",
+                path,
+            )
+        nbytes = _ST_TO_DTYPE[code].itemsize
+        for d in shape:
+            nbytes *= d
+        off = h.get("data_offsets")
+        if (
+            not isinstance(off, list)
+            or len(off) != 2
+            or off[1] - off[0] != nbytes
+            or off[0] < 0
+            or data_start + off[1] > st.st_size
+        ):
+            raise CaptureDamagedError(
+                f"{path}: layer {name!r} has data offsets {off} that do not fit {shape} "
+                f"{code} inside the file",
+                path,
+            )
+    extra = sorted(set(header) - set(entry["rows"]) - {"__metadata__"})
+    if extra:
+        raise CaptureDamagedError(f"{path}: tensors {extra} are not listed in the index", path)
+    if checksum:
+        recorded = entry.get("checksum")
+        algorithm = str(recorded).partition(":")[0]
+        if recorded is None:
+            if notes is not None:
+                notes.append(f"{path}: no checksum recorded (older store); size and header checked")
+        elif algorithm not in _CHECKSUM_FUNCS:
+            raise CaptureDamagedError(
+                f"{path}: checksum {recorded!r} uses an unknown algorithm "
+                f"(known: {', '.join(_CHECKSUM_FUNCS)}; pip install crc32c)",
+                path,
+            )
+        else:
+            try:
+                got = _file_checksum(path, algorithm)
+            except OSError as e:
+                raise CaptureDamagedError(f"{path}: cannot be read: {e.strerror or e}", path) from e
+            if got != recorded:
+                raise CaptureDamagedError(
+                    f"{path}: checksum {got} differs from the index's {recorded} "
+                    "(its bytes changed on disk)",
+                    path,
+                )
+    return header, data_start

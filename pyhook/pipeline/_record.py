@@ -13,12 +13,12 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal, Protocol, Union
 
 import torch
 from torch import nn
 
-from ._tree import tensor_leaves
+from .._tree import tensor_leaves
 
 Positions = Union[int, Literal["last"], slice, Sequence[int], None]  # noqa: UP007 (runtime alias on 3.10)
 MaskSpec = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]  # noqa: UP007
@@ -361,3 +361,61 @@ def stats_later(
                 out[name].copy_(batch_stats(t))
 
     return out, fill
+
+
+class _Note:
+    """What :meth:`Recorder.annotate` says about the next forward."""
+
+    __slots__ = ("examples", "keep", "texts", "token_ids")
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        examples: torch.Tensor | None,
+        texts: list[str] | None,
+    ) -> None:
+        self.token_ids = token_ids
+        self.keep = keep
+        self.examples = examples
+        self.texts = texts
+
+
+class RecorderState(Protocol):
+    """What the eager and compiled paths (:mod:`._record_eager`, :mod:`._record_compiled`) use
+    of the :class:`~pyhook.capture.Recorder` that made them. Written out here so that those
+    modules need not import ``capture``, which imports them."""
+
+    model: nn.Module
+    to: str
+    mask: Any
+    copy: bool
+    select: Any
+    _modules: dict[str, nn.Module]
+    _reduction: Reduction
+    _stats: bool
+    _tokens: bool
+    _mask_unlisted: bool
+
+    @property
+    def _offloader(self) -> Any: ...
+
+    @property
+    def _stats_to_host(self) -> bool: ...
+
+    @property
+    def _annotations(self) -> bool: ...
+
+    def _take_note(self, number: int | None = None) -> _Note | None: ...
+
+    def _skip(self, examples: int) -> None: ...
+
+    def _add(
+        self,
+        rows: dict[str, Any],
+        examples: int,
+        extra: dict[str, torch.Tensor],
+        *,
+        wait: Callable[[], Any] | None = None,
+        guards: dict[str, tuple[torch.Tensor, int]] | None = None,
+    ) -> None: ...

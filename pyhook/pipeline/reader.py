@@ -23,7 +23,7 @@ from .format import (
     merged_index,
     parse_dtype,
 )
-from .remote import ShardCache, is_url, open_remote_index
+from .transport import ShardCache, is_url, open_remote_index
 from .verify import _check_shard
 
 
@@ -508,7 +508,7 @@ class CaptureReader:
         """The token id of every row (``LongTensor [rows]``, aligned with each layer's rows), or
         None when the capture keeps none (older stores, rows of different layouts); see
         :func:`pyhook.annotations.tokens`."""
-        from .. import annotations
+        from . import annotations
 
         return annotations.tokens(self)
 
@@ -516,14 +516,14 @@ class CaptureReader:
     def row_index(self) -> torch.Tensor | None:
         """``(example, position)`` of every row (``LongTensor [rows, 2]``), or None when
         absent; see :func:`pyhook.annotations.row_index`."""
-        from .. import annotations
+        from . import annotations
 
         return annotations.row_index(self)
 
     def text(self, example: int) -> str:
         """The text of example ``example`` (the index :attr:`row_index` gives), when the
         capture kept texts; see :func:`pyhook.annotations.text`."""
-        from .. import annotations
+        from . import annotations
 
         return annotations.text(self, example)
 
@@ -531,23 +531,19 @@ class CaptureReader:
         """Statistics of ``layer`` gathered while capturing, exact across shards, resumes and
         ranks: ``count``, per-dimension ``mean`` and ``var``, ``norm_mean`` (mean L2 norm of a
         row); see :func:`pyhook.annotations.stats`."""
-        from .. import annotations
+        from . import annotations
 
         return annotations.stats(self, layer)
 
     def dataset(self, layers: str | Sequence[str] | None = None, **options: Any) -> Any:
         """A ``torch.utils.data`` dataset of shuffled ``{layer: rows}`` batches for a plain
         ``DataLoader(ds, batch_size=None)``; see :func:`pyhook.dataset.dataset`."""
-        from .. import dataset
-
-        return dataset.dataset(self, layers, **options)
+        return training.dataset(self, layers, **options)
 
     def to_hf_dataset(self, layers: str | Sequence[str] | None = None, **options: Any) -> Any:
         """The rows as a Hugging Face ``datasets.Dataset`` (with token ids); see
         :func:`pyhook.dataset.to_hf_dataset`."""
-        from .. import dataset
-
-        return dataset.to_hf_dataset(self, layers, **options)
+        return training.to_hf_dataset(self, layers, **options)
 
     def check_mapped(self) -> None:
         """Raise :class:`CaptureDamagedError` if a shard mapped so far became shorter (one
@@ -558,6 +554,11 @@ class CaptureReader:
 
     def __repr__(self) -> str:
         return f"<CaptureReader {self.path!r} layers={len(self.layers)} examples={self.examples}>"
+
+
+# The training wrappers (pyhook.pipeline.dataset) sit above the reader: that module sets this
+# when it is imported (pyhook's __init__ imports it), so the reader never imports it.
+training: Any = None
 
 
 def open_capture(

@@ -12,36 +12,35 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import _backend
-from ._hooks import HookSet
+from .. import _backend
+from .._hooks import HookSet
+from ..offload import PendingCopy
 from ._record import (
+    RecorderState,
     Reduction,
+    _Note,
     batch_size,
     batch_stats,
-    stats_later,
     check_guard,
     check_mask_tensor,
     input_token_ids,
     layer_rows,
+    stats_later,
 )
-from .offload import PendingCopy
 
 # A layer's statistics left to the writer thread (see make_hook).
 LATER: Any = object()
-
-if TYPE_CHECKING:
-    from .capture import Recorder, _Note
 
 
 class EagerPath:
     """Hooks and per-forward state of an eager capture (made and driven by the Recorder)."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: RecorderState) -> None:
         self.rec = rec
         self.reduction: Reduction = rec._reduction
         self.pending: dict[str, Any] = {}  # layer -> rows being copied (never rebound)

@@ -42,7 +42,7 @@ from .format import (
     journal_line,
     merged_index,
 )
-from .remote import Remote, Uploader, is_url
+from .transport import Remote, Uploader, is_url
 from .verify import _check_shard
 
 

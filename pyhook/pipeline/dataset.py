@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._backend import gather_rows, gather_rows_into
 from . import _ring
-from ._backend import gather_rows, gather_rows_into
+from . import reader as _reader
+from .reader import open_capture
 
 __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
 
@@ -46,10 +48,6 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _open(path: str) -> Any:
-    # Imported here: the store module imports the backend, not this module, and a worker
-    # process only needs it when it reopens the capture.
-    from .store import open_capture
-
     return open_capture(path)
 
 
@@ -118,6 +116,17 @@ def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
     return rank, world_size
+
+
+class _Training:
+    """The functions :class:`~pyhook.store.CaptureReader` delegates to (see the end of this
+    module)."""
+
+    __slots__ = ("dataset", "to_hf_dataset")
+
+    def __init__(self, dataset: Any, to_hf_dataset: Any) -> None:
+        self.dataset = dataset
+        self.to_hf_dataset = to_hf_dataset
 
 
 class CaptureDataset(IterableDataset):
@@ -643,3 +652,9 @@ def shuffle_quality(
         "neighbour_corr": corr,
         "distinct_groups": sum(distinct) / max(sum(expected), 1e-9),
     }
+
+
+# The reader sits below this module (it is what a dataset reads) and never imports it; its
+# two training conveniences, ``CaptureReader.dataset`` and ``.to_hf_dataset``, are handed over
+# here. ``pyhook/__init__.py`` imports this module, so they are there for every reader.
+_reader.training = _Training(dataset, to_hf_dataset)

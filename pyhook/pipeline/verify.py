@@ -1,0 +1,76 @@
+"""Checking a whole capture against its index (:func:`verify_capture`, ``pyhook verify``),
+local or remote; one shard's check (``_check_shard``, also used by the reader, the writer's resume
+and the remote shard cache) is the format's, in :mod:`.format`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .format import (
+    CaptureDamagedError,
+    _check_checksum,
+    _check_shard,
+    _directory_arg,
+    _glob,
+    _load_json,
+    _load_part,
+)
+from .transport import is_url
+
+
+def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """Check a capture directory completely: ``(problems, notes)``, one line each.
+
+    Every index file is read and checked, and every listed shard against its entry: present,
+    a regular file, the recorded size, a header with the recorded dtypes and shapes naming this
+    shard, and the recorded checksum of its bytes. A problem names the file and what differs;
+    a note says what could not be checked (a shard of an older store has no checksum).
+
+    Example::
+
+        >>> import tempfile, torch, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> store.verify_capture(out)
+        ([], [])
+    """
+    if is_url(path):
+        from .transport import verify_remote
+
+        return verify_remote(str(path))
+    out = _directory_arg("path", path)
+    if not os.path.isdir(out):
+        return [f"{out}: no such capture directory"], []
+    problems: list[str] = []
+    notes: list[str] = []
+    parts = sorted(_glob(out, "index-r*.json"))
+    if not parts:
+        return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
+    seen: set[str] = set()
+    for p in parts:
+        try:
+            part = _load_part(p)
+        except CaptureDamagedError as e:
+            problems.append(str(e))
+            continue
+        for s in part["shards"]:
+            seen.add(s["file"])
+            try:
+                _check_shard(out, s, part["layers"], checksum=True, notes=notes)
+            except CaptureDamagedError as e:
+                problems.append(str(e))
+    merged = os.path.join(out, "index.json")
+    if os.path.exists(merged):
+        try:
+            obj = _load_json(merged)
+            if not isinstance(obj, dict):
+                raise CaptureDamagedError(f"{merged}: the index is not a JSON object", merged)
+            _check_checksum(merged, obj, "the merged index")
+        except CaptureDamagedError as e:
+            problems.append(f"{e} (rewritten from the per-rank index files on the next close)")
+    for p in sorted(_glob(out, "shard-r*.safetensors")):
+        if os.path.basename(p) not in seen and not problems:
+            notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
+    return problems, notes
