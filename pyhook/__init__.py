@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import importlib as _importlib
 
-# _startup first among the imports of torch (Ctrl-C while the command imports torch);
-# _aliases answers the pipeline's old module paths (pyhook.capture, pyhook.store.writer, ...).
-from . import _aliases, _startup  # noqa: F401
+# _startup first among the imports of torch (Ctrl-C while the command imports torch), _precheck
+# (the command's arguments, checked before torch); _aliases answers the pipeline's old module
+# paths (pyhook.capture, pyhook.store.writer, ...).
+from . import _aliases, _precheck, _startup  # noqa: F401
 from ._backend import (
     empty_pool,
     get_backend,

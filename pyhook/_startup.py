@@ -3,9 +3,9 @@
 Importing pyhook imports torch, which takes seconds, before :func:`pyhook.cli.main` (which
 handles ``KeyboardInterrupt`` itself) runs. This module is imported first by ``pyhook/__init__``
 and, only when the process is the ``pyhook`` command (``pyhook ...`` or ``python -m pyhook``),
-turns SIGINT into that one line until ``main`` restores Python's default handler, and checks the
-command's arguments before torch is imported (:func:`check_arguments_first`). Importing pyhook
-from any other program leaves SIGINT and ``sys.argv`` alone.
+turns SIGINT into that one line until ``main`` restores Python's default handler. Importing
+pyhook from any other program leaves SIGINT alone. (:mod:`pyhook._precheck`, imported next,
+checks the command's arguments before torch is imported.)
 """
 
 from __future__ import annotations
@@ -41,16 +41,5 @@ def restore() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def check_arguments_first() -> None:
-    """Check the command's arguments before ``pyhook/__init__`` imports torch: a mistyped flag,
-    a value out of range or a bad ``--config`` exits here (status 2, one line; ``--help`` exits
-    0) in milliseconds. :mod:`pyhook.cli` and the capture job import no torch at import time."""
-    from .cli import check_command_line
-
-    check_command_line()
-
-
-if launched_as_command():
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, interrupted)
-    check_arguments_first()
+if launched_as_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, interrupted)
