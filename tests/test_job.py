@@ -274,7 +274,8 @@ def test_plan_refuses_a_different_capture_and_run_refuses_what_does_not_fit(
         ({"shard_mb": 0}, "shard_mb must be > 0", "--shard-mb must be > 0"),
         ({"positions": "first"}, "positions must be 'all', 'last' or an integer", "--positions"),
         ({"dtype": "float7"}, "dtype must be one of float64, float32", "--dtype must be one of"),
-        ({"layers": []}, "layers must be a list of layer names", "--layers must be a list"),
+        ({"layers": []}, "layers must name at least one layer", "--layers must name"),
+        ({"layers": 3}, "layers must be a list of layer names", "--layers must be a list"),
         ({"overwrite": "yes"}, "overwrite must be true or false", "--overwrite must be"),
         (
             {"model": torch.nn.Sequential(*[torch.nn.Linear(2, 2)] * 3)},
@@ -310,8 +311,7 @@ def test_every_job_option_is_a_flag_and_back():
 
 
 def test_dtype_names_checked_without_torch_are_the_stores():
-    from pyhook.store import dtype_name, parse_dtype
-    from pyhook.store.format import _DTYPE_TO_ST
+    from pyhook.pipeline.format import _DTYPE_TO_ST, dtype_name, parse_dtype
 
     assert {dtype_name(d) for d in _DTYPE_TO_ST} <= set(jobmod._DTYPE_NAMES)
     for name in (*jobmod._DTYPE_NAMES, *jobmod._DTYPE_ALIASES):

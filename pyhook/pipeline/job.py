@@ -96,7 +96,8 @@ class JobError(ValueError):
     """A job that cannot run as configured: one line naming the option and what was expected.
 
     ``str(e)`` names options as Python does (``limit``); the command prints
-    ``e.spelled(flags=True)`` (``--limit``).
+    ``e.spelled(flags=True)`` (``--limit``). A value of the wrong type raises one that is also a
+    ``TypeError``.
 
     >>> try:
     ...     CaptureJob(limit=0)
@@ -112,6 +113,10 @@ class JobError(ValueError):
 
     def spelled(self, flags: bool = False) -> str:
         return _spell(self.template, flags)
+
+
+class _JobTypeError(JobError, TypeError):
+    """A :class:`JobError` for a value of the wrong type (also a ``TypeError``)."""
 
 
 def _got(v: Any) -> str:
@@ -348,10 +353,14 @@ class CaptureJob:
         for name, kind in types.items():
             v = getattr(self, name)
             if name == "layers":
-                if v is not None and (not v or not all(isinstance(x, str) and x for x in v)):
-                    raise JobError(
+                if v is None:
+                    continue
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise _JobTypeError(
                         f"`layers` must be a list of layer names or globs, got {_got(v)}"
                     )
+                if not v or not all(v):
+                    raise JobError(f"`layers` must name at least one layer, got {_got(v)}")
             elif name == "positions":
                 if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
                     raise JobError(
@@ -362,12 +371,12 @@ class CaptureJob:
                     raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {_got(v)}")
             elif "bool" in kind:
                 if not (isinstance(v, bool) or (v is None and "None" in kind)):
-                    raise JobError(f"`{name}` must be true or false, got {_got(v)}")
+                    raise _JobTypeError(f"`{name}` must be true or false, got {_got(v)}")
             elif "int" in kind:
                 if v is None and "None" in kind:
                     continue
                 if isinstance(v, bool) or not isinstance(v, int):
-                    raise JobError(f"`{name}` must be an integer, got {_got(v)}")
+                    raise _JobTypeError(f"`{name}` must be an integer, got {_got(v)}")
                 if v < 1:
                     raise JobError(f"`{name}` must be >= 1, got {v}")
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
@@ -377,7 +386,7 @@ class CaptureJob:
                     if name == "model"
                     else ""
                 )
-                raise JobError(f"`{name}` must be a string, got {_got(v)}{hint}")
+                raise _JobTypeError(f"`{name}` must be a string, got {_got(v)}{hint}")
         for name in ("dtype", "model_dtype"):
             v = getattr(self, name)
             if v is not None:
