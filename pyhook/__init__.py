@@ -16,7 +16,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   see :mod:`pyhook.distributed`), :class:`DummyModule`;
 * capture: :func:`capture` / :class:`Recorder` pull activations of many layers (names or
   globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
-  them back, :func:`verify_capture` checks them (the ``pyhook`` command wraps all three);
+  them back, :func:`verify_capture` checks them; :class:`CaptureJob` is a whole capture (corpus,
+  model, layers, store) as one config with ``plan()``/``run()``/``stream()``, the job the
+  ``pyhook capture`` command parses its flags or ``--config`` file into;
 * streaming: :func:`stream` hands shuffled batches of live activations to a trainer (a
   producer thread ahead of it, a seeded mixing buffer, optionally a tee to a store);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
@@ -34,9 +36,10 @@ from __future__ import annotations
 
 import importlib as _importlib
 
-# _startup first among the imports of torch (Ctrl-C while the command imports torch);
-# _aliases answers the pipeline's old module paths (pyhook.capture, pyhook.store.writer, ...).
-from . import _aliases, _startup  # noqa: F401
+# _startup first among the imports of torch (Ctrl-C while the command imports torch), _precheck
+# (the command's arguments, checked before torch); _aliases answers the pipeline's old module
+# paths (pyhook.capture, pyhook.store.writer, ...).
+from . import _aliases, _precheck, _startup  # noqa: F401
 from ._backend import (
     empty_pool,
     get_backend,
@@ -79,6 +82,7 @@ from .modules import (
 )
 from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
+from .pipeline.job import CaptureJob
 from .pipeline.stream import Stream, stream
 from .store import (
     CaptureDamagedError,
@@ -141,6 +145,7 @@ __all__ = [
     "default_editing_function",
     # high-throughput capture
     "capture",
+    "CaptureJob",
     "Recorder",
     "resolve_layers",
     "stream",

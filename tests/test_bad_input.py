@@ -355,6 +355,10 @@ CASES: list[Case] = [
         "HookFunction",
     ),
     # --- capture store
+    ("CaptureJob", lambda: pyhook.CaptureJob(limit=0), (ValueError,), "limit must be >= 1, got 0"),
+    ("CaptureJob", lambda: pyhook.CaptureJob(model=M), (TypeError,), "model must be a string"),
+    ("CaptureJob", lambda: pyhook.CaptureJob(layers=[3]), (TypeError,), "layers must be a list"),
+    ("CaptureJob", lambda: pyhook.CaptureJob(positions="first"), (ValueError,), "positions must be"),
     ("open_capture", lambda: pyhook.open_capture(3), (TypeError,), "path must be a directory path"),
     ("open_capture", lambda: pyhook.open_capture("/nonexistent/pyhook"), (FileNotFoundError,), "does not exist"),
     ("verify_capture", lambda: pyhook.verify_capture(3), (TypeError,), "path must be a directory path"),

@@ -251,10 +251,11 @@ def format_stats(reader: Any) -> str:
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3)); out = tempfile.mkdtemp()
         >>> with capture(net, "0", out=out, stats=True) as rec:
         ...     _ = net(torch.randn(4, 2))
-        >>> format_stats(open_capture(out)).splitlines()[0].split()
-        ['layer', 'rows', 'width', 'mean', 'std', 'norm']
+        >>> [c.strip() for c in format_stats(open_capture(out)).splitlines()[0].split("  ") if c]
+        ['layer', 'rows', 'width', 'mean', 'dim std', 'norm']
     """
-    lines = [("layer", "rows", "width", "mean", "std", "norm")]
+    # "dim std": the mean over dimensions of each dimension's std (not the std of all values)
+    lines = [("layer", "rows", "width", "mean", "dim std", "norm")]
     missing = []
     for layer in _data_layers(reader):
         try:

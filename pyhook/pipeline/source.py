@@ -637,7 +637,9 @@ class CorpusSource:
         return torch.tensor(sorted(ids), dtype=torch.long)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: no "Token indices sequence length is longer than ..." warning; a packed
+        # document is cut into contexts, never run whole
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     def _rows(self) -> Iterator[tuple[int, Any]]:
         """(global example index, value) of every example, after ``limit``."""
@@ -863,7 +865,8 @@ class CorpusSource:
 
     def estimate(self, sample: int = 2000) -> dict[str, Any]:
         """Expected examples (contexts), tokens and kept rows of this rank's share (after skip),
-        from the first ``sample`` rows; ``exact`` when the sample is the whole corpus.
+        from the first ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
+        and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes).
 
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
@@ -873,25 +876,40 @@ class CorpusSource:
         """
         share = self.world_size
         if self._small(sample):  # count exactly: this rank's share, after skip
-            examples = tokens = rows = 0
+            examples = tokens = rows = texts = text_bytes = 0
             for b in self.batches():
                 examples += len(b.examples)
                 tokens += int(b.attention_mask.sum())
                 rows += int(b.keep.sum())
-            return {"examples": examples, "tokens": tokens, "rows": rows, "exact": True}
+                if b.texts is not None:
+                    texts += len(b.texts)
+                    text_bytes += sum(len(t.encode("utf-8")) for t in b.texts)
+            return {
+                "examples": examples,
+                "tokens": tokens,
+                "rows": rows,
+                "texts": texts,
+                "text_bytes": text_bytes,
+                "exact": True,
+            }
         if self.context_size is None:
             n = self.count()
             lo, hi = self.rank * n // share, (self.rank + 1) * n // share
             todo = max(0, hi - lo - self.skip)
-            seen = tokens = kept = 0
+            seen = tokens = kept = texts = text_bytes = 0
             for b in self._sample_batches(sample):
                 seen += len(b.examples)
                 tokens += int(b.attention_mask.sum())
                 kept += int(b.keep.sum())
+                if b.texts is not None:
+                    texts += len(b.texts)
+                    text_bytes += sum(len(t.encode("utf-8")) for t in b.texts)
             return {
                 "examples": todo,
                 "tokens": round(tokens / max(seen, 1) * todo),
                 "rows": round(kept / max(seen, 1) * todo),
+                "texts": round(texts / max(seen, 1) * todo),
+                "text_bytes": round(text_bytes / max(seen, 1) * todo),
                 "exact": False,
             }
         # packed: tokens per byte of the first documents, times the corpus's bytes
@@ -913,10 +931,16 @@ class CorpusSource:
             contexts = min(contexts, self.limit)
         todo = max(0, len(range(self.rank, contexts, share)) - self.skip)
         kept_frac = self._sample_kept_fraction() if self.exclude_special_tokens else 1.0
+        # a context's text is its tokens decoded: about the corpus's bytes per token
+        decoded = self.tokenizer is not None
         return {
             "examples": todo,
             "tokens": todo * self.context_size,
             "rows": round(todo * self.context_size * kept_frac),
+            "texts": todo if decoded else 0,
+            "text_bytes": round(
+                todo * self.context_size * sampled_bytes / max(sampled_tokens, 1) * decoded
+            ),
             "exact": False,
         }
 

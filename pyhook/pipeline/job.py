@@ -1,0 +1,1114 @@
+"""The capture job: the whole pipeline (corpus -> model -> layers -> store or trainer) as one
+config, the thing the ``pyhook capture`` command parses its flags (or ``--config job.yaml``) into.
+
+:class:`CaptureJob` holds the options; :meth:`~CaptureJob.plan` checks everything it can before
+the first forward and says what the run will write (:class:`CapturePlan`: rows, bytes and shards
+per layer, the free space, what is already stored); :meth:`~CaptureJob.run` writes the store and
+returns a :class:`CaptureResult` summed over every rank; :meth:`~CaptureJob.stream` hands the same
+model, corpus and layers to :func:`pyhook.pipeline.stream.stream` for a trainer that reads
+activations without a disk. :meth:`CaptureJob.from_file` reads a job from JSON (or YAML).
+
+Importing this module does not import torch: the command checks its arguments (and the job's
+values) before it pays for that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CaptureJob",
+    "CapturePlan",
+    "CaptureResult",
+    "JobError",
+    "LayerPlan",
+    "default_corpus",
+    "default_layers",
+]
+
+#: ``context_size`` of the default job (the bundled corpus): packed, SAE-style contexts.
+DEFAULT_CONTEXT_SIZE = 128
+
+# Names of the storable dtypes (pyhook.store.format's list, spelled without torch so that the
+# command checks --dtype before importing it; tests/test_job.py keeps the two in step).
+_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+_DTYPE_ALIASES = ("fp32", "fp16", "half", "bf16", "float", "double", "fp64")
+
+
+def default_corpus() -> str:
+    """Path of the bundled public-domain corpus (320 fairy-tale lines).
+
+    >>> os.path.basename(default_corpus())
+    'fairy_tales.txt'
+    """
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(here, "data", "fairy_tales.txt")
+
+
+# -- words: a message names an option as Python spells it (``limit``) or as the command does
+# (``--limit``). Messages are written with `name` (and `name=True` for a switch) and spelled when
+# shown, so one check serves both.
+_MARK = re.compile(r"`([a-z_]+)(=True)?`")
+
+
+def _spell(text: str, flags: bool = False) -> str:
+    """Render the `name` marks of a message as Python names or as the command's flags.
+
+    >>> _spell("`limit` must be >= 1; or `overwrite=True`")
+    'limit must be >= 1; or overwrite=True'
+    >>> _spell("`limit` must be >= 1; or `overwrite=True`", flags=True)
+    '--limit must be >= 1; or --overwrite'
+    """
+
+    def one(m: re.Match[str]) -> str:
+        name, switch = m.group(1), m.group(2) or ""
+        if flags:
+            return "--" + name.replace("_", "-")
+        return name + switch
+
+    return _MARK.sub(one, text)
+
+
+class JobError(ValueError):
+    """A job that cannot run as configured: one line naming the option and what was expected.
+
+    ``str(e)`` names options as Python does (``limit``); the command prints
+    ``e.spelled(flags=True)`` (``--limit``). A value of the wrong type raises one that is also a
+    ``TypeError``.
+
+    >>> try:
+    ...     CaptureJob(limit=0)
+    ... except JobError as e:
+    ...     print(e); print(e.spelled(flags=True))
+    limit must be >= 1, got 0
+    --limit must be >= 1, got 0
+    """
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(_spell(template))
+
+    def spelled(self, flags: bool = False) -> str:
+        return _spell(self.template, flags)
+
+
+class _JobTypeError(JobError, TypeError):
+    """A :class:`JobError` for a value of the wrong type (also a ``TypeError``)."""
+
+
+def _got(v: Any) -> str:
+    """A value as an error shows it: its repr when short, else its type."""
+    text = repr(v)
+    return text if len(text) <= 60 else f"a {type(v).__name__}"
+
+
+def _is_url(path: str) -> bool:
+    # pyhook.store.is_url's test, without importing the store (and torch) to check an argument
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    out += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(out)
+
+
+def _existing_dir(path: str) -> str:
+    """The nearest existing ancestor of ``path`` (itself when it exists)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _shown(path: str) -> str:
+    """A capture's place as the user sees it: a URL as given, a folder made absolute."""
+    return path if _is_url(path) else os.path.abspath(path)
+
+
+# How each stored setting is named in a refusal to resume (a job option, spelled when shown).
+_SETTING_WORDS = {
+    "model_path": "`model`",
+    "tokenizer_path": "`tokenizer`",
+    "model_class": "`model_class`",
+    "input": "`input`",
+    "input_sha1": "`input` (its contents)",
+    "text_column": "`text_column`",
+    "context_size": "`context_size`",
+    "exclude_special_tokens": "`exclude_special_tokens`",
+    "max_length": "`max_length`",
+    "model_dtype": "`model_dtype`",
+    "dtype": "`dtype`",
+    "positions": "`positions`",
+    "layers": "`layers`",
+    "examples_total": "the number of examples (several ranks)",
+}
+_DEFAULT_WORDS = {
+    "dtype": "the model's",
+    "model_dtype": "the checkpoint's",
+    "positions": "all",
+    "context_size": "none: one example per row",
+    "max_length": "none",
+}
+
+
+def _setting_value(key: str, v: Any) -> str:
+    if v is None:
+        return _DEFAULT_WORDS.get(key, "none")
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, list):
+        return " ".join(map(str, v))
+    return str(v)
+
+
+def settings_differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings that differ, as marked message parts (```dtype` float16 now, the model's
+    when stored``); keys only one side has are compared as absent (None).
+
+    >>> [_spell(d, flags=True) for d in settings_differences(
+    ...     {"dtype": None, "positions": None}, {"dtype": "float16", "positions": None})]
+    ["--dtype float16 now, the model's when stored"]
+    """
+    out = []
+    for key in now:
+        if key not in _SETTING_WORDS or stored.get(key) == now.get(key):
+            continue
+        if key == "input_sha1" and stored.get("input") != now.get("input"):
+            continue  # another file: its contents differ too, no need to say it
+        out.append(
+            f"{_SETTING_WORDS[key]} {_setting_value(key, now.get(key))} now, "
+            f"{_setting_value(key, stored.get(key))} when stored"
+        )
+    return out
+
+
+def _sum_over_ranks(values: list[int], device: Any) -> list[int]:
+    """``values`` summed over the ranks of the initialised process group (as is without one)."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=on)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+def default_layers(model: Any) -> str:
+    """``resid_post.*`` (every block's output, a standard point) when the model's architecture
+    has a mapping (see :mod:`pyhook.points`), else a glob for the children of its longest
+    ``nn.ModuleList``.
+
+    >>> import torch
+    >>> default_layers(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.ReLU()])))
+    '0.*'
+    """
+    from torch import nn
+
+    from ..points import architecture_of
+
+    try:
+        architecture_of(model)
+        return "resid_post.*"
+    except LookupError:
+        pass
+    best, size = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > size:
+            best, size = name, len(mod)
+    if best is None:
+        raise JobError("could not guess the model's blocks (no ModuleList); pass `layers`")
+    return f"{best}.*"
+
+
+# -- the job -----------------------------------------------------------------------------------
+@dataclass
+class CaptureJob:
+    """One capture, configured as data: the model, the corpus and how it is cut, the layers,
+    what is stored and where. The ``pyhook capture`` command takes the same options as flags
+    (``context_size`` is ``--context-size``) or as a file (:meth:`from_file`).
+
+    >>> import tempfile, pyhook
+    >>> job = pyhook.CaptureJob(model="minilm", layers=["resid_post.5"], limit=2,
+    ...                         out=tempfile.mkdtemp())
+    >>> plan = job.plan()                     # checks, size estimate; nothing written yet
+    >>> plan.examples, plan.exact, [layer.name for layer in plan.layers]
+    (2, True, ['resid_post.5'])
+    >>> result = job.run(plan)                # the store; sums over every rank
+    >>> result.examples, result.rows["resid_post.5"] == plan.rows
+    (2, True)
+    >>> pyhook.open_capture(job.out)["resid_post.5"].shape[1]
+    384
+
+    Options (every one optional):
+
+    * ``model``: a local checkpoint folder, a built-in name (``minilm``) or a model in the local
+      Hugging Face cache; never downloaded. ``tokenizer`` (for a checkpoint saved without one),
+      ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
+      ``device``.
+    * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
+      ``save_to_disk`` folder; default the bundled corpus), ``text_column``, ``context_size``
+      (pack documents into contexts of N tokens; default 128 for the bundled corpus, else one
+      example per row), ``max_length`` (one example per row: tokens kept per example; default
+      128 or the model's positions), ``exclude_special_tokens``, ``limit`` (first N examples or
+      contexts), ``batch_size`` (examples or contexts per forward).
+    * ``layers``: names, globs or standard points (default every block, ``resid_post.*``);
+      ``positions`` (``"all"``, ``"last"`` or an index); ``dtype`` (stored dtype).
+    * ``out`` (a folder or an fsspec URL), ``shard_mb``, ``overwrite`` (replace a different
+      capture there), ``force`` (start even when the estimate exceeds the free space), ``stats``
+      (per-layer statistics), ``tokens`` (token ids and row index next to the rows).
+
+    Values are checked when the job is made (a :class:`JobError` naming the option); what needs
+    the model or the files (does the corpus have that column, does the layer run) is checked by
+    :meth:`plan`, before the weights are loaded where it can be.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    model_class: str | None = None
+    layers: list[str] | None = None
+    input: str | None = None
+    text_column: str | None = None
+    context_size: int | None = None
+    exclude_special_tokens: bool | None = None
+    limit: int | None = None
+    batch_size: int = 32
+    max_length: int | None = None
+    dtype: str | None = None
+    model_dtype: str | None = None
+    positions: str | int = "all"
+    device: str = "cpu"
+    out: str = "pyhook-activations"
+    shard_mb: float = 256.0
+    overwrite: bool = False
+    force: bool = False
+    stats: bool = True
+    tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # the forms a file or the command gives, made one (so equal jobs compare equal)
+        if isinstance(self.layers, str):
+            self.layers = [self.layers]
+        elif isinstance(self.layers, tuple):
+            self.layers = list(self.layers)
+        for name in ("input", "out", "model", "tokenizer"):
+            v = getattr(self, name)
+            if isinstance(v, os.PathLike):
+                setattr(self, name, os.fspath(v))
+        if self.positions is None:
+            self.positions = "all"
+        if isinstance(self.positions, str) and re.fullmatch(r"-?\d+", self.positions.strip()):
+            self.positions = int(self.positions)
+        if isinstance(self.shard_mb, int) and not isinstance(self.shard_mb, bool):
+            self.shard_mb = float(self.shard_mb)
+        self.check()
+
+    # -- checks that need neither torch nor a file --------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`JobError` for a value of the wrong type or range, or options that
+        contradict each other (run when the job is made; needs neither torch nor any file)."""
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        for name, kind in types.items():
+            v = getattr(self, name)
+            if name == "layers":
+                if v is None:
+                    continue
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise _JobTypeError(
+                        f"`layers` must be a list of layer names or globs, got {_got(v)}"
+                    )
+                if not v or not all(v):
+                    raise JobError(f"`layers` must name at least one layer, got {_got(v)}")
+            elif name == "positions":
+                if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
+                    raise JobError(
+                        f"`positions` must be 'all', 'last' or an integer, got {_got(v)}"
+                    )
+            elif name == "shard_mb":
+                if isinstance(v, bool) or not isinstance(v, float) or not v > 0:
+                    raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {_got(v)}")
+            elif "bool" in kind:
+                if not (isinstance(v, bool) or (v is None and "None" in kind)):
+                    raise _JobTypeError(f"`{name}` must be true or false, got {_got(v)}")
+            elif "int" in kind:
+                if v is None and "None" in kind:
+                    continue
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise _JobTypeError(f"`{name}` must be an integer, got {_got(v)}")
+                if v < 1:
+                    raise JobError(f"`{name}` must be >= 1, got {v}")
+            elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
+                hint = (
+                    " (a checkpoint folder or a model's name; a model object in memory is "
+                    "captured with pyhook.capture)"
+                    if name == "model"
+                    else ""
+                )
+                raise _JobTypeError(f"`{name}` must be a string, got {_got(v)}{hint}")
+        for name in ("dtype", "model_dtype"):
+            v = getattr(self, name)
+            if v is not None:
+                key = v.lower().removeprefix("torch.")
+                if key not in _DTYPE_NAMES and key not in _DTYPE_ALIASES:
+                    raise JobError(
+                        f"`{name}` must be one of {', '.join(_DTYPE_NAMES)} (a name such as "
+                        f"'bf16'), got {v!r}"
+                    )
+        if self.context_size is not None and self.max_length is not None:
+            raise JobError(
+                "`max_length` cuts each example of a one-example-per-row capture; with "
+                f"`context_size` every row is a context of exactly {self.context_size} tokens: "
+                "drop one of them"
+            )
+
+    # -- files ----------------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> CaptureJob:
+        """The job a JSON or YAML file describes (keys are the option names; ``overrides``
+        replace the file's values, as the command's flags do).
+
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "job.json")
+        >>> _ = open(path, "w").write(json.dumps({"model": "minilm", "context_size": 64}))
+        >>> CaptureJob.from_file(path, limit=8).context_size
+        64
+        >>> _ = open(path, "w").write(json.dumps({"context_sise": 64}))
+        >>> CaptureJob.from_file(path)
+        Traceback (most recent call last):
+        ...
+        pyhook.pipeline.job.JobError: job.json: unknown key 'context_sise' (did you mean 'context_size'?)
+        """
+        values = cls.read_file(path)
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def read_file(cls, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The options a job file sets, checked: a mapping whose keys are option names (``-``
+        may stand for ``_``); an unknown key is refused naming it and the closest option."""
+        path = os.fspath(path)
+        name = os.path.basename(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise JobError(f"cannot read the job file {path!r}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise JobError(f"the job file {path!r} is not UTF-8 text") from None
+        if path.lower().endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise JobError(
+                    f"reading {name} needs PyYAML (pip install pyyaml); or write the job as JSON"
+                ) from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                where = getattr(e, "problem_mark", None)
+                at = f" (line {where.line + 1})" if where is not None else ""
+                raise JobError(
+                    f"{name} is not valid YAML{at}: {getattr(e, 'problem', e)}"
+                ) from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise JobError(f"{name} is not valid JSON (line {e.lineno}): {e.msg}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise JobError(
+                f"{name} must hold a mapping of options (model, layers, input, ...), "
+                f"got a {type(data).__name__}"
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for key, v in data.items():
+            k = str(key).replace("-", "_")
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
+                hint = (
+                    f" (did you mean {close[0]!r}?)"
+                    if close
+                    else f"; a job's keys are: {', '.join(known)}"
+                )
+                raise JobError(f"{name}: unknown key {key!r}{hint}")
+            values[k] = v
+        try:
+            cls(**values)  # its values alone, so a mistake names the file and its key
+        except JobError as e:
+            raise JobError(f"{name}: {e}") from None
+        return values
+
+    # -- the plan -------------------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _check_out(self, out: str) -> None:
+        """``out`` must be (or be creatable as) a writable folder. A URL is checked by the
+        writer, which names what is wrong (a missing fsspec backend, credentials, the bucket)."""
+        if _is_url(out):
+            return
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise JobError(f"`out` {out!r} is a file, not a directory")
+        base = _existing_dir(out)
+        import tempfile
+
+        try:  # a real write (os.access says yes to root everywhere, /proc included)
+            if not os.path.isdir(base):
+                raise NotADirectoryError(0, "not a directory")
+            with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
+                pass
+        except OSError as e:
+            raise JobError(
+                f"cannot write to `out` {out!r}: {base!r} is not a writable directory "
+                f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
+            ) from None
+
+    def _source(self, *, rank: int, world: int) -> dict[str, Any]:
+        """The model's config and tokenizer and the corpus, all checked before the weights."""
+        from .runner import RunnerError, load_tokenizer, prepare_model
+        from .source import SourceError, open_source
+
+        prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
+        try:
+            tokenizer, tok_path = load_tokenizer(self.tokenizer, prepared.path)
+            tok_error = None
+        except RunnerError as e:
+            tokenizer, tok_path, tok_error = None, None, e
+        positions_limit = prepared.max_positions
+        context_size = self.context_size
+        if context_size is None and self.input is None:
+            # the default job (the bundled corpus): packed contexts, as SAE datasets use
+            context_size = min(DEFAULT_CONTEXT_SIZE, positions_limit or DEFAULT_CONTEXT_SIZE)
+        model_name = os.path.basename(prepared.path)
+        if positions_limit is not None:
+            if context_size is not None and context_size > positions_limit:
+                raise JobError(
+                    f"`context_size` {context_size} is above the {positions_limit} positions "
+                    f"of {model_name} (its config); use at most {positions_limit}"
+                )
+            if context_size is None and self.max_length and self.max_length > positions_limit:
+                raise JobError(
+                    f"`max_length` {self.max_length} is above the {positions_limit} positions "
+                    f"of {model_name} (its config); use at most {positions_limit}"
+                )
+        # the default: 128, or fewer when the model has fewer positions
+        max_length = self.max_length or min(128, positions_limit or 128)
+        input_path = os.path.abspath(self.input or default_corpus())
+        try:
+            src = open_source(
+                input_path,
+                text_column=self.text_column,
+                tokenizer=tokenizer,
+                context_size=context_size,
+                max_length=None if context_size else max_length,
+                batch_size=self.batch_size,
+                exclude_special_tokens=self.exclude_special_tokens,
+                limit=self.limit,
+                rank=rank,
+                world_size=world,
+                vocab_size=getattr(prepared.config, "vocab_size", None) or None,
+            )
+        except SourceError as e:
+            if tok_error is not None and "tokenizer" in str(e):
+                raise tok_error from None
+            raise
+        if tokenizer is None and not src.pretokenized:
+            assert tok_error is not None
+            raise tok_error
+        src.first_context_or_error()
+        return {
+            "prepared": prepared,
+            "tokenizer": tokenizer,
+            "tokenizer_path": tok_path,
+            "source": src,
+            "context_size": context_size,
+            "max_length": max_length,
+            "input": input_path,
+        }
+
+    def _device(self, world: int) -> str:
+        """The device, after joining the process group when torchrun started several ranks."""
+        import torch
+
+        device = self.device
+        dist = torch.distributed
+        if world > 1 and not dist.is_initialized():
+            if device.startswith("cuda"):
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        return device
+
+    def plan(self) -> CapturePlan:
+        """Check everything that can be checked before the first forward and estimate the run.
+
+        In order, each a one-line error (:class:`JobError`, or the runner's and the corpus's
+        own ``ValueError``) before anything is written: the device, ``out`` (writable, and no
+        *different* capture there unless ``overwrite``), the model's config and tokenizer, the
+        corpus (file, column, at least one context), the lengths against the model's
+        positions; then the weights load and one short probe forward gives each layer's width
+        (a layer that never runs is an error). The plan holds the loaded model: pass it to
+        :meth:`run`. It does not refuse a run that exceeds the free space (``plan.fits``):
+        :meth:`run` does, unless ``force``.
+        """
+        import torch
+
+        from . import runner
+        from .capture import capture
+        from .format import dtype_name, parse_dtype
+        from .runner import check_device
+
+        dtype = parse_dtype(self.dtype, _spell("`dtype`"))
+        model_dtype = parse_dtype(self.model_dtype, _spell("`model_dtype`"))
+        positions = None if self.positions == "all" else self.positions
+        check_device(self.device)
+        out = _shown(self.out)
+        self._check_out(out)
+        rank, world = self._world()
+
+        # 1. The model's config and tokenizer, the corpus and out: all before the weights.
+        got = self._source(rank=rank, world=world)
+        prepared, src, context_size = got["prepared"], got["source"], got["context_size"]
+        unit = f"contexts of {context_size} tokens" if context_size else "examples"
+        settings: dict[str, Any] = {
+            "model_path": prepared.path,
+            **({"tokenizer_path": got["tokenizer_path"]} if self.tokenizer else {}),
+            **({"model_class": self.model_class} if self.model_class else {}),
+            **src.settings(),
+            "max_length": None if context_size else got["max_length"],
+            "model_dtype": dtype_name(model_dtype) if model_dtype else None,
+        }
+        plan = CapturePlan(
+            job=self,
+            model_path=prepared.path,
+            input=got["input"],
+            out=out,
+            unit=unit,
+            context_size=context_size,
+            max_length=None if context_size else got["max_length"],
+            rank=rank,
+            world_size=world,
+        )
+        stored = None if self.overwrite else _stored_capture(out)
+        if stored is not None:
+            _refuse_different(
+                out,
+                stored,
+                {
+                    **settings,
+                    "dtype": dtype_name(dtype) if dtype else None,
+                    "positions": positions,
+                },
+                world,
+            )
+            plan.stored = stored.examples
+            if self.limit is not None and world == 1 and stored.examples >= self.limit:
+                plan.note = (
+                    f"{out} already holds {stored.examples:,} {unit.split(' ')[0]}, "
+                    + ("more than" if stored.examples > self.limit else "all")
+                    + f" the {self.limit:,} `limit` asks for: nothing to do "
+                    "(`overwrite=True` starts again)"
+                )
+                return plan
+        share = src.estimate()  # this rank's share, from its start (needs no weights)
+        if (
+            stored is not None
+            and world == 1
+            and share["exact"]
+            and stored.examples >= share["examples"]
+        ):
+            plan.note = (
+                f"{out} already holds all {stored.examples:,} {unit.split(' ')[0]} of "
+                f"{os.path.basename(got['input'])}: nothing to do (`overwrite=True` starts again)"
+            )
+            return plan
+
+        # 2. The weights, the layers, one probe forward for their widths.
+        device = self._device(world)
+        model = runner.load_weights(prepared, device=device, dtype=model_dtype)
+        layers = self.layers or [default_layers(model)]
+        keep = runner._Keep()
+        meta = {
+            "model": type(model).__name__,
+            "model_path": prepared.path,
+            "command": "pyhook capture",
+        }
+        rec = capture(
+            model,
+            layers,
+            out=out,
+            mask=keep,
+            positions=positions,
+            dtype=dtype,
+            overwrite=self.overwrite,
+            shard_bytes=int(self.shard_mb * (1 << 20)),
+            settings=settings,
+            meta=meta,
+            stats=self.stats,
+            tokens=self.tokens,
+        )
+        if stored is not None:
+            _refuse_different(out, stored, rec.settings, world)
+        shapes = _probe_layers(model, rec.layers, src.peek(), device)
+
+        # 3. The estimate: rows x width x dtype per layer (+ token ids, row index, statistics),
+        # against the free space at out.
+        done = stored.examples if stored is not None and world == 1 else 0
+        frac = max(0, share["examples"] - done) / max(share["examples"], 1)
+        est = {k: (round(v * frac) if k != "exact" else v) for k, v in share.items()}
+        rows = est["examples"] if positions is not None else est["rows"]
+        batches = math.ceil(est["examples"] / self.batch_size)
+        extra = rows * 24 if self.tokens else 0  # int64 token id + int64 (context, position)
+        extra += est.get("text_bytes", 0) + 16 * est.get("texts", 0)  # + int64 length, index
+        for name in rec.layers:
+            row_shape, out_dtype = shapes[name]
+            itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
+            width = math.prod(row_shape)
+            plan.layers.append(
+                LayerPlan(
+                    name,
+                    row_shape,
+                    rows,
+                    dtype_name(dtype or out_dtype),
+                    rows * width * itemsize,
+                )
+            )
+            if self.stats:  # float64 [batches, 2 + 2 * width]
+                extra += batches * (2 + 2 * width) * 8
+        plan.examples, plan.tokens, plan.rows, plan.exact = (
+            est["examples"],
+            est["tokens"],
+            rows,
+            est["exact"],
+        )
+        plan.bytes = sum(layer.bytes for layer in plan.layers) + extra
+        plan.shards = (
+            max(1, math.ceil(plan.bytes / (self.shard_mb * (1 << 20)))) if plan.bytes else 0
+        )
+        plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
+        plan.model_class = type(model).__name__
+        plan.device = device
+        plan._state = {
+            "model": model,
+            "source": src,
+            "recorder": rec,
+            "keep": keep,
+            "share": share,
+        }
+        return plan
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self, plan: CapturePlan | None = None, *, progress: bool = False) -> CaptureResult:
+        """Write the store (or resume it) and return what was written, summed over every rank.
+
+        ``plan`` is this job's :meth:`plan` (made here when not given; a plan runs once).
+        ``progress`` shows a tqdm bar (tokens/s, MB/s) and the resume line on stderr, on rank 0.
+        A run larger than the free space at ``out`` is refused unless ``force``.
+        """
+        if plan is None:
+            plan = self.plan()
+        elif plan.job is not self:
+            raise JobError("this plan is another job's: pass the plan of this job (job.plan())")
+        if plan.note is not None:  # nothing to do
+            return CaptureResult(out=plan.out, unit=plan.unit, note=plan.note, rank=plan.rank)
+        if plan._state is None:
+            raise JobError("this plan has already run: make a new one with job.plan()")
+        plan.check_space()
+        state, plan._state = plan._state, None
+        from .runner import run
+
+        src, rec, keep, share = state["source"], state["recorder"], state["keep"], state["share"]
+        model, device = state["model"], plan.device
+        show = progress and plan.rank == 0
+        unit = plan.unit.split(" ")[0]
+        truncated = 0
+        tokens = 0
+        t0 = time.perf_counter()
+        with rec:
+            src.skip = rec.examples_done
+            todo = max(0, share["examples"] - rec.examples_done)
+            done_all, todo_all = _sum_over_ranks([rec.examples_done, todo], device)
+            if done_all and show:
+                print(
+                    f"resuming {self.out}: {done_all:,} {unit} already stored, "
+                    f"about {todo_all:,} to go",
+                    file=sys.stderr,
+                )
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=todo,
+                unit="ctx" if plan.context_size else "ex",
+                desc=f"rank 0 of {plan.world_size}" if plan.world_size > 1 else None,
+                disable=not show,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+            def on_batch(b: Any, _dt: float) -> None:
+                nonlocal truncated, tokens
+                truncated += b.truncated
+                tokens += int(b.attention_mask.sum())
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
+                bar.update(len(b.examples))
+
+            try:
+                timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
+            finally:
+                bar.close()
+        elapsed = time.perf_counter() - t0
+        # The result is of the whole run: every rank's share.
+        tokens, truncated, nbytes = _sum_over_ranks([tokens, truncated, rec.bytes], device)
+        result = CaptureResult(
+            out=plan.out,
+            unit=plan.unit,
+            rank=plan.rank,
+            input=plan.input,
+            max_length=plan.max_length,
+            tokens=tokens,
+            truncated=truncated,
+            bytes_written=nbytes,
+            seconds=elapsed,
+            forward_seconds=timing["forward"],
+        )
+        if plan.rank != 0:  # rank 0 reads the merged store back
+            return result
+        import torch
+
+        from .format import parse_dtype
+        from .reader import open_capture
+
+        reader = open_capture(plan.out)
+        result.examples = reader.examples
+        result.shards = len(reader.index["shards"])
+        result.stored_bytes = reader.index["bytes"]
+        for name in reader.layers:
+            info = reader.index["layers"][name]
+            itemsize = torch.empty((), dtype=parse_dtype(info["dtype"])).element_size()
+            result.layers.append(
+                LayerPlan(
+                    name,
+                    tuple(info["row_shape"]),
+                    info["rows"],
+                    info["dtype"],
+                    info["rows"] * itemsize * math.prod(info["row_shape"]),
+                )
+            )
+        return result
+
+    # -- streaming ------------------------------------------------------------------------------
+    def stream(self, **options: Any) -> Any:
+        """Activations straight to a trainer: :func:`pyhook.pipeline.stream.stream` over this
+        job's model (loaded here), corpus (this rank's share) and layers, on its ``device`` in
+        its ``dtype``; ``options`` go to ``stream`` (``batch_size`` there is rows a trainer
+        batch, ``buffer_rows``, ``seed``, ``tee``, ...). ``out``, ``overwrite``, ``shard_mb``
+        are for :meth:`run`: a tee is ``options["tee"]``.
+        """
+        try:
+            from .stream import stream
+        except ImportError as e:
+            if e.name not in ("pyhook.pipeline.stream",):
+                raise
+            raise NotImplementedError(
+                "CaptureJob.stream needs pyhook.pipeline.stream, which this pyhook lacks"
+            ) from None
+        import inspect
+
+        from . import runner
+        from .format import parse_dtype
+        from .runner import check_device
+
+        check_device(self.device)
+        rank, world = self._world()
+        got = self._source(rank=rank, world=world)
+        params = inspect.signature(stream).parameters
+        if self.positions != "all" and "positions" not in params:
+            raise JobError(
+                f"`positions` {self.positions!r}: stream() hands every kept token's row to the "
+                "trainer; positions is for run()"
+            )
+        device = self._device(world)
+        model = runner.load_weights(
+            got["prepared"], device=device, dtype=parse_dtype(self.model_dtype, "model_dtype")
+        )
+        layers = self.layers or [default_layers(model)]
+        kw: dict[str, Any] = {"device": device, "dtype": parse_dtype(self.dtype, "dtype")}
+        if self.positions != "all":
+            kw["positions"] = self.positions
+        return stream(model, got["source"], layers, **{**kw, **options})
+
+
+@dataclass
+class LayerPlan:
+    """One layer of a plan or of a result: its rows, row shape, stored dtype and bytes."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    rows: int
+    dtype: str
+    bytes: int
+
+
+@dataclass
+class CapturePlan:
+    """What :meth:`CaptureJob.run` will do: this rank's share still to capture
+    (``examples``, ``tokens``, ``rows`` kept per layer: counted when ``exact``, else estimated
+    from a sample), ``layers`` (row shape, dtype and bytes each), ``bytes`` in all (the layers'
+    rows, plus 24 bytes a row for token ids and row index, the examples' texts and the
+    per-batch statistics),
+    ``shards``, the ``free`` bytes at ``out`` (None for a URL), whether it ``fits``, and
+    ``stored`` (examples already in ``out``, resumed after). ``note`` is set when there is
+    nothing to do. ``str(plan)`` is what ``pyhook capture --dry-run`` prints.
+
+    Accuracy: with ``exact`` the rows are the rows the run writes and ``bytes`` is within the
+    shards' headers (a few kB each) of the store's size; estimated rows are extrapolated from
+    the corpus's first 2,000 documents (tokens per byte) and the corpus's size.
+    """
+
+    job: CaptureJob
+    model_path: str
+    input: str
+    out: str
+    unit: str
+    context_size: int | None = None
+    max_length: int | None = None
+    rank: int = 0
+    world_size: int = 1
+    model_class: str = ""
+    device: str = "cpu"
+    layers: list[LayerPlan] = field(default_factory=list)
+    examples: int = 0
+    tokens: int = 0
+    rows: int = 0
+    exact: bool = True
+    bytes: int = 0
+    shards: int = 0
+    free: int | None = None
+    stored: int = 0
+    note: str | None = None
+    _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the estimate fits in the free space at ``out`` (always, for a URL)."""
+        return self.free is None or self.bytes <= self.free
+
+    def check_space(self) -> None:
+        """Raise :class:`JobError` when the estimate exceeds the free space (unless ``force``)."""
+        if self.fits or self.job.force:
+            return
+        where = _existing_dir(self.out)
+        raise JobError(
+            f"the capture needs about {_human(self.bytes)} but {where} has "
+            f"{_human(self.free or 0)} free; capture less (`limit`, fewer `layers`, `dtype` "
+            "float16) or another `out`, or `force=True` to start anyway"
+        )
+
+    def summary(self, flags: bool = False) -> str:
+        """The one-line plan (``plan: N contexts ... about X MB in ~K shard(s); F free at D``)."""
+        if self.note is not None:
+            return _spell(self.note, flags)
+        how = "counted" if self.exact else "estimated from a sample"
+        where = (
+            f"shard(s) to {self.out}"
+            if self.free is None
+            else f"shard(s); {_human(self.free)} free at {_existing_dir(self.out)}"
+        )
+        return (
+            f"plan: {self.examples:,} {self.unit} ({self.rows:,} rows kept, {how}) through "
+            f"{self.model_class} -> {len(self.layers)} layer(s), about {_human(self.bytes)} in "
+            f"~{self.shards} {where}"
+        )
+
+    def table(self) -> str:
+        """Per layer: row shape, rows, dtype, MB."""
+        rows = [
+            [p.name, "x".join(map(str, p.row_shape)), f"{p.rows:,}", p.dtype, _mb(p.bytes)]
+            for p in self.layers
+        ]
+        return _table(rows, ["layer", "row shape", "rows", "dtype", "MB"])
+
+    def report(self, flags: bool = False) -> str:
+        """The model and corpus, the table and the summary (what ``--dry-run`` prints)."""
+        if self.note is not None:
+            return self.summary(flags)
+        return "\n".join(
+            [
+                f"model {self.model_path} ({self.model_class}), input {self.input}",
+                self.table(),
+                self.summary(flags),
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+@dataclass
+class CaptureResult:
+    """What :meth:`CaptureJob.run` wrote: ``tokens``, ``truncated`` examples, ``bytes_written``
+    this run (summed over every rank), ``seconds`` (``forward_seconds`` of it in the model); and,
+    on rank 0, the store as it now is: ``examples``, ``shards``, ``stored_bytes`` and per-layer
+    ``layers`` (rows, row shape, dtype, bytes). ``note`` is set when there was nothing to do.
+    ``str(result)`` is what the command prints at the end.
+    """
+
+    out: str
+    unit: str
+    rank: int = 0
+    input: str = ""
+    max_length: int | None = None
+    tokens: int = 0
+    truncated: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+    examples: int = 0
+    shards: int = 0
+    stored_bytes: int = 0
+    layers: list[LayerPlan] = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Rows stored per layer (rank 0)."""
+        return {p.name: p.rows for p in self.layers}
+
+    def table(self) -> str:
+        rows = [
+            [p.name, f"{p.rows:,}", "x".join(map(str, p.row_shape)), p.dtype, _mb(p.bytes)]
+            for p in self.layers
+        ]
+        return _table(rows, ["layer", "rows", "row shape", "dtype", "MB"])
+
+    def report(self, flags: bool = False) -> str:
+        if self.note is not None:
+            return _spell(self.note, flags)
+        text = (
+            f"{self.table()}\n\n{self.examples:,} {self.unit.split(' ')[0]} ({self.tokens:,} "
+            f"tokens this run) from {os.path.basename(self.input)} -> {self.out}: "
+            f"{self.shards} shard(s), {_mb(self.stored_bytes)} MB; this run {self.seconds:.1f} s "
+            f"(forward {self.forward_seconds:.1f} s), "
+            f"{_mb(self.bytes_written / max(self.seconds, 1e-9))} MB/s"
+        )
+        if self.truncated:
+            text += (
+                f"\n{self.truncated} line(s) were longer than `max_length` {self.max_length} "
+                "tokens and were truncated"
+            )
+        return _spell(text, flags)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+# -- helpers of the plan -----------------------------------------------------------------------
+def _stored_capture(out: str) -> Any:
+    """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
+    the writer then reports what is wrong)."""
+    from .reader import open_capture
+
+    if not _is_url(out) and (
+        not os.path.isdir(out) or not any(n.startswith("index") for n in os.listdir(out))
+    ):
+        return None
+    try:
+        reader = open_capture(out)
+    except Exception:  # damage is reported by the writer, with the file's name
+        return None
+    # a capture that stored nothing (its first batch failed) is nothing to protect
+    return reader if reader.examples or reader.index.get("shards") else None
+
+
+def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) -> None:
+    diff = settings_differences(stored.settings, now)
+    old_world = stored.index.get("world_size", 1)
+    if old_world != world:
+        diff.append(f"{world} rank(s) now, {old_world} when stored")
+    if diff:
+        raise JobError(
+            f"`out` {out!r} already holds a different capture ({stored.examples:,} examples): "
+            + "; ".join(diff)
+            + ". Use another `out`, or add `overwrite=True` to replace it."
+        )
+
+
+def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dict[str, Any]:
+    """Run one short example through the model with a host capture of ``layers``: each layer's
+    row shape and dtype; a layer that never runs is an error (it would capture nothing)."""
+    import torch
+
+    from .capture import capture
+
+    ids = batch.input_ids[:1, :16].to(device)
+    with capture(model, layers, positions="last") as probe, torch.no_grad():
+        model(input_ids=ids, attention_mask=batch.attention_mask[:1, :16].to(device))
+    shapes = {}
+    silent = []
+    for name in layers:
+        if probe.rows.get(name, 0) == 0:
+            silent.append(name)
+            continue
+        t = probe[name]
+        shapes[name] = (tuple(t.shape[1:]), t.dtype)
+    if silent:
+        try:
+            mod = model.get_submodule(silent[0])
+        except AttributeError:  # not a module name (a standard hook point, say)
+            mod = None
+        hint = (
+            f" (a {type(mod).__name__}: its children run, e.g. '{silent[0]}.*')"
+            if mod is not None and len(list(mod.children()))
+            else ""
+        )
+        raise JobError(
+            f"`layers`: {', '.join(repr(n) for n in silent)} never run(s) in a forward of "
+            f"{type(model).__name__}{hint}; the capture would be empty. "
+            "Pick modules that run (pyhook layers lists them with their output shapes)"
+        )
+    return shapes
