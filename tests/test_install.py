@@ -40,7 +40,12 @@ def test_public_names_have_docstrings_with_examples():
 def _modules():
     import pkgutil
 
-    return sorted(m.name for m in pkgutil.iter_modules(pyhook.__path__, "pyhook.") if m.name not in ("pyhook._C", "pyhook.__main__"))
+    # every module of every subpackage (the pipeline's stages live in pyhook.pipeline)
+    return sorted(
+        m.name
+        for m in pkgutil.walk_packages(pyhook.__path__, "pyhook.")
+        if m.name not in ("pyhook._C", "pyhook.__main__") and ".data" not in m.name
+    )
 
 
 @pytest.mark.parametrize("modname", _modules())

@@ -122,7 +122,7 @@ def check_device(text: str) -> Any:
     >>> check_device("meta")
     Traceback (most recent call last):
     ...
-    pyhook.runner.RunnerError: --device 'meta' holds no data (shapes only): activations cannot be captured there; use cpu or cuda
+    pyhook.pipeline.runner.RunnerError: --device 'meta' holds no data (shapes only): activations cannot be captured there; use cpu or cuda
     """
     import torch
 

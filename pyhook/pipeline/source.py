@@ -1018,6 +1018,6 @@ def open_source(path: str | os.PathLike[str], **options: Any) -> CorpusSource:
     >>> open_source(path, text_column="title")
     Traceback (most recent call last):
     ...
-    pyhook.source.SourceError: --text-column 'title' is not a column of c.parquet; its columns are: body, n
+    pyhook.pipeline.source.SourceError: --text-column 'title' is not a column of c.parquet; its columns are: body, n
     """
     return CorpusSource(path, **options)
