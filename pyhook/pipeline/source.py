@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from .._queues import put_unless_stopped
+
 __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
 _CHUNK = 1024  # rows read at once from a file
@@ -813,13 +815,7 @@ class CorpusSource:
 
         def put(item: Any) -> bool:
             """Queue ``item`` unless the consumer left; False when it did."""
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            return put_unless_stopped(q, item, stop, 0.05)
 
         def work() -> None:
             try:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._queues import put_unless_stopped
+
 __all__ = ["Mixer", "Stream", "stream"]
 
 _DONE = object()
@@ -344,13 +346,7 @@ class Stream:
                 errors.append(e)  # the writer thread would swallow it
 
         def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            return put_unless_stopped(out, item, stop, 0.1)
 
         def emit(batches: Iterable[dict[str, torch.Tensor]]) -> None:
             for b in batches:
