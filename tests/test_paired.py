@@ -239,7 +239,6 @@ def _run_cli(*args):
         (["a/b=./x", "chat=./y"], "a model's name cannot contain '/'"),
         (["./a", "chat=./b"], "--model './a' has no name but 'chat=./b' has one"),
         (["base=./a"], "--model names 1 model(s) ('base')"),
-        (["./a", "./b"], "--model is given 2 times without names"),
         (["_x=./a", "chat=./b"], "starting with a letter or digit"),
     ],
 )
@@ -251,6 +250,14 @@ def test_bad_model_spellings_exit_2_with_one_line_and_write_nothing(models, mess
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
     assert not out.exists()
+
+
+def test_an_unnamed_model_given_again_overrides_as_before():
+    from pyhook.cli import parse_arguments
+
+    assert parse_arguments(["capture", "--model", "./a", "--model", "./b"]).job.model == "./b"
+    job = parse_arguments(["capture", "--model", "base=./a", "--model", "chat=./b"]).job
+    assert job.model == {"base": "./a", "chat": "./b"}
 
 
 def test_bad_models_in_python_are_named():

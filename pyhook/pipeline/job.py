@@ -288,7 +288,7 @@ def _check_models(v: dict[Any, Any]) -> None:
 def models_from_flags(values: list[str]) -> str | dict[str, str]:
     """``--model`` given once or several times: one model (``DIR``) or named models
     (``NAME=DIR`` each; ``NAME`` must not contain ``/``). A value that is an existing path is a
-    path, even with a ``=`` in it.
+    path, even with a ``=`` in it. Unnamed and given again, the last one counts (as any flag).
 
     >>> models_from_flags(["./ckpt"]), models_from_flags(["base=./a", "chat=./b"])
     ('./ckpt', {'base': './a', 'chat': './b'})
@@ -321,13 +321,8 @@ def models_from_flags(values: list[str]) -> str | dict[str, str]:
             f"`model` {plain[0]!r} has no name but '{first}={named[first]}' has one: name every "
             "model (--model base=DIR --model chat=DIR2)"
         )
-    if len(plain) > 1:
-        raise JobError(
-            f"`model` is given {len(plain)} times without names ({', '.join(plain)}): one "
-            "model, or several named ones (--model base=DIR --model chat=DIR2)"
-        )
-    if plain:
-        return plain[0]
+    if plain:  # unnamed, given again: the last one counts, as for every other flag
+        return plain[-1]
     _check_models(named)
     return named
 
@@ -364,7 +359,9 @@ class CaptureJob:
     Options (every one optional):
 
     * ``model``: a local checkpoint folder, a built-in name (``minilm``) or a model in the local
-      Hugging Face cache; never downloaded. ``tokenizer`` (for a checkpoint saved without one),
+      Hugging Face cache; never downloaded; or a mapping ``{name: model}`` of several models into
+      one store (layers stored as ``name/LAYER``; see :mod:`pyhook.pipeline.paired`).
+      ``tokenizer`` (for a checkpoint saved without one),
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
       ``device``.
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a

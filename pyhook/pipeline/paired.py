@@ -22,7 +22,7 @@ checksum).
 >>> reader.layers, reader["chat/1"].shape
 (['base/1', 'chat/1'], torch.Size([10, 3]))
 
-:class:`CaptureJob` (and ``pyhook capture --model base=DIR --model chat=DIR2``) loads the models
+:class:`~pyhook.CaptureJob` (and ``pyhook capture --model base=DIR --model chat=DIR2``) loads the models
 named in a ``model`` mapping into a :class:`Paired` and checks, before any forward, that their
 tokenizers give the same ids (see :func:`check_tokenizers` and :class:`AgreeingTokenizer`).
 """
