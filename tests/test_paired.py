@@ -530,3 +530,49 @@ def test_a_paired_store_on_s3_equals_the_local_one(ckpts, stored):
 
 def test_paired_is_exported():
     assert pyhook.Paired is Paired and "Paired" in pyhook.__all__
+
+
+def test_a_difference_past_the_plans_sample_stops_the_run_before_that_batch(ckpts, tmp_path):
+    """A corpus larger than the plan's sample (2,000 documents): the text the tokenizers split
+    differently comes late; the run stops at its batch, naming it, and what was stored before
+    it is a readable store of agreeing texts."""
+    from tokenizers import pre_tokenizers
+
+    tok = _variant(ckpts["tok"], pre=pre_tokenizers.Whitespace())
+    other = _checkpoint_with(ckpts, "chat-split", tok)
+    docs = [DOCS[i % len(DOCS)] for i in range(2600)]
+    docs[2400] = "the king."
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n".join(docs) + "\n")
+    out = tmp_path / "acts"
+    args = [
+        "capture", "--model", f"base={ckpts['base']}", "--model", f"chat={other}",
+        "--input", str(corpus), "--context-size", str(CONTEXT), "--batch-size", "64",
+        "--layers", "resid_post.0", "--out", str(out), "--quiet", "--shard-mb", "0.5",
+    ]
+    p = _run_cli(*args)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "for the text 'the king.'" in lines[0], lines
+    assert verify_capture(out)[0] == []  # the batches before it: a store, intact
+    r = open_capture(out)
+    total = len(_contexts(ckpts["tok"], docs[:2400])[0])
+    assert 0 < r.examples <= total  # only contexts of the texts before the one that differs
+
+
+def test_job_stream_hands_out_both_models_rows_of_the_same_tokens(ckpts, stored):
+    r = open_capture(stored)
+    at = {tuple(ix): i for i, ix in enumerate(r.row_index.tolist())}
+    base, chat = r["base/resid_post.1"].to_tensor(), r["chat/resid_post.1"].to_tensor()
+    job = CaptureJob(
+        model={"base": ckpts["base"], "chat": ckpts["chat"]}, input=ckpts["corpus"],
+        context_size=CONTEXT, batch_size=4, layers=["resid_post.1"],
+    )
+    n = 0
+    with job.stream(batch_size=32, buffer_rows=128, seed=1) as s:
+        for batch in s:
+            rows = torch.tensor([at[tuple(ix)] for ix in batch["row_index"].tolist()])
+            torch.testing.assert_close(batch["base/resid_post.1"], base[rows])
+            torch.testing.assert_close(batch["chat/resid_post.1"], chat[rows])
+            n += len(rows)
+    assert n == len(base)
