@@ -276,6 +276,9 @@ def test_bad_models_in_python_are_named():
         Paired({"x/y": a, "chat": b})
     with pytest.raises(ValueError, match="'forward' cannot name a model"):
         Paired({"forward": a, "chat": b})
+    with pytest.raises(ValueError, match="'keep_outputs' cannot name a model"):
+        Paired(keep_outputs=a, chat=b)
+    assert Paired(models=a, chat=b).names == ["models", "chat"]  # any free name, even this one
     with pytest.raises(ValueError, match="given twice"):
         Paired({"base": a}, base=b)
 

@@ -74,8 +74,11 @@ class Paired(nn.Module):
     (True, torch.Size([4, 5]))
     """
 
-    def __init__(self, models: Mapping[str, nn.Module] | None = None, **named: nn.Module) -> None:
+    def __init__(
+        self, models: Mapping[str, nn.Module] | None = None, /, **named: nn.Module
+    ) -> None:
         super().__init__()
+        self.keep_outputs = True  # set first: no model can take the name
         given: dict[str, Any] = {}
         if models is not None:
             if not isinstance(models, Mapping):
@@ -119,11 +122,10 @@ class Paired(nn.Module):
                 self.add_module(name, m)
             except KeyError:
                 raise ValueError(
-                    f"Paired: {name!r} cannot name a model (an attribute of nn.Module); "
+                    f"Paired: {name!r} cannot name a model (an attribute of Paired); "
                     "choose another name, e.g. 'base', 'chat'"
                 ) from None
         self._names = list(given)
-        self.keep_outputs = True
 
     @property
     def names(self) -> list[str]:
