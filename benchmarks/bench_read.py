@@ -39,6 +39,8 @@ file, the best of them is named in the table):
     768 -> 64 -> 768 autoencoder, forward, backward, Adam, on as many rows as make a step about
     as long as loading a batch in-process). Quiet rounds only.
 (e) (full runs only) shuffle modes: quality and speed.
+(f) a batch of 12 layers + token ids (256 and 2048 rows): the dataset's one native call for all
+    of them against one call per layer (the path before) and a sorted ``np.take`` per layer.
 
 At the end: one table of every target, measured in this run, with pass/miss.
 """
@@ -746,6 +748,71 @@ def case_modes(out: str, files: list[str], rows: int, rounds: int, cold_rounds: 
     )
 
 
+# -- (f) several layers in one batch ---------------------------------------------------------------
+def case_layers(root: str, rounds: int, spinner: Spinner | None, quick: bool) -> None:
+    """A batch of 12 layers (+ token ids), as an SAE sweep over every block reads it: the
+    dataset's one native call for all of them against one call per layer (the path before,
+    each call through the same direct kernel entry), and a hand-written sorted ``np.take`` per
+    layer into preallocated buffers. Small and large batches: the fixed cost of a call shows
+    in the small ones."""
+    layers, rows = 12, 8192 if quick else 16384
+    out = os.path.join(root, "layers")
+    g = torch.Generator().manual_seed(2)
+    with ShardWriter(out, shard_bytes=64 << 20) as w:
+        for s in range(0, rows, 2048):
+            xs = {f"h.{i}": torch.randn(2048, D, generator=g) for i in range(layers)}
+            w.add({**xs, "__token_ids__": torch.arange(s, s + 2048)}, examples=2048)
+    files = sorted(glob.glob(os.path.join(out, "*.safetensors")))
+    warm(files)
+    names = [f"h.{i}" for i in range(layers)]
+    ds = CaptureDataset(out, names, batch_size=BATCH, tokens=True)
+    src = ds._sources()
+    for parts in src.values():
+        sum(float(p.double().sum()) for p in parts)  # map every page once
+    arrays = [torch.cat(src[n]).numpy() for n in names]  # anonymous copies for numpy
+    for size in (256, 2048):
+        rng = torch.Generator().manual_seed(size)
+        idxs = [torch.randperm(rows, generator=rng)[:size] for _ in range(rounds)]
+        bufs = [np.empty((size, D), dtype=np.float32) for _ in names]
+        want = ds.batch(idxs[0])
+        per_layer = {n: _backend._gather_direct(parts, idxs[0]) for n, parts in src.items()}
+        assert all(torch.equal(want[_k], per_layer[n]) for n, _k in zip(src, [*names, "tokens"]))
+
+        def numpy_take(r: int, idxs: list[torch.Tensor] = idxs, bufs: list = bufs) -> None:
+            s = np.sort(idxs[r].numpy())
+            for a, b in zip(arrays, bufs):
+                np.take(a, s, axis=0, out=b, mode="clip")
+
+        def per_layer(r: int, idxs: list[torch.Tensor] = idxs) -> object:
+            return [_backend._gather_direct(parts, idxs[r]) for parts in src.values()]
+
+        def one_call(r: int, idxs: list[torch.Tensor] = idxs) -> object:
+            return ds.batch(idxs[r])
+
+        fns: dict[str, Callable[[int], object]] = {
+            "sorted np.take per layer into preallocated (anonymous memory)": numpy_take,
+            "one gather_rows call per layer (before)": per_layer,
+            "pyhook CaptureDataset.batch (one call)": one_call,
+        }
+        t = paired(fns, rounds, spinner)
+        for state, ts in t.items():
+            print(
+                f"\n(f) batches of {size} rows x {layers} layers of {D} float32 + token ids, "
+                f"warm, {state} (load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds"
+            )
+            base = "one gather_rows call per layer (before)"
+            print(report(ts, base, size * layers * ROW, size))
+            verdict(
+                f"(f) {size}-row batch of {layers} layers vs a call per layer",
+                state,
+                ts,
+                "pyhook CaptureDataset.batch (one call)",
+                base,
+                1.0,
+            )
+    gc.collect()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller capture, fewer rounds (~2 min)")
@@ -757,7 +824,7 @@ def main() -> None:
         "(both, the default), without only (off), or with it only (on)",
     )
     p.add_argument("--pin", action="store_true", help="pin the spinning process to the last core")
-    p.add_argument("--only", default="abcde", help="the cases to run, e.g. 'ab'")
+    p.add_argument("--only", default="abcdef", help="the cases to run, e.g. 'ab'")
     p.add_argument("--dir", default=None, help="where to write the capture (default: a temp dir)")
     args = p.parse_args()
     if not _backend.native_available():
@@ -820,6 +887,10 @@ def main() -> None:
             sp.set(False)  # (d) without the spinner (its two workers use both cores)
         if "d" in args.only:
             case_loader(out, files, loader_batches, d_rounds, not args.quick)
+        if "f" in args.only:
+            case_layers(root, rounds, sp, args.quick)
+            if sp is not None:
+                sp.set(False)
         if "e" in args.only and not args.quick:
             case_modes(out, files, rows, rounds, cold_rounds)
         print(

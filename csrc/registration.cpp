@@ -43,6 +43,11 @@ TORCH_LIBRARY(pyhook, m) {
   // worker). Neither aliases the parts.
   m.def("gather_rows(Tensor[] parts, Tensor idx) -> Tensor");
   m.def("gather_rows_into(Tensor[] parts, Tensor idx, Tensor(a!) out) -> ()");
+  // The same for several layers in one call (a dataset batch): layer l's parts are the next
+  // counts[l] entries of `parts`; one output per layer, rows idx of each.
+  m.def("gather_rows_many(Tensor[] parts, int[] counts, Tensor idx) -> Tensor[]");
+  m.def(
+      "gather_rows_many_into(Tensor[] parts, int[] counts, Tensor idx, Tensor(a!)[] outs) -> ()");
 
   // The CPU buffer pool. These take no tensors, so the dispatcher has no
   // device to pick: they are registered as catch-all kernels right here.

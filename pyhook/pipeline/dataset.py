@@ -264,11 +264,15 @@ class CaptureDataset(IterableDataset):
         self._pid = os.getpid()
         self._cache: dict[str, list[torch.Tensor]] = {}
         self._direct = False  # set by _sources: every part may go straight to the native kernel
+        # Set with _direct: (every part of every key, parts per key, batch keys) for one
+        # native call per batch.
+        self._flat: tuple[list[torch.Tensor], list[int], list[str]] | None = None
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"], state["_cache"], state["_ring"] = None, {}, None
+        state["_flat"] = None
         return state
 
     def _sources(self) -> dict[str, list[torch.Tensor]]:
@@ -281,6 +285,12 @@ class CaptureDataset(IterableDataset):
             # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
             # batch for a dozen shards, per layer).
             self._direct = all(_backend._direct_gather_ok(p) for p in self._cache.values())
+            if self._direct:
+                self._flat = (
+                    [t for p in self._cache.values() for t in p],
+                    [len(p) for p in self._cache.values()],
+                    [_key(n) for n in self._cache],
+                )
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
             if check is not None:
@@ -396,7 +406,13 @@ class CaptureDataset(IterableDataset):
                     f"idx must be 1-D global row numbers, got shape {tuple(idx.shape)}"
                 )
         shared = get_worker_info() is not None
-        out = {_key(n): self._read(parts, idx, shared) for n, parts in self._sources().items()}
+        sources = self._sources()
+        if not shared and self._flat is not None and _backend.get_backend() == "native":
+            # Every layer (and the token ids) of the batch in one native call.
+            flat, counts, keys = self._flat
+            out = dict(zip(keys, _backend._gather_many_direct(flat, counts, idx)))
+        else:
+            out = {_key(n): self._read(parts, idx, shared) for n, parts in sources.items()}
         if self.with_index:
             out["index"] = idx.share_memory_() if shared else idx.clone()
         return out
@@ -431,11 +447,11 @@ class CaptureDataset(IterableDataset):
         out = ring.batch(slot, idx.numel())
         # On an error the batch is never sent: its slot is free again once `out` is gone.
         sources = self._sources()
-        direct = self._direct and _backend.get_backend() == "native"
-        for name, parts in sources.items():
-            if direct:
-                _backend._gather_direct_into(parts, idx, out[_key(name)])
-            else:
+        if self._flat is not None and _backend.get_backend() == "native":
+            flat, counts, keys = self._flat
+            _backend._gather_many_direct_into(flat, counts, idx, [out[k] for k in keys])
+        else:
+            for name, parts in sources.items():
                 gather_rows_into(parts, idx, out[_key(name)])
         if self.with_index:
             out["index"].copy_(idx)
