@@ -54,6 +54,7 @@ TORCH_LIBRARY(pyhook, m) {
   m.def("pool_stats() -> int[]", &pyhook::pool_stats);
   m.def("pool_set_limit(int nbytes) -> ()", &pyhook::pool_set_limit);
   m.def("pool_empty() -> ()", &pyhook::pool_empty);
+  m.def("empty_pooled(int[] size, ScalarType dtype) -> Tensor", &pyhook::empty_pooled);
 
   // Thread identities as the autograd engine records them (see pyhook/_hooks.py: a
   // thread-guarded hook acts on a checkpoint recomputation only if its owner's forward

@@ -616,6 +616,18 @@ at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_
 
 }  // namespace
 
+at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
+  int64_t nbytes = static_cast<int64_t>(c10::elementSize(type));
+  for (int64_t s : size) {
+    TORCH_CHECK(s >= 0, "empty_pooled: negative size ", s);
+    nbytes *= s;
+  }
+  if (nbytes == 0) {
+    return at::empty(size, at::TensorOptions().dtype(type));
+  }
+  return pooled_empty(std::move(size), type, nbytes);
+}
+
 std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayRef counts,
                                              const at::Tensor& idx) {
   const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .. import _backend
 from .._backend import gather_rows, gather_rows_into
-from . import _ring
+from . import _ring, _seqread
 from . import reader as _reader
 from .reader import open_capture
 
@@ -267,12 +267,15 @@ class CaptureDataset(IterableDataset):
         # Set with _direct: (every part of every key, parts per key, batch keys) for one
         # native call per batch.
         self._flat: tuple[list[torch.Tensor], list[int], list[str]] | None = None
+        # shuffle=False in the main process: cold batches read with preadv (_seqread); False
+        # once found impossible (remote shards, encoded rows).
+        self._seq: _seqread.SequentialReader | bool | None = None
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"], state["_cache"], state["_ring"] = None, {}, None
-        state["_flat"] = None
+        state["_flat"], state["_seq"] = None, None
         return state
 
     def _sources(self) -> dict[str, list[torch.Tensor]]:
@@ -457,9 +460,36 @@ class CaptureDataset(IterableDataset):
             out["index"].copy_(idx)
         return out
 
+    def _sequential_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The batch of the consecutive rows ``idx`` read with ``preadv`` when they are not in
+        the page cache (``None``: they are, or this capture cannot; then :meth:`batch`)."""
+        if self._seq is None:
+            sources = self._sources()
+            seq = None
+            if self._flat is not None:
+                seq = _seqread.SequentialReader.create(self._reader, list(sources))
+            self._seq = seq if seq is not None else False
+        seq = self._seq
+        if seq is False or not idx.numel():
+            return None
+        assert isinstance(seq, _seqread.SequentialReader)
+        start, stop = int(idx[0]), int(idx[-1]) + 1
+        if seq.resident(start, stop):
+            return None
+        out = {_key(n): t for n, t in seq.read(start, stop).items()}
+        if self.with_index:
+            out["index"] = idx.clone()
+        return out
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         ring = self._worker_ring()
+        sequential = self.shuffle is False and ring is None and get_worker_info() is None
         for idx in self._plan():
+            if sequential:
+                b = self._sequential_batch(idx)
+                if b is not None:
+                    yield b
+                    continue
             yield self.batch(idx) if ring is None else self._ring_batch(ring, idx)
 
     def __repr__(self) -> str:
