@@ -152,7 +152,8 @@ class CaptureDataset(IterableDataset):
       window) are shuffled together, like a shuffle buffer of that many rows. A batch then
       holds rows of about ``buffer_chunks`` chunks only: fewer, larger regions of the files to
       read from a cold disk, at the price of a less mixed batch (docs/training.md measures both).
-    * ``False``: batches of consecutive rows, in capture order.
+    * ``False``: batches of consecutive rows, in capture order (in the main process, batches
+      not in the page cache are read with ``preadv`` rather than through the memory maps).
 
     ``set_epoch(e)`` changes the permutation reproducibly (the same ``seed`` and ``e`` give the
     same batches). ``drop_last=False`` serves every row (the last batch may be short and a rank
