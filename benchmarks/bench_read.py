@@ -374,6 +374,9 @@ def case_warm_shuffled(
         limits[0]: copy,
         limits[1]: one_thread(copy),
         "pyhook gather_rows (native, alone)": lambda r: _backend.gather_rows(parts, idxs[r]),
+        # The same kernel over the raw file the hand-written readers use: tells the code apart
+        # from the memory (the page-cache pages of the shards and of the raw file may differ).
+        "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
     }
     t = paired(fns, rounds, spinner)
