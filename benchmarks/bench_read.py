@@ -120,6 +120,18 @@ def warm(paths: list[str]) -> None:
 _EVICT = np.zeros(0, dtype=np.uint8)
 
 
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 buffer starting at a page boundary, for the hand-written readers. ``np.empty``
+    of a large array starts 16 bytes past a page boundary (malloc's header); a copy whose
+    destination is a few bytes ahead of its source modulo 4 KiB stalls on "4K aliasing" of loads
+    with earlier stores: measured 1.4x the CPU time of the same gather into a page-aligned
+    buffer (rows of 3 KB from a page-aligned file). Aligned, every reader gets its best case."""
+    n = int(np.prod(shape)) * 4
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    return raw[off : off + n].view(np.float32).reshape(shape)
+
+
 def evict_cpu_caches() -> None:
     """Overwrite 96 MB (3x this machine's L3): a method must not read rows that the previous
     method of the round left in the CPU caches (a 12.6 MB batch fits in a 32 MB L3)."""
@@ -326,7 +338,7 @@ def case_warm_shuffled(
         mt = torch.from_numpy(arr)
     ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     parts = ds._sources()["h"]
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     tbuf = torch.from_numpy(buf)
     float(mm.sum()), sum(float(p.sum()) for p in parts)  # map every page in this process once
     np_idx = [i.numpy() for i in idxs]
@@ -415,7 +427,7 @@ def case_cold_shuffled(
     rounds: int,
     spinner: Spinner | None,
 ) -> None:
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     page = mmap.PAGESIZE
     pool = ThreadPoolExecutor(8)
 
@@ -522,7 +534,7 @@ def case_sequential(
     n_seq: int,
     spinner: Spinner | None,
 ) -> None:
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     view = memoryview(buf).cast("B")
     nb = rows // BATCH
 
@@ -793,7 +805,7 @@ def case_layers(root: str, rounds: int, spinner: Spinner | None, quick: bool) ->
     for size in (256, 2048):
         rng = torch.Generator().manual_seed(size)
         idxs = [torch.randperm(rows, generator=rng)[:size] for _ in range(rounds)]
-        bufs = [np.empty((size, D), dtype=np.float32) for _ in names]
+        bufs = [aligned_empty((size, D)) for _ in names]
         want = ds.batch(idxs[0])
         per_layer = {n: _backend._gather_direct(parts, idxs[0]) for n, parts in src.items()}
         assert all(torch.equal(want[_k], per_layer[n]) for n, _k in zip(src, [*names, "tokens"]))
