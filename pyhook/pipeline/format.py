@@ -615,7 +615,8 @@ def merged_index(out: str) -> dict[str, Any]:
         info["shape"] = [info["rows"], *info["row_shape"]]
     return {
         "format": "pyhook-capture",
-        "format_version": FORMAT_VERSION,
+        # 3 where a rank stored encoded layers (pipeline/encoding.py), else this version
+        "format_version": max([FORMAT_VERSION, *(p.get("format_version", 1) for p in parts)]),
         "pyhook_version": first["pyhook_version"],
         "torch_version": first.get("torch_version"),
         "world_size": first["world_size"],
@@ -724,13 +725,23 @@ def _check_shard(
                 "which a capture cannot hold",
                 path,
             )
-        if h.get("dtype") != code:
+        if h.get("dtype") != code and "encoding" not in info:
             raise CaptureDamagedError(
                 f"{path}: layer {name!r} has dtype {h.get('dtype')} in the header, the index "
                 f"records {info.get('dtype')} ({code})",
                 path,
             )
         shape = [rows, *info.get("row_shape", [])]
+        if "encoding" in info:  # a compact store's layer: its encoded tensor (pipeline/encoding.py)
+            from .encoding import stored_layout
+
+            code, shape = stored_layout(info, rows, h)
+            if h.get("dtype") != code:
+                raise CaptureDamagedError(
+                    f"{path}: layer {name!r} is stored as {h.get('dtype')} in the header, its "
+                    f"encoding {info['encoding']} stores {code}",
+                    path,
+                )
         if h.get("shape") != shape:
             raise CaptureDamagedError(
                 f"{path}: layer {name!r} has shape {h.get('shape')} in the header, the index "

@@ -1,0 +1,230 @@
+// CPU kernels of pyhook::dequant_rows / pyhook::dequant_rows_into: rows picked by a global
+// index from the quantised parts of one layer of a compact store (float8_e4m3fn or int8, one
+// float32 scale per row), dequantised into a floating dtype:
+//
+//     out[k] = dtype(float32(part[idx[k]]) * scale[idx[k]])
+//
+// computed in float32 and rounded once to the output dtype (pyhook/_reference.py's
+// dequant_rows is the specification; tests/test_compact.py holds the two equal).
+//
+// Why native: a Python pass would gather the 1-byte rows, widen them to float32, multiply and
+// cast, each a full pass over the batch with a temporary. Here every output element is one
+// table lookup (fp8: 256 entries), one multiply and one store, read straight from the
+// memory-mapped shards, with the GIL released by the dispatcher. The gather of plain rows
+// (csrc/cpu/gather.cpp) is not touched: this is a separate op.
+#include "../pyhook.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace pyhook {
+namespace {
+
+// Each task dequantises at least this many output elements (a smaller batch is one task).
+constexpr int64_t kGrainElements = int64_t{1} << 16;
+
+struct Part {
+  const uint8_t* base;  // row 0 of the part (1-byte elements)
+  int64_t row_step;     // bytes between consecutive rows
+  const float* scale;   // one per row
+};
+
+struct Plan {
+  std::vector<at::Tensor> keep;  // parts and scales (or dense copies) kept alive
+  std::vector<Part> parts;
+  std::vector<int64_t> starts;  // global index of each part's first row, then the total
+  std::vector<int64_t> row_shape;
+  int64_t row_elems = 1;
+  bool fp8 = true;
+};
+
+bool rows_dense(const at::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) {
+      return false;
+    }
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+Plan prepare(at::TensorList parts, at::TensorList scales, const at::Tensor& idx) {
+  TORCH_CHECK(!parts.empty(), "dequant_rows: `parts` is empty; pass at least one part");
+  TORCH_CHECK(parts.size() == scales.size(), "dequant_rows: ", parts.size(), " parts but ",
+              scales.size(), " scale tensors; pass one scale tensor per part");
+  TORCH_CHECK(idx.scalar_type() == at::kLong, "dequant_rows: `idx` must be an int64 tensor, got ",
+              idx.scalar_type());
+  TORCH_CHECK(idx.dim() == 1, "dequant_rows: `idx` must be 1-D, got shape ", idx.sizes());
+  TORCH_CHECK(idx.device().is_cpu(), "dequant_rows: `idx` must be on the CPU, got ", idx.device());
+  Plan p;
+  const at::Tensor& first = parts[0];
+  TORCH_CHECK(first.dim() >= 1, "dequant_rows: part 0 must have a row dimension");
+  const auto dtype = first.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kChar,
+              "dequant_rows: parts must be float8_e4m3fn or int8, got ", dtype);
+  p.fp8 = dtype == at::kFloat8_e4m3fn;
+  p.row_shape.assign(first.sizes().begin() + 1, first.sizes().end());
+  for (int64_t s : p.row_shape) {
+    p.row_elems *= s;
+  }
+  p.starts.push_back(0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    at::Tensor t = parts[i];
+    at::Tensor s = scales[i];
+    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "dequant_rows: part ", i,
+                " must be a strided CPU tensor");
+    TORCH_CHECK(t.scalar_type() == dtype, "dequant_rows: part ", i, " has dtype ",
+                t.scalar_type(), ", part 0 has ", dtype);
+    TORCH_CHECK(t.dim() >= 1 && t.sizes().slice(1).equals(p.row_shape), "dequant_rows: part ", i,
+                " has shape ", t.sizes(), ", part 0 has rows of shape ", first.sizes().slice(1));
+    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.dim() == 1 &&
+                    s.size(0) == t.size(0),
+                "dequant_rows: scales ", i, " must be a float32 CPU tensor [", t.size(0),
+                "] (one per row of part ", i, "), got ", s.scalar_type(), " ", s.sizes());
+    if (!rows_dense(t)) {
+      t = t.contiguous();
+    }
+    if (!s.is_contiguous()) {
+      s = s.contiguous();
+    }
+    const int64_t rows = t.size(0);
+    p.parts.push_back(
+        {rows > 0 && p.row_elems > 0 ? static_cast<const uint8_t*>(t.const_data_ptr()) : nullptr,
+         t.stride(0), rows > 0 ? s.const_data_ptr<float>() : nullptr});
+    p.starts.push_back(p.starts.back() + rows);
+    p.keep.push_back(std::move(t));
+    p.keep.push_back(std::move(s));
+  }
+  return p;
+}
+
+// float32 of every float8_e4m3fn bit pattern (exact: each is a float32).
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table;
+}
+
+template <typename T>
+void dequant_into(const Plan& p, const at::Tensor& idx_in, T* out) {
+  const at::Tensor idx = idx_in.contiguous();
+  const int64_t n = idx.numel();
+  if (n == 0) {
+    return;
+  }
+  const int64_t* ix = idx.const_data_ptr<int64_t>();
+  const int64_t total = p.starts.back();
+  // Validate first: a bad index never leaves a half-written output behind.
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, "dequant_rows: index ", ix[k],
+                      " (at position ", k, " of idx) is out of range for ", total,
+                      " rows; valid indices are 0..", total - 1);
+  }
+  const int64_t d = p.row_elems;
+  if (d == 0) {
+    return;
+  }
+  const float* table = fp8_table().data();
+  const bool fp8 = p.fp8;
+  auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t row = ix[k];
+      const auto part = static_cast<size_t>(
+          std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+      const Part& s = p.parts[part];
+      const int64_t local = row - p.starts[part];
+      const uint8_t* src = s.base + local * s.row_step;
+      const float scale = s.scale[local];
+      T* dst = out + k * d;
+      if (fp8) {
+        for (int64_t j = 0; j < d; ++j) {
+          dst[j] = static_cast<T>(table[src[j]] * scale);
+        }
+      } else {
+        const auto* q = reinterpret_cast<const int8_t*>(src);
+        for (int64_t j = 0; j < d; ++j) {
+          dst[j] = static_cast<T>(static_cast<float>(q[j]) * scale);
+        }
+      }
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / d);
+  if (n <= grain) {
+    rows(0, n);
+  } else {
+    at::parallel_for(0, n, grain, rows);
+  }
+}
+
+void dispatch(const Plan& p, const at::Tensor& idx, const at::Tensor& out) {
+  void* data = out.numel() ? out.data_ptr() : nullptr;
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      dequant_into(p, idx, static_cast<float*>(data));
+      break;
+    case at::kDouble:
+      dequant_into(p, idx, static_cast<double*>(data));
+      break;
+    case at::kBFloat16:
+      dequant_into(p, idx, static_cast<c10::BFloat16*>(data));
+      break;
+    case at::kHalf:
+      dequant_into(p, idx, static_cast<c10::Half*>(data));
+      break;
+    default:
+      TORCH_CHECK(false, "dequant_rows: the output dtype must be float32, float64, bfloat16 or "
+                         "float16, got ", out.scalar_type());
+  }
+}
+
+std::vector<int64_t> out_sizes(const Plan& p, const at::Tensor& idx) {
+  std::vector<int64_t> sizes{idx.numel()};
+  sizes.insert(sizes.end(), p.row_shape.begin(), p.row_shape.end());
+  return sizes;
+}
+
+}  // namespace
+
+at::Tensor dequant_rows_cpu(at::TensorList parts, at::TensorList scales, const at::Tensor& idx,
+                            at::ScalarType dtype) {
+  const Plan p = prepare(parts, scales, idx);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+                  dtype == at::kHalf,
+              "dequant_rows: the output dtype must be float32, float64, bfloat16 or float16, got ",
+              dtype);
+  at::Tensor out = at::empty(out_sizes(p, idx), at::TensorOptions().dtype(dtype));
+  dispatch(p, idx, out);
+  return out;
+}
+
+void dequant_rows_into_cpu(at::TensorList parts, at::TensorList scales, const at::Tensor& idx,
+                           const at::Tensor& out) {
+  const Plan p = prepare(parts, scales, idx);
+  const auto sizes = out_sizes(p, idx);
+  TORCH_CHECK(out.device().is_cpu() && out.sizes().equals(sizes) && out.is_contiguous(),
+              "dequant_rows_into: `out` must be a contiguous CPU tensor of shape ",
+              c10::IntArrayRef(sizes), ", got ", out.sizes(), " on ", out.device());
+  dispatch(p, idx, out);
+}
+
+TORCH_LIBRARY_IMPL(pyhook, CPU, m) {
+  m.impl("dequant_rows", &dequant_rows_cpu);
+  m.impl("dequant_rows_into", &dequant_rows_into_cpu);
+}
+
+}  // namespace pyhook
