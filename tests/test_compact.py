@@ -84,6 +84,21 @@ def test_dequant_rows_native_equals_reference(native, qdtype, dtype):
     assert torch.equal(got, _reference.dequant_rows([big], s, ix, dtype))
 
 
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_dequant_rows_every_fp8_value_and_extreme_scales(native, dtype):
+    # all 256 bit patterns (subnormals, -0, NaN) under scales that are zero, subnormal-making,
+    # huge, infinite, NaN and negative: the kernel's bit tricks against torch's own conversion
+    q = torch.arange(256, dtype=torch.uint8).view(F8).repeat(7, 1)
+    s = torch.tensor([1.0, 0.0, 1e-35, 3e38, float("inf"), float("nan"), -2.0])
+    with _backend.use_backend("native"):
+        got = _backend.dequant_rows([q], [s], torch.arange(7), dtype)
+    want = _reference.dequant_rows([q], [s], torch.arange(7), dtype)
+    ok = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(got), ~ok)
+    assert torch.equal(got[ok], want[ok])
+    assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))  # -0 stays -0
+
+
 def test_dequant_rows_errors_and_opcheck(native):
     q = [torch.zeros(4, 2, dtype=F8)]
     s = [torch.ones(4)]
@@ -277,12 +292,32 @@ def test_a_shuffled_batch_decodes_only_the_chunks_it_touches(tmp_path):
         assert sorted(calls) == [0, 51, 99]
         assert torch.equal(h[idx], x[idx])  # from the cache
         assert len(calls) == 3
-        # the cache is bounded: past its bytes, the least recently used chunks go
-        h._cache.max_bytes = 2 * 10 * 64
-        assert torch.equal(h[:], x)
-        assert h._cache.bytes <= 2 * 10 * 64
+        assert torch.equal(h[0:20], x[0:20]) and sorted(calls) == [0, 1, 51, 99]
+        # a cache smaller than the shard: each read decodes the chunks it touches, no more
+        h._cache = encoding._ChunkCache(1000 * 64 - 1)
+        calls.clear()
+        assert torch.equal(h[idx], x[idx]) and sorted(calls) == [0, 51, 99]
+        assert torch.equal(h[idx], x[idx]) and len(calls) == 6
+        assert h._cache.bytes == 0
     finally:
         encoding.decompress_chunk = real
+
+
+def test_the_decoded_rows_cache_is_bounded(tmp_path):
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(400, 16)
+    enc = encoding.Encoding(compress="zstd", chunk_bytes=10 * 64)
+    with ShardWriter(tmp_path, shard_bytes=1, encoding=enc) as w:  # 4 shards of 100 rows
+        for a in range(0, 400, 100):
+            w.add({"h": x[a : a + 100]}, examples=100)
+    h = open_capture(tmp_path)["h"]
+    h._cache = encoding._ChunkCache(2 * 100 * 64)  # room for two shards' rows
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(0))
+    for a in range(0, 400, 50):
+        assert torch.equal(h[perm[a : a + 50]], x[perm[a : a + 50]])
+        assert h._cache.bytes <= 2 * 100 * 64
+    assert torch.equal(h.to_tensor(), x)
 
 
 def _tensor_span(path: str, name: str) -> tuple[int, int]:

@@ -9,28 +9,29 @@
 //
 // Why native: a Python pass would gather the 1-byte rows, widen them to float32, multiply and
 // cast, each a full pass over the batch with a temporary. Here every output element is one
-// table lookup (fp8: 256 entries), one multiply and one store, read straight from the
+// few vectorised integer and float operations and one store, read straight from the
 // memory-mapped shards, with the GIL released by the dispatcher. The gather of plain rows
 // (csrc/cpu/gather.cpp) is not touched: this is a separate op.
 #include "../pyhook.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace pyhook {
 namespace {
 
-// Each task dequantises at least this many output elements (a smaller batch is one task).
-constexpr int64_t kGrainElements = int64_t{1} << 16;
+// Values converted through a float32 buffer at a time (outputs other than float32).
+constexpr int64_t kBlock = 1024;
 
 struct Part {
   const uint8_t* base;  // row 0 of the part (1-byte elements)
@@ -108,18 +109,62 @@ Plan prepare(at::TensorList parts, at::TensorList scales, const at::Tensor& idx)
   return p;
 }
 
-// float32 of every float8_e4m3fn bit pattern (exact: each is a float32).
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) {
-      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    }
-    return t;
-  }();
-  return table;
+// Built for AVX2 as well as the baseline where the compiler can (the wheel's flags target the
+// baseline x86-64, SSE2): the loops below are vectorised either way, and the AVX2 clone is
+// picked at load time on CPUs that have it (measured: 2048 rows of 384 in 0.41 ms of CPU
+// against 1.1 ms for the SSE2 build; a memcpy gather of the same rows in bf16 takes 0.16 ms).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define PYHOOK_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define PYHOOK_CLONES
+#endif
+
+// One row of float8_e4m3fn values times `scale`, as float32: the product float32(q) * scale,
+// rounded once, as the reference computes it. Integer and float operations without branches,
+// so that the loop vectorises (a 256-entry table lookup does not): the 7 exponent-and-mantissa
+// bits go under a float exponent of 127, giving (1 + m/8) * 2^e; a subnormal or zero (e = 0) is
+// (that - 1) * 2 = m/4; both are 2^7 times the fp8 magnitude and never a float subnormal (which
+// a flush-to-zero mode would zero); the sign is copied last (so -0 stays -0), NaN (S.1111.111)
+// is made by its bits. The 2^-7 is folded into the scale when that is exact (the product is the
+// same real number, rounded once).
+PYHOOK_CLONES void fp8_row(const uint8_t* src, float scale, float* dst, int64_t d) {
+  const float a = std::fabs(scale);
+  const bool fold = !(a > 0.0f && a < 0x1p-100f);
+  const float f = fold ? scale * 0x1p-7f : scale;
+  const float pre = fold ? 1.0f : 0x1p-7f;
+  for (int64_t j = 0; j < d; ++j) {
+    const uint32_t b = src[j];
+    const uint32_t m = b & 0x7Fu;
+    const uint32_t nan_mask = 0u - static_cast<uint32_t>(m == 0x7Fu);
+    const uint32_t bits = ((m << 20) + (127u << 23)) | (nan_mask & 0x7FC00000u);
+    const uint32_t sign_bits = ((b & 0x80u) << 24) | 0x3F800000u;  // +-1.0
+    float v;
+    float sign;
+    std::memcpy(&v, &bits, sizeof v);
+    std::memcpy(&sign, &sign_bits, sizeof sign);
+    const float sub = static_cast<float>(static_cast<int32_t>((b & 0x78u) == 0));
+    v = std::copysign((v - sub) * (1.0f + sub), sign);
+    dst[j] = (v * pre) * f;
+  }
 }
 
+PYHOOK_CLONES void int8_row(const int8_t* src, float scale, float* dst, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) {
+    dst[j] = static_cast<float>(src[j]) * scale;
+  }
+}
+
+inline void float_row(const Plan& p, const uint8_t* src, float scale, float* dst, int64_t d) {
+  if (p.fp8) {
+    fp8_row(src, scale, dst, d);
+  } else {
+    int8_row(reinterpret_cast<const int8_t*>(src), scale, dst, d);
+  }
+}
+
+// One thread on purpose: an OpenMP region over a batch waited for its second thread on a loaded
+// machine (measured 2048 rows of 384: 20 ms with at::parallel_for under load 5, 1.9 ms on the
+// calling thread; csrc/cpu/gather.cpp says the same of its copies).
 template <typename T>
 void dequant_into(const Plan& p, const at::Tensor& idx_in, T* out) {
   const at::Tensor idx = idx_in.contiguous();
@@ -139,35 +184,30 @@ void dequant_into(const Plan& p, const at::Tensor& idx_in, T* out) {
   if (d == 0) {
     return;
   }
-  const float* table = fp8_table().data();
-  const bool fp8 = p.fp8;
-  auto rows = [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t row = ix[k];
-      const auto part = static_cast<size_t>(
-          std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
-      const Part& s = p.parts[part];
-      const int64_t local = row - p.starts[part];
-      const uint8_t* src = s.base + local * s.row_step;
-      const float scale = s.scale[local];
-      T* dst = out + k * d;
-      if (fp8) {
-        for (int64_t j = 0; j < d; ++j) {
-          dst[j] = static_cast<T>(table[src[j]] * scale);
-        }
-      } else {
-        const auto* q = reinterpret_cast<const int8_t*>(src);
-        for (int64_t j = 0; j < d; ++j) {
-          dst[j] = static_cast<T>(static_cast<float>(q[j]) * scale);
+  std::vector<float> buffer;
+  if (!std::is_same<T, float>::value) {
+    buffer.resize(static_cast<size_t>(std::min<int64_t>(d, kBlock)));
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t row = ix[k];
+    const auto part = static_cast<size_t>(
+        std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+    const Part& s = p.parts[part];
+    const int64_t local = row - p.starts[part];
+    const uint8_t* src = s.base + local * s.row_step;
+    const float scale = s.scale[local];
+    T* dst = out + k * d;
+    if constexpr (std::is_same<T, float>::value) {
+      float_row(p, src, scale, dst, d);
+    } else {
+      for (int64_t a = 0; a < d; a += kBlock) {
+        const int64_t m = std::min(kBlock, d - a);
+        float_row(p, src + a, scale, buffer.data(), m);
+        for (int64_t j = 0; j < m; ++j) {
+          dst[a + j] = static_cast<T>(buffer[j]);
         }
       }
     }
-  };
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / d);
-  if (n <= grain) {
-    rows(0, n);
-  } else {
-    at::parallel_for(0, n, grain, rows);
   }
 }
 
