@@ -27,6 +27,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace pyhook {
 namespace {
 
@@ -46,7 +50,10 @@ struct Plan {
   std::vector<int64_t> row_shape;
   int64_t row_elems = 1;
   bool fp8 = true;
+  bool f16c = false;  // the CPU converts float16 vectors (fp8_row_f16c)
 };
+
+bool has_f16c();
 
 bool rows_dense(const at::Tensor& t) {
   int64_t expected = 1;
@@ -74,6 +81,7 @@ Plan prepare(at::TensorList parts, at::TensorList scales, const at::Tensor& idx)
   TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kChar,
               "dequant_rows: parts must be float8_e4m3fn or int8, got ", dtype);
   p.fp8 = dtype == at::kFloat8_e4m3fn;
+  p.f16c = has_f16c();
   p.row_shape.assign(first.sizes().begin() + 1, first.sizes().end());
   for (int64_t s : p.row_shape) {
     p.row_elems *= s;
@@ -111,8 +119,8 @@ Plan prepare(at::TensorList parts, at::TensorList scales, const at::Tensor& idx)
 
 // Built for AVX2 as well as the baseline where the compiler can (the wheel's flags target the
 // baseline x86-64, SSE2): the loops below are vectorised either way, and the AVX2 clone is
-// picked at load time on CPUs that have it (measured: 2048 rows of 384 in 0.41 ms of CPU
-// against 1.1 ms for the SSE2 build; a memcpy gather of the same rows in bf16 takes 0.16 ms).
+// picked at load time on CPUs that have it (measured alone: 2048 rows of 384 in 0.41 ms of CPU
+// against 1.1 ms for the SSE2 build). On x86 with F16C, fp8_row_f16c below is faster still.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define PYHOOK_CLONES __attribute__((target_clones("avx2", "default")))
 #else
@@ -148,6 +156,47 @@ PYHOOK_CLONES void fp8_row(const uint8_t* src, float scale, float* dst, int64_t 
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PYHOOK_F16C 1
+// The same values 8 at a time with F16C: an fp8 e4m3 value's bits, moved into a float16's
+// (sign to bit 15, exponent and mantissa under it), are the value times 2^-8 as a float16,
+// subnormals included (float16 has the range); VCVTPH2PS widens them exactly (MXCSR's
+// denormals-are-zero does not apply to it), and 2^8 is folded into the scale when exact. NaN
+// (S.1111.111) is set as a float16 NaN. Measured, 2048 random rows of 384 into float32, one
+// thread: 0.34 ms of CPU, against 0.75 ms for the portable loop and 0.21 ms for a memcpy gather
+// of the same rows in bf16 (0.26 ms in float32).
+__attribute__((target("avx2,f16c"))) void fp8_row_f16c(const uint8_t* src, float scale,
+                                                      float* dst, int64_t d) {
+  const bool fold = std::fabs(scale) < 0x1p119f || std::isnan(scale);
+  const __m256 f = _mm256_set1_ps(fold ? scale * 0x1p8f : scale);
+  const __m256 pre = _mm256_set1_ps(fold ? 1.0f : 0x1p8f);
+  const __m128i low7 = _mm_set1_epi16(0x7F);
+  const __m128i sign = _mm_set1_epi16(0x80);
+  const __m128i nan16 = _mm_set1_epi16(0x7E00);
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)));
+    const __m128i m = _mm_and_si128(b, low7);
+    __m128i h = _mm_or_si128(_mm_slli_epi16(m, 7), _mm_slli_epi16(_mm_and_si128(b, sign), 8));
+    h = _mm_blendv_epi8(h, nan16, _mm_cmpeq_epi16(m, low7));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), pre);
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(v, f));
+  }
+  if (j < d) {
+    fp8_row(src + j, scale, dst + j, d - j);
+  }
+}
+#endif
+
+bool has_f16c() {
+#if defined(PYHOOK_F16C)
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 PYHOOK_CLONES void int8_row(const int8_t* src, float scale, float* dst, int64_t d) {
   for (int64_t j = 0; j < d; ++j) {
     dst[j] = static_cast<float>(src[j]) * scale;
@@ -156,6 +205,12 @@ PYHOOK_CLONES void int8_row(const int8_t* src, float scale, float* dst, int64_t 
 
 inline void float_row(const Plan& p, const uint8_t* src, float scale, float* dst, int64_t d) {
   if (p.fp8) {
+#if defined(PYHOOK_F16C)
+    if (p.f16c) {
+      fp8_row_f16c(src, scale, dst, d);
+      return;
+    }
+#endif
     fp8_row(src, scale, dst, d);
   } else {
     int8_row(reinterpret_cast<const int8_t*>(src), scale, dst, d);
