@@ -231,7 +231,7 @@ def bench_sae(root: str, captured: str, quick: bool) -> dict[str, dict]:
     test = cap[LAYER][held.nonzero().squeeze(1)]
     stats = cap.stats(LAYER)
     scale = 384**0.5 / float(stats["norm_mean"])
-    width, epochs, k = (512, 2, 32) if quick else (1536, 8, 32)
+    width, epochs, k = (512, 2, 32) if quick else (1024, 6, 32)
     seeds = [0] if quick else [0, 1, 2]
     out = {}
     for enc in ENCODINGS:
