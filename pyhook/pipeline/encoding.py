@@ -17,7 +17,8 @@ Index:
   :mod:`.format`); :func:`layer_bytes` - stored and decoded bytes (``pyhook inspect``).
 
 The layout on disk is described in docs/store-format.md ("Compact stores"). This module sits
-with the format: it never imports the reader or the writer.
+with the format (it imports :mod:`.format`, never the reader or the writer, and hands the
+format its :func:`stored_layout` for the shard checks).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import format as _format
+from .format import _DTYPE_TO_ST, CaptureDamagedError, parse_dtype
 
 __all__ = [
     "ENCODED_FORMAT_VERSION",
@@ -386,8 +390,6 @@ def stored_layout(info: dict[str, Any], rows: int, header: dict[str, Any]) -> tu
     """``(safetensors dtype code, shape)`` that a shard's header must hold for an encoded layer
     of ``rows`` rows: the quantised rows ``[rows, *row_shape]``, or, compressed, a uint8 blob
     of any length (checked against its frame offsets when decoded)."""
-    from .format import _DTYPE_TO_ST
-
     enc = info["encoding"]
     if enc.get("compress"):
         shape = header.get("shape")
@@ -571,8 +573,6 @@ class EncodedLayerData:
     def astype(self, dtype: torch.dtype | str) -> EncodedLayerData:
         """The same rows, read as ``dtype`` (dequantised straight into it: e.g. bfloat16 for a
         trainer in bfloat16, without a float32 copy). Shares the decoded-chunk cache."""
-        from .format import parse_dtype
-
         d = parse_dtype(dtype, "dtype")
         assert d is not None
         return EncodedLayerData(
@@ -740,8 +740,6 @@ class EncodedLayerData:
                 int(self.encoding.get("byte_planes", 1)),
             )
         except ValueError as e:
-            from .format import CaptureDamagedError
-
             path = getattr(shard, "path", None)
             raise CaptureDamagedError(
                 f"{path}: layer {self.name!r}: {e} (the shard is damaged; pyhook verify checks "
@@ -774,3 +772,9 @@ class DecodedSource:
 
     def gather_into(self, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return self.layer._gather(idx, out)
+
+
+# The format checks each shard's header against the index; an encoded layer's header is this
+# module's to describe. Handed over here (the format never imports this module back): pyhook's
+# __init__ imports the dataset, which imports this module, before any capture is opened.
+_format._encoded_layout = stored_layout

@@ -64,6 +64,13 @@ except ImportError:  # pragma: no cover - crc32c is a dependency; the fallback s
 _fault_hook: Callable[[str], None] | None = None
 
 
+#: What the shard header of an encoded layer must hold (``(dtype code, shape)``); set by
+#: :mod:`.encoding` when it is imported (it sits above the format and never is imported by it).
+_encoded_layout: Callable[[dict[str, Any], int, dict[str, Any]], tuple[str, list[Any]]] | None = (
+    None
+)
+
+
 def _fault(step: str) -> None:
     if _fault_hook is not None:
         _fault_hook(step)
@@ -733,9 +740,11 @@ def _check_shard(
             )
         shape = [rows, *info.get("row_shape", [])]
         if "encoding" in info:  # a compact store's layer: its encoded tensor (pipeline/encoding.py)
-            from .encoding import stored_layout
-
-            code, shape = stored_layout(info, rows, h)
+            if _encoded_layout is None:  # pragma: no cover - set when pyhook is imported
+                raise CaptureDamagedError(
+                    f"{path}: layer {name!r} is encoded; import pyhook to read it", path
+                )
+            code, shape = _encoded_layout(info, rows, h)
             if h.get("dtype") != code:
                 raise CaptureDamagedError(
                     f"{path}: layer {name!r} is stored as {h.get('dtype')} in the header, its "
