@@ -64,7 +64,7 @@ def _parts(data: Any) -> list[torch.Tensor]:
     decodes (dequantises, decompresses) inside its own gather.
     """
     if getattr(data, "encoding", None) is not None:
-        return data.source()  # type: ignore[no-any-return]
+        return data.source()
     parts = list(data._parts)
     if not parts:
         parts = [torch.empty((0, *tuple(data.shape)[1:]), dtype=data.dtype)]

@@ -399,7 +399,7 @@ def stored_layout(info: dict[str, Any], rows: int, header: dict[str, Any]) -> tu
             and isinstance(shape[0], int)
             and shape[0] >= 0
         )
-        return "U8", shape if ok else ["<bytes>"]
+        return "U8", list(shape) if ok and isinstance(shape, list) else ["<bytes>"]
     stored = _dtype(enc.get("stored", info["dtype"]))
     return _DTYPE_TO_ST[stored], [rows, *info.get("row_shape", [])]
 
