@@ -450,6 +450,7 @@ class _ChunkCache:
         self.bytes = 0
         self._items: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
+        self.complete: set[int] = set()  # shards whose every chunk is decoded in the cache
 
     def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         with self._lock:
@@ -468,7 +469,8 @@ class _ChunkCache:
             return None
         with self._lock:
             while self._items and self.bytes + nbytes > self.max_bytes:
-                _, (old, _) = self._items.popitem(last=False)
+                key_out, (old, _) = self._items.popitem(last=False)
+                self.complete.discard(key_out)
                 self.bytes -= old.nbytes
             item = (torch.empty(shape, dtype=dtype), torch.zeros(chunks, dtype=torch.bool))
             self._items[key] = item
@@ -671,6 +673,16 @@ class EncodedLayerData:
         self, part_of: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
         cr = int(self.encoding["chunk_rows"])
+        if len(self._cache.complete) == len(self._sources):
+            # Every shard decoded and kept: gathered like a plain store, in one kernel call.
+            entries = [self._cache.get(i) for i in range(len(self._sources))]
+            if all(e is not None for e in entries):
+                buffers = [e[0] for e in entries if e is not None]
+                idx = self._starts_t[part_of] + local
+                if self.encoding.get("quantize"):
+                    scales = [self._tensor(i, self.encoding["scale"]) for i in range(len(buffers))]
+                    return _dequant(buffers, scales, idx, self.dtype, out)
+                return _gather(buffers, idx, self.dtype, out)
         chunk = torch.div(local, cr, rounding_mode="floor")
         touched, inverse = torch.unique(part_of, return_inverse=True)
         ids = touched.tolist()
@@ -686,10 +698,13 @@ class EncodedLayerData:
                     return self._gather_blocks(part_of, local, chunk, out)
             buf, done = entry
             need = torch.unique(chunk[part_of == i])
-            for c in need[~done[need]].tolist():  # only chunks not decoded before
+            missing = need[~done[need]].tolist()
+            for c in missing:  # only chunks not decoded before
                 block = self._chunk(i, c)
                 buf[c * cr : c * cr + block.shape[0]] = block
                 done[c] = True
+            if missing and bool(done.all()):
+                self._cache.complete.add(i)
             buffers.append(buf)
         sizes = torch.tensor([self._rows[i] for i in ids], dtype=torch.long)
         j = (torch.cumsum(sizes, 0) - sizes)[inverse] + local
