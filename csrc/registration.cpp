@@ -49,6 +49,12 @@ TORCH_LIBRARY(pyhook, m) {
   m.def(
       "gather_rows_many_into(Tensor[] parts, int[] counts, Tensor idx, Tensor(a!)[] outs) -> ()");
 
+  // Rows idx of the quantised parts of a compact store's layer (float8_e4m3fn or int8, one
+  // float32 scale per row in `scales`, one tensor per part), dequantised into `dtype`
+  // (cpu/dequant.cpp): dtype(float32(row) * scale). Fresh output, or written into `out`.
+  m.def("dequant_rows(Tensor[] parts, Tensor[] scales, Tensor idx, ScalarType dtype) -> Tensor");
+  m.def("dequant_rows_into(Tensor[] parts, Tensor[] scales, Tensor idx, Tensor(a!) out) -> ()");
+
   // The CPU buffer pool. These take no tensors, so the dispatcher has no
   // device to pick: they are registered as catch-all kernels right here.
   m.def("pool_stats() -> int[]", &pyhook::pool_stats);

@@ -30,6 +30,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -41,6 +42,8 @@ __all__ = [
     "empty_pool",
     "gather_rows",
     "gather_rows_into",
+    "dequant_rows",
+    "dequant_rows_into",
     "get_backend",
     "native_available",
     "native_load_error",
@@ -563,4 +566,98 @@ def gather_rows_into(
         torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
     else:
         _reference.gather_rows_into(parts, idx, out)
+    return out
+
+
+_QUANTISED = (getattr(torch, "float8_e4m3fn", None), torch.int8)
+_DEQUANT_OUT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _dequant_args(
+    parts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], idx: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    parts, idx = _gather_args(parts, idx)
+    scales = list(scales)
+    if parts[0].dtype not in _QUANTISED:
+        raise TypeError(f"dequant_rows: parts must be float8_e4m3fn or int8, got {parts[0].dtype}")
+    if len(scales) != len(parts):
+        raise ValueError(
+            f"dequant_rows: {len(parts)} parts but {len(scales)} scale tensors; pass one per part"
+        )
+    for i, (p, s) in enumerate(zip(parts, scales)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != p.shape[:1]:
+            got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(
+                f"dequant_rows: scales {i} must be a float32 tensor [{p.shape[0]}] (one per row "
+                f"of part {i}), got {got}"
+            )
+    return parts, scales, idx
+
+
+def _dequant_native(parts: list[torch.Tensor], scales: list[torch.Tensor], idx: Any) -> bool:
+    return (
+        _gather_native(parts, idx)
+        and all(_native_group(s) == "cpu" for s in scales)
+        and hasattr(torch.ops.pyhook, "dequant_rows")  # a build older than the op: reference
+    )
+
+
+def dequant_rows(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor | Sequence[int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``idx`` of quantised ``parts`` (float8_e4m3fn or int8, one float32 scale per row
+    in ``scales``, one tensor per part), dequantised into ``dtype``: ``dtype(float32(row) *
+    scale)``, a fresh tensor. How a compact store's rows are read (:mod:`pyhook.pipeline.encoding`):
+    the native kernel reads the 1-byte rows straight from the memory maps, without the GIL;
+    the reference backend gives the same values (:func:`pyhook._reference.dequant_rows`).
+
+    >>> q = [torch.tensor([[2, -4], [1, 0]], dtype=torch.int8)]
+    >>> dequant_rows(q, [torch.tensor([0.5, 2.0])], [1, 0]).tolist()
+    [[2.0, 0.0], [1.0, -2.0]]
+    """
+    parts, scales, idx = _dequant_args(parts, scales, idx)
+    if dtype not in _DEQUANT_OUT:
+        raise TypeError(
+            f"dequant_rows: dtype must be float32, float64, bfloat16 or float16, got {dtype}"
+        )
+    if _dequant_native(parts, scales, idx):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return torch.ops.pyhook.dequant_rows.default(parts, scales, idx, dtype)
+    return _reference.dequant_rows(parts, scales, idx, dtype)
+
+
+def dequant_rows_into(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor | Sequence[int],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`dequant_rows` written into ``out`` (a contiguous CPU tensor of the result's shape,
+    in the dtype to dequantise into, e.g. shared memory); returns ``out``.
+
+    >>> out = torch.empty(1, 2, dtype=torch.bfloat16)
+    >>> q = [torch.tensor([[3, 1]], dtype=torch.int8)]
+    >>> dequant_rows_into(q, [torch.tensor([0.25])], [0], out).tolist()
+    [[0.75, 0.25]]
+    """
+    parts, scales, idx = _dequant_args(parts, scales, idx)
+    shape = (idx.numel(), *parts[0].shape[1:])
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype not in _DEQUANT_OUT
+        or tuple(out.shape) != shape
+        or not out.is_contiguous()
+        or not out.is_cpu
+    ):
+        raise ValueError(
+            f"dequant_rows_into: `out` must be a contiguous CPU float tensor of shape {shape}"
+        )
+    if _dequant_native(parts, scales, idx):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            torch.ops.pyhook.dequant_rows_into.default(parts, scales, idx, out)
+    else:
+        _reference.dequant_rows_into(parts, scales, idx, out)
     return out

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clone_tensors", "gather_rows", "gather_rows_into"]
+__all__ = [
+    "clone_tensors",
+    "gather_rows",
+    "gather_rows_into",
+    "dequant_rows",
+    "dequant_rows_into",
+]
 
 
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -64,3 +70,41 @@ def gather_rows_into(parts: Sequence[torch.Tensor], idx: torch.Tensor, out: torc
     [[0.0, 1.0], [1.0, 0.0]]
     """
     out.copy_(gather_rows(parts, idx))
+
+
+def dequant_rows(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows ``idx`` of quantised parts (float8_e4m3fn or int8, one float32 scale per row in
+    ``scales``), dequantised: ``dtype(float32(row) * scale)``, computed in float32 and rounded
+    once to ``dtype`` (the rows of a compact store, see :mod:`pyhook.pipeline.encoding`).
+
+    >>> q = [torch.tensor([[2, -4], [1, 0]], dtype=torch.int8)]
+    >>> dequant_rows(q, [torch.tensor([0.5, 2.0])], torch.tensor([1, 0]), torch.float32).tolist()
+    [[2.0, 0.0], [1.0, -2.0]]
+    """
+    # Gathered as bytes (index_select has no float8 kernel), then widened: exact.
+    raw = gather_rows([p.view(torch.uint8) for p in parts], idx).view(parts[0].dtype)
+    scale = gather_rows([s.reshape(-1, 1) for s in scales], idx)
+    scale = scale.reshape(-1, *([1] * (raw.dim() - 1)))
+    return (raw.to(torch.float32) * scale).to(dtype)
+
+
+def dequant_rows_into(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """:func:`dequant_rows` written into ``out`` (contiguous, the result's shape; its dtype
+    is the one dequantised into).
+
+    >>> out = torch.empty(1, 2)
+    >>> q = [torch.tensor([[3, 1]], dtype=torch.int8)]
+    >>> dequant_rows_into(q, [torch.tensor([0.25])], torch.tensor([0]), out); out.tolist()
+    [[0.75, 0.25]]
+    """
+    out.copy_(dequant_rows(parts, scales, idx, out.dtype))

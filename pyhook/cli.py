@@ -230,6 +230,8 @@ def _settings_line(st: dict[str, Any]) -> str:
         "dtype": ("--dtype", "(the model's)"),
         "model_dtype": ("--model-dtype", "(the checkpoint's)"),
         "max_length": ("--max-length", None),
+        "quantize": ("--quantize", None),
+        "compress": ("--compress", None),
     }
     parts = [
         f"{flag} {default if st[key] is None else st[key]}"
@@ -260,6 +262,44 @@ def _stored_stats(reader: Any) -> str:
     return "\n".join(lines)
 
 
+def _encoding_columns(reader: Any) -> list[list[str]] | None:
+    """Per layer of a compact store: its encoding, MB stored (rows and their scales or chunk
+    offsets) and MB once decoded; ``None`` for a store without encoded layers."""
+    from .pipeline import encoding
+
+    infos = reader.index["layers"]
+    if not any("encoding" in infos[name] for name in reader.layers):
+        return None
+    out = []
+    for name in reader.layers:
+        stored, decoded = encoding.layer_bytes(infos[name], reader._shards, name)
+        out.append(
+            [encoding.describe(infos[name]), "?" if stored < 0 else _mb(stored), _mb(decoded)]
+        )
+    return out
+
+
+def _bytes_saved(reader: Any) -> str:
+    """``"; 3.9x fewer bytes than plain rows (12.3 MB saved)"``, for a compact store."""
+    from .pipeline import encoding
+
+    infos = reader.index["layers"]
+    if not any("encoding" in infos[name] for name in reader.layers):
+        return ""
+    stored = decoded = 0
+    for name in reader.layers:
+        s, d = encoding.layer_bytes(infos[name], reader._shards, name)
+        if s < 0:
+            return ""
+        stored, decoded = stored + s, decoded + d
+    if not stored:
+        return ""
+    return (
+        f"; its layers take {decoded / stored:.2f}x fewer bytes than plain rows "
+        f"({_mb(decoded - stored)} MB saved)"
+    )
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
 
@@ -288,6 +328,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"  model {meta.get('model', '?')} ({meta.get('model_path', '-')}), pyhook {idx['pyhook_version']}, "
         f"{idx['examples']:,} examples, {len(idx['shards'])} shard(s) from {len(idx['ranks'])} rank(s), {_mb(idx['bytes'])} MB"
         + (f"; MISSING rank(s) {idx['missing_ranks']}" if idx.get("missing_ranks") else "")
+        + _bytes_saved(reader)
     )
     print("  settings: " + _settings_line(idx["settings"]))
     rows = [
@@ -302,7 +343,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ]
         for name, s in stats.items()
     ]
-    print(_table(rows, ["layer", "rows", "row shape", "dtype", "mean", "value std", "mean |row|"]))
+    encoded = _encoding_columns(reader)
+    if encoded is not None:  # a compact store: how each layer is stored, and the bytes saved
+        for row, extra in zip(rows, encoded):
+            row[4:4] = extra
+        head = ["layer", "rows", "row shape", "dtype", "stored as", "MB stored", "MB decoded"]
+        print(_table(rows, [*head, "mean", "value std", "mean |row|"]))
+    else:
+        print(
+            _table(rows, ["layer", "rows", "row shape", "dtype", "mean", "value std", "mean |row|"])
+        )
     print(
         f"  (over up to {args.sample:,} evenly spaced rows per layer (--sample): value std is the "
         "std of all their values, mean |row| their mean L2 norm)"
@@ -546,6 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--dtype", help="dtype of the stored activations (default: the model's)")
     c.add_argument("--model-dtype", help="dtype to load the model in (default: the checkpoint's)")
+    c.add_argument(
+        "--quantize",
+        choices=["fp8", "int8"],
+        help="store float rows in one byte a value (float8 e4m3 / int8) with a float32 scale a "
+        "row; reads return them dequantised (docs/store-format.md)",
+    )
+    c.add_argument(
+        "--compress",
+        choices=["zstd"],
+        help="compress the stored rows losslessly, in chunks of rows (needs zstandard)",
+    )
     c.add_argument("--positions", help="'all' tokens (default), 'last' valid token, or an index")
     c.add_argument("--device", help=device_help)
     c.add_argument("--out", help="output directory or URL (default ./pyhook-activations)")

@@ -76,3 +76,24 @@ def _gather_rows_many_into_fake(
     outs: Sequence[torch.Tensor],
 ) -> None:
     return None
+
+
+@torch.library.register_fake("pyhook::dequant_rows")
+def _dequant_rows_fake(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    first = parts[0]
+    return first.new_empty((idx.shape[0], *first.shape[1:]), dtype=dtype)
+
+
+@torch.library.register_fake("pyhook::dequant_rows_into")
+def _dequant_rows_into_fake(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    idx: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    return None

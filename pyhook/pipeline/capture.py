@@ -60,6 +60,7 @@ from ._record import (
 )
 from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
+from .encoding import Encoding
 from .format import dtype_name, parse_dtype
 from .writer import ShardWriter
 
@@ -262,6 +263,8 @@ class Recorder:
         fsync: bool = True,
         stats: bool | None = None,
         tokens: bool = True,
+        quantize: str | None = None,
+        compress: str | None = None,
     ) -> None:
         # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
@@ -343,6 +346,14 @@ class Recorder:
         self.mask = mask
         self.flatten = flatten
         self.dtype = parse_dtype(dtype, "dtype")
+        # Compact stores (pipeline/encoding.py): checked now, applied by the writer thread.
+        self._encoding = Encoding(quantize, compress)
+        if self._encoding and to != "disk":
+            raise ValueError(
+                f"quantize= and compress= choose how a disk capture stores its rows (to='disk', "
+                f"out=DIR); got to={to!r}"
+            )
+        self._encoding.check_dtype(self.dtype)
         self.copy = copy
         self.select = select
         self.overwrite = overwrite
@@ -359,6 +370,7 @@ class Recorder:
             "shard_bytes": shard_bytes,
             "max_pending": max_pending_shards,
             "fsync": fsync,
+            "encoding": self._encoding or None,
         }
         self._modules = resolve_layers(model, layers)  # raises before anything is registered
         self.layers = [n for n, _ in self._modules]
@@ -376,6 +388,7 @@ class Recorder:
             else getattr(mask, "__name__", "callable"),
             "flatten": flatten,
             "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
+            **self._encoding.settings(),  # only when set: plain captures resume as before
             **(settings or {}),
         }
         self._max_inflight_bytes = max_inflight_bytes
@@ -909,7 +922,10 @@ def capture(
     disk captures), ``tokens`` (keep token ids/row index from ``input_ids``, default on);
     host memory: ``max_host_bytes`` (default 256 MiB) sizes ``shard_bytes`` (default a quarter
     of it), ``max_pending_shards`` (1), ``max_inflight_bytes`` (a quarter) and the buffer
-    pools; raise it (e.g. ``1 << 30``) for speed when memory is plentiful.
+    pools; raise it (e.g. ``1 << 30``) for speed when memory is plentiful. Compact stores
+    (docs/store-format.md): ``quantize="fp8"`` (or ``"int8"``) stores float rows in one byte
+    per value with one float32 scale per row, ``compress="zstd"`` compresses them losslessly in
+    chunks of rows; reads return the rows decoded, in the captured dtype.
     """
     return Recorder(
         model,

@@ -32,6 +32,7 @@ from .. import _backend
 from .._backend import gather_rows, gather_rows_into
 from . import _ring, _seqread
 from . import reader as _reader
+from .encoding import DecodedSource
 from .reader import open_capture
 
 __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
@@ -58,8 +59,12 @@ def _parts(data: Any) -> list[torch.Tensor]:
 
     They never leave this module: every batch is a fresh copy made by ``gather_rows``.
     ``LayerData`` keeps its memory maps private (its public ``parts`` returns copies, which
-    would read the whole layer for every batch), hence the private attribute.
+    would read the whole layer for every batch), hence the private attribute. A compact
+    store's layer gives its :class:`~pyhook.pipeline.encoding.DecodedSource` instead, which
+    decodes (dequantises, decompresses) inside its own gather.
     """
+    if getattr(data, "encoding", None) is not None:
+        return data.source()
     parts = list(data._parts)
     if not parts:
         parts = [torch.empty((0, *tuple(data.shape)[1:]), dtype=data.dtype)]
@@ -288,8 +293,11 @@ class CaptureDataset(IterableDataset):
             # The parts are plain CPU memory maps: checked once here, so that each batch goes
             # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
             # batch for a dozen shards, per layer).
-            self._direct = all(_backend._direct_gather_ok(p) for p in self._cache.values())
-            if self._direct:
+            self._direct = all(
+                isinstance(p, DecodedSource) or _backend._direct_gather_ok(p)
+                for p in self._cache.values()
+            )
+            if self._direct and not any(isinstance(p, DecodedSource) for p in self._cache.values()):
                 self._flat = (
                     [t for p in self._cache.values() for t in p],
                     [len(p) for p in self._cache.values()],
@@ -380,6 +388,13 @@ class CaptureDataset(IterableDataset):
 
     # -- reading -------------------------------------------------------------------------------
     def _read(self, parts: list[torch.Tensor], idx: torch.Tensor, shared: bool) -> torch.Tensor:
+        if isinstance(parts, DecodedSource):  # a compact store's layer: decoded in its gather
+            if not shared:
+                return parts.gather(idx)
+            shape = torch.Size((idx.numel(), *parts.row_shape))
+            storage = torch.UntypedStorage._new_shared(shape.numel() * parts.dtype.itemsize)
+            out = torch.empty(0, dtype=parts.dtype).set_(storage, 0, shape, _contiguous(shape))
+            return parts.gather_into(idx, out)
         if not shared:
             if self._direct and _backend.get_backend() == "native":
                 return _backend._gather_direct(parts, idx)
@@ -431,7 +446,10 @@ class CaptureDataset(IterableDataset):
             if _ring.available():
                 # The keys in the order `batch` gives them: layers, tokens, index.
                 layout = [
-                    (_key(n), p[0].dtype, tuple(p[0].shape[1:])) for n, p in self._sources().items()
+                    (_key(n), p.dtype, p.row_shape)
+                    if isinstance(p, DecodedSource)
+                    else (_key(n), p[0].dtype, tuple(p[0].shape[1:]))
+                    for n, p in self._sources().items()
                 ]
                 if self.with_index:
                     layout.append(("index", torch.int64, ()))
@@ -455,8 +473,14 @@ class CaptureDataset(IterableDataset):
             flat, counts, keys = self._flat
             _backend._gather_many_direct_into(flat, counts, idx, [out[k] for k in keys])
         else:
+            direct = self._direct and _backend.get_backend() == "native"
             for name, parts in sources.items():
-                gather_rows_into(parts, idx, out[_key(name)])
+                if isinstance(parts, DecodedSource):
+                    parts.gather_into(idx, out[_key(name)])
+                elif direct:
+                    _backend._gather_direct_into(parts, idx, out[_key(name)])
+                else:
+                    gather_rows_into(parts, idx, out[_key(name)])
         if self.with_index:
             out["index"].copy_(idx)
         return out
@@ -670,7 +694,11 @@ def to_hf_dataset(
             idx = torch.arange(start, min(start + step, n))
             batch: dict[str, Any] = {}
             for col, (parts, as_bits) in sources.items():
-                rows = gather_rows(parts, idx)
+                rows = (
+                    parts.gather(idx)
+                    if isinstance(parts, DecodedSource)
+                    else gather_rows(parts, idx)
+                )
                 if as_bits:
                     rows = rows.view(torch.int16)
                 elif rows.dtype == torch.bfloat16:

@@ -64,6 +64,13 @@ except ImportError:  # pragma: no cover - crc32c is a dependency; the fallback s
 _fault_hook: Callable[[str], None] | None = None
 
 
+#: What the shard header of an encoded layer must hold (``(dtype code, shape)``); set by
+#: :mod:`.encoding` when it is imported (it sits above the format and never is imported by it).
+_encoded_layout: Callable[[dict[str, Any], int, dict[str, Any]], tuple[str, list[Any]]] | None = (
+    None
+)
+
+
 def _fault(step: str) -> None:
     if _fault_hook is not None:
         _fault_hook(step)
@@ -615,7 +622,8 @@ def merged_index(out: str) -> dict[str, Any]:
         info["shape"] = [info["rows"], *info["row_shape"]]
     return {
         "format": "pyhook-capture",
-        "format_version": FORMAT_VERSION,
+        # 3 where a rank stored encoded layers (pipeline/encoding.py), else this version
+        "format_version": max([FORMAT_VERSION, *(p.get("format_version", 1) for p in parts)]),
         "pyhook_version": first["pyhook_version"],
         "torch_version": first.get("torch_version"),
         "world_size": first["world_size"],
@@ -724,13 +732,25 @@ def _check_shard(
                 "which a capture cannot hold",
                 path,
             )
-        if h.get("dtype") != code:
+        if h.get("dtype") != code and "encoding" not in info:
             raise CaptureDamagedError(
                 f"{path}: layer {name!r} has dtype {h.get('dtype')} in the header, the index "
                 f"records {info.get('dtype')} ({code})",
                 path,
             )
         shape = [rows, *info.get("row_shape", [])]
+        if "encoding" in info:  # a compact store's layer: its encoded tensor (pipeline/encoding.py)
+            if _encoded_layout is None:  # pragma: no cover - set when pyhook is imported
+                raise CaptureDamagedError(
+                    f"{path}: layer {name!r} is encoded; import pyhook to read it", path
+                )
+            code, shape = _encoded_layout(info, rows, h)
+            if h.get("dtype") != code:
+                raise CaptureDamagedError(
+                    f"{path}: layer {name!r} is stored as {h.get('dtype')} in the header, its "
+                    f"encoding {info['encoding']} stores {code}",
+                    path,
+                )
         if h.get("shape") != shape:
             raise CaptureDamagedError(
                 f"{path}: layer {name!r} has shape {h.get('shape')} in the header, the index "

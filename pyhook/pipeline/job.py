@@ -184,6 +184,8 @@ _SETTING_WORDS = {
     "positions": "`positions`",
     "layers": "`layers`",
     "examples_total": "the number of examples (several ranks)",
+    "quantize": "`quantize`",
+    "compress": "`compress`",
 }
 _DEFAULT_WORDS = {
     "dtype": "the model's",
@@ -374,7 +376,9 @@ class CaptureJob:
       ``positions`` (``"all"``, ``"last"`` or an index); ``dtype`` (stored dtype).
     * ``out`` (a folder or an fsspec URL), ``shard_mb``, ``overwrite`` (replace a different
       capture there), ``force`` (start even when the estimate exceeds the free space), ``stats``
-      (per-layer statistics), ``tokens`` (token ids and row index next to the rows).
+      (per-layer statistics), ``tokens`` (token ids and row index next to the rows);
+      ``quantize`` (``"fp8"``/``"int8"``: one byte a value and a float32 scale a row) and
+      ``compress`` (``"zstd"``: lossless), a compact store (docs/store-format.md).
 
     Values are checked when the job is made (a :class:`JobError` naming the option); what needs
     the model or the files (does the corpus have that column, does the layer run) is checked by
@@ -402,6 +406,8 @@ class CaptureJob:
     force: bool = False
     stats: bool = True
     tokens: bool = True
+    quantize: str | None = None
+    compress: str | None = None
 
     def __post_init__(self) -> None:
         # the forms a file or the command gives, made one (so equal jobs compare equal)
@@ -478,6 +484,12 @@ class CaptureJob:
                         f"`{name}` must be one of {', '.join(_DTYPE_NAMES)} (a name such as "
                         f"'bf16'), got {v!r}"
                     )
+        for name, choices in (("quantize", ("fp8", "int8")), ("compress", ("zstd",))):
+            v = getattr(self, name)
+            if v is not None and v not in choices:
+                raise JobError(
+                    f"`{name}` must be {' or '.join(map(repr, choices))} (or absent), got {_got(v)}"
+                )
         if self.context_size is not None and self.max_length is not None:
             raise JobError(
                 "`max_length` cuts each example of a one-example-per-row capture; with "
@@ -733,6 +745,8 @@ class CaptureJob:
                     **settings,
                     "dtype": dtype_name(dtype) if dtype else None,
                     "positions": positions,
+                    "quantize": self.quantize,  # compact stores: another encoding is another
+                    "compress": self.compress,  # capture (None: absent, as plain ones store it)
                 },
                 world,
             )
@@ -792,6 +806,8 @@ class CaptureJob:
             meta=meta,
             stats=self.stats,
             tokens=self.tokens,
+            quantize=self.quantize,
+            compress=self.compress,
         )
         if stored is not None:
             _refuse_different(out, stored, rec.settings, world)
@@ -810,13 +826,17 @@ class CaptureJob:
             row_shape, out_dtype = shapes[name]
             itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
             width = math.prod(row_shape)
+            nbytes = rows * width * itemsize
+            if self.quantize:  # one byte a value, a float32 scale a row (zstd: at most this)
+                nbytes = rows * (width + 4)
             plan.layers.append(
                 LayerPlan(
                     name,
                     row_shape,
                     rows,
                     dtype_name(dtype or out_dtype),
-                    rows * width * itemsize,
+                    nbytes,
+                    "+".join(e for e in (self.quantize, self.compress) if e) or "-",
                 )
             )
             if self.stats:  # float64 [batches, 2 + 2 * width]
@@ -932,13 +952,20 @@ class CaptureJob:
         for name in reader.layers:
             info = reader.index["layers"][name]
             itemsize = torch.empty((), dtype=parse_dtype(info["dtype"])).element_size()
+            nbytes = info["rows"] * itemsize * math.prod(info["row_shape"])
+            if "encoding" in info:  # a compact store: the bytes its shards hold
+                from .encoding import describe, layer_bytes
+
+                stored = layer_bytes(info, reader._shards, name)[0]
+                nbytes = stored if stored >= 0 else nbytes
             result.layers.append(
                 LayerPlan(
                     name,
                     tuple(info["row_shape"]),
                     info["rows"],
                     info["dtype"],
-                    info["rows"] * itemsize * math.prod(info["row_shape"]),
+                    nbytes,
+                    describe(info) if "encoding" in info else "-",
                 )
             )
         return result
@@ -997,6 +1024,8 @@ class LayerPlan:
     rows: int
     dtype: str
     bytes: int
+    #: how the rows are stored (compact stores: ``"fp8"``, ``"zstd"``, ``"fp8+zstd"``; ``"-"``)
+    encoding: str = "-"
 
 
 @dataclass
@@ -1071,11 +1100,17 @@ class CapturePlan:
         )
 
     def table(self) -> str:
-        """Per layer: row shape, rows, dtype, MB."""
+        """Per layer: row shape, rows, dtype, MB (and the encoding of a compact store: with
+        ``compress`` the MB are the size before compression, an upper bound)."""
         rows = [
             [p.name, "x".join(map(str, p.row_shape)), f"{p.rows:,}", p.dtype, _mb(p.bytes)]
             for p in self.layers
         ]
+        if any(p.encoding != "-" for p in self.layers):
+            for row, p in zip(rows, self.layers):
+                row.insert(4, p.encoding)
+            mb = "MB (at most)" if "zstd" in "".join(p.encoding for p in self.layers) else "MB"
+            return _table(rows, ["layer", "row shape", "rows", "dtype", "stored as", mb])
         return _table(rows, ["layer", "row shape", "rows", "dtype", "MB"])
 
     def report(self, flags: bool = False) -> str:
@@ -1129,6 +1164,10 @@ class CaptureResult:
             [p.name, f"{p.rows:,}", "x".join(map(str, p.row_shape)), p.dtype, _mb(p.bytes)]
             for p in self.layers
         ]
+        if any(p.encoding != "-" for p in self.layers):  # a compact store: MB as stored
+            for row, p in zip(rows, self.layers):
+                row.insert(4, p.encoding)
+            return _table(rows, ["layer", "rows", "row shape", "dtype", "stored as", "MB"])
         return _table(rows, ["layer", "rows", "row shape", "dtype", "MB"])
 
     def report(self, flags: bool = False) -> str:

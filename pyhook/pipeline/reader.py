@@ -446,6 +446,11 @@ class CaptureReader:
             assert dtype is not None
             shards = [m for m in self._shards if name in m.entry["rows"]]
             rows = [int(m.entry["rows"][name]) for m in shards]
+            if "encoding" in info:  # a compact store's layer, decoded in the gather
+                from .encoding import EncodedLayerData
+
+                self._cache[name] = EncodedLayerData(name, shards, info, rows)  # type: ignore[assignment]
+                return self._cache[name]
             self._cache[name] = LayerData(name, shards, info["row_shape"], dtype, rows=rows)
         return self._cache[name]
 

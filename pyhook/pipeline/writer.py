@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from .encoding import ENCODED_FORMAT_VERSION
 from .format import (
     _DTYPE_TO_ST,
     _STORABLE,
@@ -110,6 +111,7 @@ class ShardWriter:
         overwrite: bool = False,
         fsync: bool = True,
         on_release: Any = None,
+        encoding: Any = None,
     ) -> None:
         if not isinstance(shard_bytes, int) or shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
@@ -126,6 +128,8 @@ class ShardWriter:
                 f"overwrite must be a bool (True replaces the previous capture), got "
                 f"{type(overwrite).__name__}: {overwrite!r}"
             )
+        # Compact stores (pipeline/encoding.py): quantised / compressed layers, or None.
+        self.encoding = encoding if encoding else None
         self.settings = _json_arg("settings", settings or {})  # normalise (tuples -> lists)
         self.meta = _json_arg("meta", dict(meta or {}))
         self.url: str | None = None
@@ -414,9 +418,13 @@ class ShardWriter:
                     "(pass dtype= to cast when capturing)"
                 )
             info = {"dtype": dtype_name(t.dtype), "row_shape": list(t.shape[1:])}
+            if self.encoding is not None:
+                info = self.encoding.layer_info(name, t.dtype, info)
             known = self.layers.get(name)
             if known is None:
                 self.layers[name] = info
+                if self.encoding is not None:
+                    self.layers.update(self.encoding.reserved(info))
             elif known != info:
                 raise ValueError(
                     f"layer {name!r}: rows of shape {info['row_shape']} {info['dtype']} do not match "
@@ -511,6 +519,8 @@ class ShardWriter:
                     skipped.append([at, at + n])
             at += n
         rows = {layer: sum(int(p.shape[0]) for p in ps) for layer, ps in pieces.items()}
+        if self.encoding is not None:  # after the statistics (taken in `wait`) saw the rows
+            pieces, rows = self.encoding.encode(pieces, rows, self.layers)
         examples = at - first
         meta = {"format": "pyhook", "rank": str(self.rank), "shard": name}
         meta["first_example"] = str(first)
@@ -556,7 +566,7 @@ class ShardWriter:
     def _part_dict(self) -> dict[str, Any]:
         return {
             "format": "pyhook-capture",
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.encoding is None else ENCODED_FORMAT_VERSION,
             "pyhook_version": __version__,
             "torch_version": torch.__version__,
             "rank": self.rank,

