@@ -154,6 +154,38 @@ _TRIM_BYTES = 16 << 20
 _TRIM_SLACK = 32 << 20
 
 
+def write_inline(model: nn.Module) -> bool:
+    """Whether a disk capture of ``model`` writes its shards on the forward's thread
+    (:class:`~pyhook.store.ShardWriter`'s ``write_inline``): when the model runs on the CPU
+    with a torch thread for every core this process may use. A background writer would then
+    take a core from the forward's OpenMP team, which waits for it at every barrier: measured
+    (benchmarks/bench_capture.py (d)), that costs more wall and CPU time than the write itself.
+    A forward on an accelerator leaves the host's cores free, and the writer stays in the
+    background. ``PYHOOK_WRITE_INLINE=1`` / ``0`` overrides the choice.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.capture import write_inline
+        >>> write_inline(torch.nn.Linear(2, 2)) in (True, False)
+        True
+    """
+    env = os.environ.get("PYHOOK_WRITE_INLINE", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    if torch.get_num_threads() < cores:
+        return False  # a core is left free for the writer
+    for t in model.parameters():
+        return t.device.type == "cpu"
+    for t in model.buffers():
+        return t.device.type == "cpu"
+    return True
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -325,6 +357,7 @@ class Recorder:
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self.max_host_bytes = max_host_bytes
         self._pool_share = share
+        self._pool_idle = share  # idle bytes the Offloader's pool keeps (see __enter__)
         # Rows held for the writer get the rest: with the pool's idle share, within the budget.
         self._rows_budget = max_host_bytes - share
         self._saved_pool_limit: int | None = None
@@ -402,7 +435,7 @@ class Recorder:
     def _offloader(self) -> Offloader:
         if self._offloader_ is None:
             self._offloader_ = Offloader(
-                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_share
+                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_idle
             )
         return self._offloader_
 
@@ -444,6 +477,7 @@ class Recorder:
         if self.to == "disk":
             assert self.out is not None
             self._rss_before = resident_bytes()
+            inline = write_inline(self.model)
             self._writer = ShardWriter(
                 self.out,
                 settings=self.settings,
@@ -452,8 +486,16 @@ class Recorder:
                 world_size=self._world,
                 overwrite=self.overwrite,
                 on_release=self._release,
+                write_inline=inline,
                 **self._writer_opts,
             )
+            if inline and self._offloader_ is None:
+                # Rows wait for at most one shard (the caller writes it at once), so the pool
+                # may keep the rest of the budget idle: a shard's buffers, given back when it
+                # is written, are all reused by the next batches instead of faulting in anew.
+                self._pool_idle = max(
+                    self._pool_share, self.max_host_bytes - self._writer._shard_limit
+                )
             self.examples_done = self._writer.examples_done
             self._limit_pool()
         try:
