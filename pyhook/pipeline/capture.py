@@ -361,6 +361,7 @@ class Recorder:
         # Rows held for the writer get the rest: with the pool's idle share, within the budget.
         self._rows_budget = max_host_bytes - share
         self._saved_pool_limit: int | None = None
+        self._pool_limit_now = share  # the native pool's idle limit during a disk capture
         self._held = 0  # bytes of rows handed to the writer and not yet written
         self._held_cv = threading.Condition()
         _check_json("meta", meta)
@@ -489,13 +490,16 @@ class Recorder:
                 write_inline=inline,
                 **self._writer_opts,
             )
-            if inline and self._offloader_ is None:
-                # Rows wait for at most one shard (the caller writes it at once), so the pool
-                # may keep the rest of the budget idle: a shard's buffers, given back when it
-                # is written, are all reused by the next batches instead of faulting in anew.
-                self._pool_idle = max(
-                    self._pool_share, self.max_host_bytes - self._writer._shard_limit
-                )
+            # Rows wait for at most one shard when the caller writes it at once (inline), so
+            # the pools may keep the rest of the budget idle: a shard's buffers, given back
+            # when it is written, are all reused by the next batches instead of faulting in
+            # anew. With a writer thread, the rows held get 3/4 of the budget, the pools 1/4.
+            idle = self._pool_share
+            if inline:
+                idle = max(idle, self.max_host_bytes - self._writer._shard_limit)
+            if self._offloader_ is None:
+                self._pool_idle = idle
+            self._pool_limit_now = idle
             self.examples_done = self._writer.examples_done
             self._limit_pool()
         try:
@@ -513,15 +517,15 @@ class Recorder:
         """During a disk capture, the native pool keeps at most a share of max_host_bytes idle:
         buffers the writer gives back are reused by the next batches, not hoarded."""
         limit = _backend.pool_stats()["limit_bytes"]
-        if _backend.native_available() and limit > self._pool_share:
+        if _backend.native_available() and limit > self._pool_limit_now:
             self._saved_pool_limit = limit
-            _backend.set_pool_limit(self._pool_share)
+            _backend.set_pool_limit(self._pool_limit_now)
 
     def _give_back_memory(self) -> None:
         """After a disk capture: the pools' idle buffers and glibc's free pages go back to the
         operating system (the process returns to about its RSS before the capture)."""
         if self._saved_pool_limit is not None:
-            if _backend.pool_stats()["limit_bytes"] == self._pool_share:  # nobody changed it
+            if _backend.pool_stats()["limit_bytes"] == self._pool_limit_now:  # nobody changed it
                 _backend.set_pool_limit(self._saved_pool_limit)
             self._saved_pool_limit = None
         if self._offloader_ is not None:
