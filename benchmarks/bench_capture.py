@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -108,6 +109,37 @@ def gpt2_config(n_layer: int, d_model: int, heads: int, vocab: int, positions: i
         n_layer=n_layer, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=positions,
         bos_token_id=0, eos_token_id=0,
     )
+
+
+def gpt2_and_batches(
+    L: int, D: int, H: int, T: int, B: int, steps: int, vocab: int = 1000
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """A GPT-2 of that shape (random weights, seed 0) and ``steps`` batches of B x T token ids:
+    the model and data of (b) and (d)."""
+    from transformers import GPT2Model
+
+    torch.manual_seed(0)
+    model = GPT2Model(gpt2_config(L, D, H, vocab, T)).eval()
+    return model, [torch.randint(0, vocab, (B, T)) for _ in range(steps)]
+
+
+def out_dir(args: argparse.Namespace, prefix: str) -> str:
+    """``--out-dir`` (created) or a fresh temporary directory: where (b) and (d) write."""
+    base = args.out_dir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def nnsight_order(names: list[str]) -> list[str]:
+    """Module names ``h.I[.attn|.ln_2|.mlp]`` in execution order: nnsight reads outputs in the
+    order the forward produces them."""
+    step = {"attn": 0, "ln_2": 1, "mlp": 2, "": 3}  # a block's order of execution
+
+    def when(name: str) -> tuple[int, int]:
+        parts = name.split(".", 2)
+        return int(parts[1]), step[parts[2] if len(parts) > 2 else ""]
+
+    return sorted(names, key=when)
 
 
 def with_clone_hooks(blocks: torch.nn.ModuleList, run: Callable[[], object]) -> None:
@@ -193,13 +225,6 @@ def bench_per_layer(args: argparse.Namespace) -> None:
         }
         if nnsight is not None:
             nn_model = nnsight.NNsight(model)
-            step = {"attn": 0, "ln_2": 1, "mlp": 2, "": 3}  # a block's order of execution
-
-            def when(name: str) -> tuple[int, int]:
-                parts = name.split(".", 2)
-                return int(parts[1]), step[parts[2] if len(parts) > 2 else ""]
-
-            run_order = sorted((name for name, _ in modules), key=when)
 
             def run_nnsight() -> None:
                 kept = []
@@ -438,14 +463,9 @@ def dd_speed(directory: str, mb: int) -> float:
 
 
 def bench_disk(args: argparse.Namespace) -> None:
-    from transformers import GPT2Model
-
-    base = args.out_dir or tempfile.mkdtemp(prefix="pyhook-bench-")
-    os.makedirs(base, exist_ok=True)
+    base = out_dir(args, "pyhook-bench-")
     L, D, H, T, B = args.disk_shape
-    torch.manual_seed(0)
-    model = GPT2Model(gpt2_config(L, D, H, 1000, T)).eval()
-    batches = [torch.randint(0, 1000, (B, T)) for _ in range(args.disk_steps)]
+    model, batches = gpt2_and_batches(L, D, H, T, B, args.disk_steps)
     # Capture every module output (attention, MLP, norms too), so that the bytes per second of
     # compute are high enough for the disk to matter.
     layers = ["h.*", "h.*.attn", "h.*.mlp", "h.*.ln_1", "h.*.ln_2"]
@@ -565,15 +585,11 @@ def bench_job(args: argparse.Namespace) -> None:
     modules: wall and process CPU time (every thread, user + sys) over the bare forward, in
     paired rounds (shuffled order), and the bare forward right after each variant."""
     from safetensors.torch import save_file
-    from transformers import GPT2Model
 
     L, D, H, B, T, steps = args.job_shape
     rounds = args.job_rounds
-    torch.manual_seed(0)
-    model = GPT2Model(gpt2_config(L, D, H, 1000, T)).eval()
-    batches = [torch.randint(0, 1000, (B, T)) for _ in range(steps)]
-    base = args.out_dir or tempfile.mkdtemp(prefix="pyhook-bench-job-")
-    os.makedirs(base, exist_ok=True)
+    model, batches = gpt2_and_batches(L, D, H, T, B, steps)
+    base = out_dir(args, "pyhook-bench-job-")
     try:
         import nnsight
     except ImportError:
@@ -595,11 +611,20 @@ def bench_job(args: argparse.Namespace) -> None:
         mb = 0.0
         out = os.path.join(base, f"job-{n}")
 
-        def pyhook_run(**opts) -> Callable[[], None]:
+        def pyhook_run(inline: str = "", **opts) -> Callable[[], None]:
             def run() -> None:
-                with capture(model, layers, out=out, **opts) as rec:
-                    for ids in batches:
-                        model(ids)
+                saved = os.environ.get("PYHOOK_WRITE_INLINE")
+                if inline:
+                    os.environ["PYHOOK_WRITE_INLINE"] = inline
+                try:
+                    with capture(model, layers, out=out, **opts) as rec:
+                        for ids in batches:
+                            model(ids)
+                finally:
+                    if inline:
+                        os.environ.pop("PYHOOK_WRITE_INLINE")
+                        if saved is not None:
+                            os.environ["PYHOOK_WRITE_INLINE"] = saved
                 assert rec.batches == len(batches)
 
             return run
@@ -630,13 +655,7 @@ def bench_job(args: argparse.Namespace) -> None:
         }
         if nnsight is not None:
             nn_model = nnsight.NNsight(model)
-            step = {"attn": 0, "ln_2": 1, "mlp": 2, "": 3}  # a block's order of execution
-
-            def when(name: str) -> tuple[int, int]:
-                parts = name.split(".", 2)
-                return int(parts[1]), step[parts[2] if len(parts) > 2 else ""]
-
-            run_order = sorted((name for name, _ in modules), key=when)
+            run_order = nnsight_order([name for name, _ in modules])
 
             def run_nnsight() -> None:
                 os.makedirs(out, exist_ok=True)
@@ -659,9 +678,12 @@ def bench_job(args: argparse.Namespace) -> None:
         fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
             stats=False, tokens=False, fsync=False
         )
+        if hasattr(sys.modules["pyhook.capture"], "write_inline"):  # a pyhook that chooses it
+            fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
         cpu: dict[str, list[float]] = {k: [] for k in fns}
         after: dict[str, list[float]] = {k: [] for k in fns}
+        faults: dict[str, list[float]] = {k: [] for k in fns}
         rng = random.Random(n)
         order = list(fns)
         with torch.inference_mode():
@@ -678,10 +700,13 @@ def bench_job(args: argparse.Namespace) -> None:
                 for name in order:
                     shutil.rmtree(out, ignore_errors=True)  # (each writes a fresh directory)
                     os.sync()
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     t0, c0 = time.perf_counter(), time.process_time()
                     fns[name]()
                     wall[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)
+                    f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    faults[name].append((f1 - f0) / len(batches))
                     t0 = time.perf_counter()
                     model(batches[0])  # the plain forward right after: did the variant slow it?
                     after[name].append(time.perf_counter() - t0)
@@ -702,10 +727,11 @@ def bench_job(args: argparse.Namespace) -> None:
                     f"{q[0]:.3f}-{q[2]:.3f}",
                     f"{med(c):.3f}x",
                     f"{med(a):.3f}x",
+                    f"{med(faults[name]):,.0f}",
                 ]
             )
         if nnsight is None:
-            rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-"])
+            rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-", "-"])
         print(
             f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
             f"after {os.getloadavg()[0]:.2f}"
@@ -720,6 +746,7 @@ def bench_job(args: argparse.Namespace) -> None:
                     "middle half",
                     "process CPU / bare",
                     "next forward / bare's",
+                    "minor faults / batch",
                 ],
             )
         )

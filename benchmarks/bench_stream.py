@@ -126,6 +126,11 @@ def producer_bound(model, batches, layer, rounds):
         "pyhook.stream (step = 0)": lambda: streamed(
             model, batches, layer, rows_per_forward, 4 * rows_per_forward
         ),
+        "pyhook.stream, consumer's OpenMP team released (PYHOOK_STREAM_RELEASE_OMP=1)": (
+            lambda: released(
+                lambda: streamed(model, batches, layer, rows_per_forward, 4 * rows_per_forward)
+            )
+        ),
     }
     streamed(model, batches[:2], layer, rows_per_forward, rows_per_forward)  # warm-up
     bare(model, batches[:2])
@@ -134,7 +139,7 @@ def producer_bound(model, batches, layer, rounds):
     ratios, cratios = [], []
     names = list(methods)
     for r in range(rounds):
-        order = names[r % 3 :] + names[: r % 3]
+        order = names[r % len(names) :] + names[: r % len(names)]
         res = {}
         for name in order:
             c0, t0 = cpu(), time.perf_counter()
@@ -152,7 +157,18 @@ def producer_bound(model, batches, layer, rounds):
     rows.append(
         ["stream / faster bare (per round)", f"{med(ratios):.3f}x", "", f"{med(cratios):.3f}x"]
     )
+    rel = [min(wall[n][i] for n in names[:2]) / wall[names[3]][i] for i in range(rounds)]
+    rows.append(["stream (team released) / faster bare", f"{med(rel):.3f}x", "", ""])
     return rows, med(ratios)
+
+
+def released(fn) -> None:
+    """``fn()`` with PYHOOK_STREAM_RELEASE_OMP=1 (pyhook._omp.release_thread_team)."""
+    os.environ["PYHOOK_STREAM_RELEASE_OMP"] = "1"
+    try:
+        fn()
+    finally:
+        del os.environ["PYHOOK_STREAM_RELEASE_OMP"]
 
 
 # -- (b) -------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ __all__ = [
     "native_available",
     "native_load_error",
     "pool_stats",
+    "row_stats",
     "set_backend",
     "set_pool_limit",
     "use_backend",
@@ -283,6 +284,30 @@ def clone_one(t: torch.Tensor, min_bytes: int | None = None) -> torch.Tensor:
     if _requested == "reference" or (checked and not t.is_nested and t.nbytes < limit):
         return t.clone()
     return _clone_list([t], size_checked=checked or min_bytes is not None)[0]
+
+
+def row_stats(rows: torch.Tensor) -> torch.Tensor | None:
+    """The native statistics row of host rows ``[n, D]`` (float64 ``[1, 2 + 2*D]``: count, sum
+    of row L2 norms, column means, column M2), or None where the native kernel does not apply
+    (not built, the reference backend chosen, not a plain CPU tensor of a real dtype).
+
+    >>> x = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    >>> s = row_stats(x)
+    >>> s is None or s.tolist() == [[2.0, 7.0, 1.5, 2.0, 4.5, 8.0]]
+    True
+    """
+    if (
+        _requested == "reference"
+        or type(rows) is not torch.Tensor
+        or rows.dim() != 2
+        or not rows.is_cpu
+        or rows.layout != torch.strided
+        or rows.is_complex()
+        or rows.is_quantized
+        or not native_available()
+    ):
+        return None
+    return torch.ops.pyhook.row_stats(rows)
 
 
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -78,31 +78,87 @@ def test_disk_stats_equal_the_stored_rows(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_disk_stats_are_computed_by_the_writer_thread(tmp_path, monkeypatch, mode):
-    # The float64 pass over a batch's rows is not on the forward's path: the writer thread
-    # computes it from the capture's copy before writing the batch (the stored values are
-    # checked against the rows above; here: where they are computed, and that they still agree).
+def test_disk_stats_are_computed_on_the_forward_thread(tmp_path, monkeypatch, mode):
+    # Issue 23 item 1: a writer thread that computes the float64 pass competes with the
+    # forward's thread team for the cores; the native kernel does it in the layer hook instead,
+    # on the forward's thread, right after the copy (one cached pass per block of rows).
     import threading
 
-    import pyhook._record as record
+    from pyhook import _backend
 
+    if not _backend.native_available():
+        pytest.skip("needs the native kernel")
     threads: list[str] = []
-    real = record.batch_stats
+    real = _backend.row_stats
 
     def spy(t):
         threads.append(threading.current_thread().name)
         return real(t)
 
-    monkeypatch.setattr(record, "batch_stats", spy)
+    monkeypatch.setattr(_backend, "row_stats", spy)
     torch.manual_seed(0)
     net = Offset()
     with mode(), capture(net, ["lin", "out"], out=tmp_path, mask="attention_mask"):
         for x, am in data(3):
             net(x, attention_mask=am)
+    assert threads == [threading.current_thread().name] * 6, threads
+    r = open_capture(tmp_path)
+    for layer in ("lin", "out"):
+        assert_stats(annotations.stats(r, layer), r[layer].to_tensor())
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_reference_backend_leaves_disk_stats_to_the_writer_thread(tmp_path, monkeypatch, mode):
+    # Without the native kernel the numpy pass is slow: a background writer computes it from
+    # the capture's copy, off the forward (and the values still agree with the stored rows).
+    import threading
+
+    import pyhook._record as record
+    from pyhook import _backend
+
+    threads: list[str] = []
+    real = record._host_stats
+
+    def spy(x, out):
+        threads.append(threading.current_thread().name)
+        return real(x, out)
+
+    monkeypatch.setattr(record, "_host_stats", spy)
+    monkeypatch.setenv("PYHOOK_WRITE_INLINE", "0")
+    torch.manual_seed(0)
+    net = Offset()
+    with _backend.use_backend("reference"):
+        with mode(), capture(net, ["lin", "out"], out=tmp_path, mask="attention_mask"):
+            for x, am in data(3):
+                net(x, attention_mask=am)
     assert len(threads) == 6 and all(n.startswith("pyhook-writer") for n in threads), threads
     r = open_capture(tmp_path)
     for layer in ("lin", "out"):
         assert_stats(annotations.stats(r, layer), r[layer].to_tensor())
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.bool]
+)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (300, 70), (1000, 257)])
+def test_native_row_stats_against_float64_reference(dtype, shape):
+    # The native kernel (column ranges per thread, cached blocks merged with Chan's formula)
+    # against torch.var_mean in float64 over the same rows, far from zero (mean ~1000).
+    from pyhook import _backend
+
+    if not _backend.native_available():
+        pytest.skip("needs the native kernel")
+    g = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 1000
+    if dtype == torch.bool:
+        x = x > 1000
+    rows = x.to(dtype)
+    got = annotations.merge_stats(_backend.row_stats(rows))
+    assert_stats(got, rows.to(torch.float64))
+    # a strided view (a column slice) is read as its values
+    view = rows[:, ::2]
+    assert_stats(annotations.merge_stats(_backend.row_stats(view)), view.to(torch.float64))
+    assert _backend.row_stats(rows[:0]).tolist() == [[0.0] * (2 + 2 * shape[1])]
 
 
 def test_stats_are_of_the_stored_dtype(tmp_path):

@@ -141,6 +141,7 @@ class EagerPath:
         grid = self.grid
         clone_one = _backend.clone_one
         kept_min = _backend.KEPT_MIN_BYTES
+        native_stats = _backend.get_backend() == "native"
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             raw = layer_rows(name, output, select)
@@ -159,10 +160,6 @@ class EagerPath:
                 t = t.reshape(1)  # a scalar output (a loss, a score): one row per forward
             if self.track:
                 grid[name] = tuple(raw.shape[:2]) if reduction.token_rows(raw.shape) else None
-            if stats and not t.is_complex():
-                # Rows bound for the disk from host memory: the writer thread computes their
-                # statistics from the copy (a float64 pass over the rows, off the forward).
-                pending_stats[name] = LATER if to == "disk" and t.is_cpu else batch_stats(t)
             if by_reference:
                 if needs_copy and not t.is_inference():
                     needs_copy = False
@@ -182,6 +179,16 @@ class EagerPath:
                 pending[name] = clone_one(t, kept_min) if needs_copy else t
             else:
                 pending[name] = rec._offloader.submit([t], copy=needs_copy, pooled=False)
+            if stats and not t.is_complex():
+                if to == "disk" and t.is_cpu and not native_stats:
+                    # Without the native kernel the float64 pass (numpy) is slow enough to be
+                    # left to the writer thread, which computes it from the copy.
+                    pending_stats[name] = LATER
+                else:
+                    # Here, on the forward's thread and cores, right after the copy read the
+                    # rows (still in cache): one blocked pass (pyhook._backend.row_stats),
+                    # no work left for a thread that would compete with the forward's.
+                    pending_stats[name] = batch_stats(t)
 
         return hook
 
@@ -211,9 +218,10 @@ class EagerPath:
             waits: list[PendingCopy] = list(pending.values())
             fill: Callable[[], None] | None = None
             if stats:
-                later, fill = stats_later(
-                    {name: batch[name] for name, s in stats.items() if s is LATER}
-                )
+                later_rows = {name: batch[name] for name, s in stats.items() if s is LATER}
+                later: dict[str, torch.Tensor] = {}
+                if later_rows:
+                    later, fill = stats_later(later_rows)
                 host_stats = rec._stats_to_host(
                     {name: s for name, s in stats.items() if s is not LATER}
                 )

@@ -158,6 +158,38 @@ _TRIM_BYTES = 16 << 20
 _TRIM_SLACK = 32 << 20
 
 
+def write_inline(model: nn.Module) -> bool:
+    """Whether a disk capture of ``model`` writes its shards on the forward's thread
+    (:class:`~pyhook.store.ShardWriter`'s ``write_inline``): when the model runs on the CPU
+    with a torch thread for every core this process may use. A background writer would then
+    take a core from the forward's OpenMP team, which waits for it at every barrier: measured
+    (benchmarks/bench_capture.py (d)), that costs more wall and CPU time than the write itself.
+    A forward on an accelerator leaves the host's cores free, and the writer stays in the
+    background. ``PYHOOK_WRITE_INLINE=1`` / ``0`` overrides the choice.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.capture import write_inline
+        >>> write_inline(torch.nn.Linear(2, 2)) in (True, False)
+        True
+    """
+    env = os.environ.get("PYHOOK_WRITE_INLINE", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    if torch.get_num_threads() < cores:
+        return False  # a core is left free for the writer
+    for t in model.parameters():
+        return t.device.type == "cpu"
+    for t in model.buffers():
+        return t.device.type == "cpu"
+    return True
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -331,9 +363,11 @@ class Recorder:
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self.max_host_bytes = max_host_bytes
         self._pool_share = share
+        self._pool_idle = share  # idle bytes the Offloader's pool keeps (see __enter__)
         # Rows held for the writer get the rest: with the pool's idle share, within the budget.
         self._rows_budget = max_host_bytes - share
         self._saved_pool_limit: int | None = None
+        self._pool_limit_now = share  # the native pool's idle limit during a disk capture
         self._held = 0  # bytes of rows handed to the writer and not yet written
         self._held_cv = threading.Condition()
         _check_json("meta", meta)
@@ -418,7 +452,7 @@ class Recorder:
     def _offloader(self) -> Offloader:
         if self._offloader_ is None:
             self._offloader_ = Offloader(
-                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_share
+                max_inflight_bytes=self._max_inflight_bytes, pool_limit_bytes=self._pool_idle
             )
         return self._offloader_
 
@@ -460,6 +494,7 @@ class Recorder:
         if self.to == "disk":
             assert self.out is not None
             self._rss_before = resident_bytes()
+            inline = write_inline(self.model)
             self._writer = ShardWriter(
                 self.out,
                 settings=self.settings,
@@ -468,8 +503,19 @@ class Recorder:
                 world_size=self._world,
                 overwrite=self.overwrite,
                 on_release=self._release,
+                write_inline=inline,
                 **self._writer_opts,
             )
+            # Rows wait for at most one shard when the caller writes it at once (inline), so
+            # the pools may keep the rest of the budget idle: a shard's buffers, given back
+            # when it is written, are all reused by the next batches instead of faulting in
+            # anew. With a writer thread, the rows held get 3/4 of the budget, the pools 1/4.
+            idle = self._pool_share
+            if inline:
+                idle = max(idle, self.max_host_bytes - self._writer._shard_limit)
+            if self._offloader_ is None:
+                self._pool_idle = idle
+            self._pool_limit_now = idle
             self.examples_done = self._writer.examples_done
             self._limit_pool()
         try:
@@ -487,15 +533,15 @@ class Recorder:
         """During a disk capture, the native pool keeps at most a share of max_host_bytes idle:
         buffers the writer gives back are reused by the next batches, not hoarded."""
         limit = _backend.pool_stats()["limit_bytes"]
-        if _backend.native_available() and limit > self._pool_share:
+        if _backend.native_available() and limit > self._pool_limit_now:
             self._saved_pool_limit = limit
-            _backend.set_pool_limit(self._pool_share)
+            _backend.set_pool_limit(self._pool_limit_now)
 
     def _give_back_memory(self) -> None:
         """After a disk capture: the pools' idle buffers and glibc's free pages go back to the
         operating system (the process returns to about its RSS before the capture)."""
         if self._saved_pool_limit is not None:
-            if _backend.pool_stats()["limit_bytes"] == self._pool_share:  # nobody changed it
+            if _backend.pool_stats()["limit_bytes"] == self._pool_limit_now:  # nobody changed it
                 _backend.set_pool_limit(self._saved_pool_limit)
             self._saved_pool_limit = None
         if self._offloader_ is not None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._omp import release_thread_team
 from .._queues import put_unless_stopped
 
 __all__ = ["Mixer", "Stream", "stream"]
@@ -406,6 +407,11 @@ class Stream:
             target=self._produce, args=(out, stop, seed), name="pyhook-stream", daemon=True
         )
         self._active, self._stop = t, stop
+        if self.device.type == "cpu" and os.environ.get("PYHOOK_STREAM_RELEASE_OMP") == "1":
+            # Opt-in, to be measured on a quiet machine: the forward moves to the producer
+            # thread, and this thread's idle OpenMP workers go, so that the producer's team is
+            # not throttled as one of too many (pyhook._omp; under load it is slower).
+            release_thread_team()
         t.start()
         return self._consume(out, stop, t)
 

@@ -92,6 +92,13 @@ class ShardWriter:
     the number of shards waiting for the disk (back-pressure). ``on_release(batch)`` is called
     once a batch has been written (used to give pooled buffers back).
 
+    ``write_inline=True`` moves the CPU work of writing a shard (the copy into the page cache and
+    its checksum) onto the thread that calls :meth:`flush` (or fills a shard with :meth:`add`):
+    what a capture whose forward runs on every core wants, since a background thread that takes
+    a core stalls the forward's thread team for longer than the write itself takes. The
+    background thread still fsyncs, renames and lists each shard, so a crash at any point leaves
+    the same states as the default.
+
     ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
     settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
     ``overwrite=True``, which deletes the previous capture's files).
@@ -112,6 +119,7 @@ class ShardWriter:
         fsync: bool = True,
         on_release: Any = None,
         encoding: Any = None,
+        write_inline: bool = False,
     ) -> None:
         if not isinstance(shard_bytes, int) or shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
@@ -155,6 +163,10 @@ class ShardWriter:
         self.world_size = world_size
         self.fsync = fsync
         self.on_release = on_release
+        # write_inline: the caller's thread writes each shard's bytes when it flushes (and gives
+        # the rows back at once); the background thread only makes them durable and lists them
+        # (fsync, rename, index), which waits for the disk but takes no CPU from the caller.
+        self.write_inline = bool(write_inline)
         self._part = _part_path(self.out, rank)
         self._journal = _journal_path(self._part)
         self._journal_fd: int | None = None
@@ -463,15 +475,38 @@ class ShardWriter:
         self._buffer, self._buffer_bytes = [], 0
         index = self._next_index
         self._next_index += 1
-        with self._room:
-            self._pending_bytes += nbytes
+        item: tuple[int, Any, int, Any]
+        if self.write_inline:
+            self._check_error()
+            written = None
+            try:
+                written = self._write_data(index, batches, durable=False)
+            except Exception as e:  # reported as the writer thread's errors are
+                self._error = e
+            except BaseException as e:  # Ctrl-C: stop writing, and say so
+                self._error = e
+                raise
+            finally:
+                self._release_all(batches)  # the bytes are in the file (or it failed)
+            self._check_error()
+            item = (index, [], 0, written)
+        else:
+            with self._room:
+                self._pending_bytes += nbytes
+            item = (index, batches, nbytes, None)
         while True:  # bounded queue: wait for the disk, but notice a dead writer
             self._check_error()
             try:
-                self._queue.put((index, batches, nbytes), timeout=0.1)
+                self._queue.put(item, timeout=0.1)
                 return
             except queue.Full:
                 continue
+
+    def _release_all(self, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]) -> None:
+        if self.on_release is not None:
+            for batch, *_ in batches:
+                with contextlib.suppress(Exception):
+                    self.on_release(batch)
 
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -481,15 +516,15 @@ class ShardWriter:
                 if item is None:
                     return
                 if self._error is None:
-                    self._write_shard(item[0], item[1])
+                    if item[3] is not None:  # written by the caller (write_inline)
+                        self._publish(item[3], synced=False)
+                    else:
+                        self._write_shard(item[0], item[1])
             except BaseException as e:  # reported to the main thread on its next call
                 self._error = e
             finally:
                 if item is not None:
-                    if self.on_release is not None:
-                        for batch, *_ in item[1]:
-                            with contextlib.suppress(Exception):
-                                self.on_release(batch)
+                    self._release_all(item[1])
                     with self._room:
                         self._pending_bytes -= item[2]
                         self._room.notify_all()
@@ -498,6 +533,17 @@ class ShardWriter:
     def _write_shard(
         self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]
     ) -> None:
+        self._publish(self._write_data(index, batches, durable=self.fsync), synced=True)
+
+    def _write_data(
+        self,
+        index: int,
+        batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]],
+        *,
+        durable: bool,
+    ) -> dict[str, Any]:
+        """Write the shard's temporary file (fsynced when ``durable``); what
+        :meth:`_publish` needs to rename and list it. Shards are written in index order."""
         for _, _, wait, _ in batches:
             if wait is not None:
                 wait()
@@ -525,7 +571,39 @@ class ShardWriter:
         meta = {"format": "pyhook", "rank": str(self.rank), "shard": name}
         meta["first_example"] = str(first)
         try:
-            nbytes, checksum = _write_file(tmp, pieces, meta, fsync=self.fsync)
+            nbytes, checksum = _write_file(tmp, pieces, meta, fsync=durable)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        self._examples_written = at  # the next shard starts here
+        return {
+            "name": name,
+            "path": path,
+            "tmp": tmp,
+            "first": first,
+            "rows": rows,
+            "examples": examples,
+            "skipped": skipped,
+            "nbytes": nbytes,
+            "checksum": checksum,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _publish(self, w: dict[str, Any], *, synced: bool) -> None:
+        """Make a written shard durable (unless ``synced``), rename it to its final name and
+        list it in the index: only a complete, fsynced shard is ever listed."""
+        t0 = time.perf_counter()
+        name, path, tmp = w["name"], w["path"], w["tmp"]
+        nbytes, checksum, first = w["nbytes"], w["checksum"], w["first"]
+        rows, examples, skipped = w["rows"], w["examples"], w["skipped"]
+        try:
+            if not synced and self.fsync:
+                fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -547,7 +625,6 @@ class ShardWriter:
         if skipped:
             entry["skipped"] = skipped
         self.shards.append(entry)
-        self._examples_written = at
         line = None
         if self._part_on_disk:
             # O(1) in the number of shards: one line appended to the journal, not a new index
@@ -561,7 +638,7 @@ class ShardWriter:
         if self._uploader is not None:
             self._uploader.shard_done(self.out, name, line, self._part)
         self.bytes_written += nbytes
-        self.write_seconds += time.perf_counter() - t0
+        self.write_seconds += w["seconds"] + time.perf_counter() - t0
 
     def _part_dict(self) -> dict[str, Any]:
         return {
