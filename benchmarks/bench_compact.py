@@ -115,20 +115,25 @@ def bench_writes(root: str, rows: dict[str, torch.Tensor], rounds: int) -> dict[
 
 
 def bench_reads(root: str, rounds: int, batches: int) -> dict[str, dict]:
-    cases = [(enc, True) for enc in ENCODINGS] + [("bf16+zstd", False)]
+    # (store, decoded-chunk cache, dtype the dataset returns): fp8/int8 also read as bfloat16,
+    # the same bytes out as the bf16 store gives (dequantised straight into bfloat16)
+    cases = [(enc, True, None) for enc in ENCODINGS] + [("bf16+zstd", False, None)]
+    cases += [("fp8", True, torch.bfloat16), ("int8", True, torch.bfloat16)]
     datasets = {}
-    for enc, cache in cases:
+    for enc, cache, dtype in cases:
         saved = encoding.DEFAULT_CACHE_BYTES
         encoding.DEFAULT_CACHE_BYTES = saved if cache else 0
         try:
-            ds = open_capture(os.path.join(root, enc)).dataset(batch_size=2048, seed=0)
+            ds = open_capture(os.path.join(root, enc)).dataset(
+                batch_size=2048, seed=0, dtype=dtype
+            )
             for _ in ds:  # opens the maps (and, cached, decodes every chunk once)
                 pass
         finally:
             encoding.DEFAULT_CACHE_BYTES = saved
-        datasets[(enc, cache)] = ds
-    per: dict[tuple[str, bool], list[float]] = {c: [] for c in cases}
-    cpu: dict[tuple[str, bool], list[float]] = {c: [] for c in cases}
+        datasets[(enc, cache, dtype)] = ds
+    per: dict[tuple, list[float]] = {c: [] for c in cases}
+    cpu: dict[tuple, list[float]] = {c: [] for c in cases}
     for i in range(rounds):
         order = list(cases)
         random.shuffle(order)
@@ -144,7 +149,7 @@ def bench_reads(root: str, rounds: int, batches: int) -> dict[str, dict]:
             wall, c_s = since(t0)
             per[c].append(rows / wall)
             cpu[c].append(c_s / rows * 1e6)
-    base = per[("bf16", True)]
+    base = per[("bf16", True, None)]
     out = {}
     for c in cases:
         ratios = [a / b for a, b in zip(per[c], base)]
@@ -305,14 +310,14 @@ def main() -> int:
     print(
         f"\n(a, b) {len(rows[LAYER]):,} rows x 6 layers of 384; medians of {rounds} paired rounds; {load()}"
     )
-    head = f"{'store':22s} {'B/row':>7s} {'vs fp32':>8s} {'write rows/s':>13s} {'write CPU s':>12s} {'read rows/s':>12s} {'read vs bf16':>13s} {'read CPU us/row':>16s}"
+    head = f"{'store':28s} {'B/row':>7s} {'vs fp32':>8s} {'write rows/s':>13s} {'write CPU s':>12s} {'read rows/s':>12s} {'read vs bf16':>13s} {'read CPU us/row':>16s}"
     print(head)
     print("-" * len(head))
-    for (enc, cache), r in rd.items():
+    for (enc, cache, dtype), r in rd.items():
         wr = w[enc]
-        name = enc + ("" if cache else " (no cache)")
+        name = enc + ("" if cache else " (no cache)") + (" read as bf16" if dtype else "")
         print(
-            f"{name:22s} {wr['bytes_per_row']:7.1f} {w['fp32']['bytes_per_row'] / wr['bytes_per_row']:7.2f}x "
+            f"{name:28s} {wr['bytes_per_row']:7.1f} {w['fp32']['bytes_per_row'] / wr['bytes_per_row']:7.2f}x "
             f"{wr['rows_s']:13,.0f} {wr['cpu']:12.2f} {r['rows_s']:12,.0f} {r['vs_bf16']:12.2f}x {r['cpu_us_row']:16.2f}"
         )
     print("\n(c) zstd on the bf16 rows of all six layers (one thread, process CPU time)")
@@ -333,12 +338,14 @@ def main() -> int:
     if len(sae["bf16"]["fvus"]) > 1:
         print(f"  (bf16's seed-to-seed spread: {spread / sae['bf16']['fvu']:.2%} of its FVU)")
 
-    fp8_read = rd[("fp8", True)]["vs_bf16"]
+    fp8_read = rd[("fp8", True, torch.bfloat16)]["vs_bf16"]
+    fp8_read32 = rd[("fp8", True, None)]["vs_bf16"]
     fp8_fvu = (sae["fp8"]["fvu"] - sae["bf16"]["fvu"]) / sae["bf16"]["fvu"]
     ratio = max(c["ratio"] for c in codec)
     print(f"\ntargets ({load()}):")
     print(
         f"  fp8 shuffled read rows/s vs bf16 >= 0.90x: {fp8_read:.2f}x  {'met' if fp8_read >= 0.9 else 'MISSED'}"
+        f"  (read as bfloat16; as float32, twice the bytes out: {fp8_read32:.2f}x)"
     )
     print(
         f"  fp8 FVU within 1% of bf16's:             {fp8_fvu:+.2%}  {'met' if abs(fp8_fvu) <= 0.01 else 'MISSED'}"

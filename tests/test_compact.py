@@ -210,6 +210,41 @@ def test_dataset_with_dataloader_workers(stores, name):
         assert sorted(torch.cat(seen).tolist()) == list(range(len(want["0"])))
 
 
+@pytest.mark.parametrize("name", ["fp8", "zstd", "plain"])
+def test_dataset_dtype_reads_rows_in_the_dtype_asked_for(stores, name):
+    """dataset(dtype=bfloat16): quantised rows dequantised straight into bfloat16, compressed
+    and plain rows cast; the same values as the float32 rows rounded to bfloat16, on every
+    batch path (in process, DataLoader workers with and without reused slots)."""
+    r = open_capture(stores[name])
+    decoded = {k: r[k].to_tensor() for k in ("0", "2")}
+    for workers, slots in ((0, 8), (2, 8), (2, 0)):
+        ds = r.dataset(
+            ["0", "2"],
+            batch_size=17,
+            seed=5,
+            with_index=True,
+            worker_slots=slots,
+            dtype=torch.bfloat16,
+        )
+        seen = []
+        for b in DataLoader(ds, batch_size=None, num_workers=workers):
+            for k in ("0", "2"):
+                assert b[k].dtype == torch.bfloat16
+                assert torch.equal(b[k], decoded[k][b["index"]].bfloat16())
+            seen.append(b["index"])
+        assert sorted(torch.cat(seen).tolist()) == list(range(len(decoded["0"])))
+
+
+def test_dataset_dtype_is_checked(stores):
+    r = open_capture(stores["fp8"])
+    with pytest.raises(ValueError, match="floating-point"):
+        r.dataset(["0"], dtype=torch.int32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        r.dataset(["0"], dtype=torch.float8_e4m3fn)  # no scale: values would saturate
+    with pytest.raises(ValueError, match="dtype must be one of .* got 'float4'"):
+        r.dataset(["0"], dtype="float4")
+
+
 def test_to_hf_dataset_decodes(stores):
     pytest.importorskip("datasets")
     r = open_capture(stores["fp8"])

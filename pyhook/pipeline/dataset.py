@@ -33,6 +33,7 @@ from .._backend import gather_rows, gather_rows_into
 from . import _ring, _seqread
 from . import reader as _reader
 from .encoding import DecodedSource
+from .format import parse_dtype
 from .reader import open_capture
 
 __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
@@ -54,21 +55,48 @@ def _open(path: str) -> Any:
     return open_capture(path)
 
 
-def _parts(data: Any) -> list[torch.Tensor]:
+def _parts(data: Any, dtype: torch.dtype | None = None) -> Any:
     """The zero-copy (memory-mapped) per-shard tensors of one ``LayerData``, in order.
 
     They never leave this module: every batch is a fresh copy made by ``gather_rows``.
     ``LayerData`` keeps its memory maps private (its public ``parts`` returns copies, which
     would read the whole layer for every batch), hence the private attribute. A compact
     store's layer gives its :class:`~pyhook.pipeline.encoding.DecodedSource` instead, which
-    decodes (dequantises, decompresses) inside its own gather.
+    decodes (dequantises, decompresses) inside its own gather, straight into ``dtype`` when
+    one is asked for; a plain layer read as another ``dtype`` gives a :class:`_CastSource`.
     """
     if getattr(data, "encoding", None) is not None:
-        return data.source()
+        return (data if dtype in (None, data.dtype) else data.astype(dtype)).source()
     parts = list(data._parts)
     if not parts:
         parts = [torch.empty((0, *tuple(data.shape)[1:]), dtype=data.dtype)]
+    if dtype not in (None, data.dtype):
+        return _CastSource(parts, dtype)
     return parts
+
+
+class _CastSource(DecodedSource):
+    """A plain layer read as another floating dtype (``CaptureDataset(dtype=...)``): gathered
+    as stored, then cast into the batch."""
+
+    __slots__ = ("_dtype", "parts")
+
+    def __init__(self, parts: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.parts, self._dtype = parts, dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.parts[0].shape[1:])
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        return gather_rows(self.parts, idx).to(self._dtype)
+
+    def gather_into(self, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(gather_rows(self.parts, idx))
 
 
 def _check_layers(reader: Any, layers: str | Sequence[str] | None, tokens: bool) -> list[str]:
@@ -166,6 +194,9 @@ class CaptureDataset(IterableDataset):
     of full batches (what DistributedDataParallel needs) and skips the few rows left over,
     different ones each epoch when shuffling. ``tokens=True`` adds ``"tokens"`` (int64 token
     ids of the rows); ``with_index=True`` adds ``"index"`` (the rows' global numbers).
+    ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in that floating dtype: a
+    compact store's quantised rows are dequantised straight into it (no float32 copy); plain
+    rows of another dtype are cast after the gather.
 
     The dataset holds the capture's path, not its memory maps: a worker process (or a pickled
     copy) reopens the capture by path. Batches are memory the caller owns. In a DataLoader
@@ -214,6 +245,7 @@ class CaptureDataset(IterableDataset):
         chunk_rows: int = 2048,
         buffer_chunks: int = 64,
         worker_slots: int = 8,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(reader, (str, os.PathLike)):
@@ -249,6 +281,20 @@ class CaptureDataset(IterableDataset):
                 raise ValueError(
                     f"layer {key!r} collides with the batch key {key!r}; read it alone"
                 )
+        self.dtype = parse_dtype(dtype, "dtype")
+        if self.dtype is not None:
+            if self.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(
+                    "dtype must be a floating-point dtype to read rows in (float64, float32, "
+                    f"float16, bfloat16), got {self.dtype}"
+                )
+            for name in self.layers:
+                held = reader.layer(name).dtype
+                if not held.is_floating_point:
+                    raise ValueError(
+                        f"dtype={dtype!r}: layer {name!r} holds {held} rows; dtype converts "
+                        "floating-point layers only (read integer layers in a dataset without it)"
+                    )
         self.rows = len(reader.layer(self.layers[0]))
         self.batch_size = batch_size
         self.shuffle = "global" if shuffle is True else shuffle
@@ -289,7 +335,10 @@ class CaptureDataset(IterableDataset):
             self._reader = _open(self.path)
         if not self._cache:
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
-            self._cache = {n: _parts(self._reader.layer(n)) for n in names}
+            self._cache = {
+                n: _parts(self._reader.layer(n), None if n == TOKEN_IDS else self.dtype)
+                for n in names
+            }
             # The parts are plain CPU memory maps: checked once here, so that each batch goes
             # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
             # batch for a dozen shards, per layer).
