@@ -551,15 +551,17 @@ def _texts(
         return None
     full, prompt_bytes = [], []
     for row in range(seqs.shape[0]):
-        if b.texts is not None:
-            prompt = b.texts[row]
+        prompt_ids = seqs[row, width - int(lengths[row]) : width].tolist()
+        new_ids = seqs[row, width : width + int(ends[row])].tolist()
+        decoded = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        both = tokenizer.decode(prompt_ids + new_ids, skip_special_tokens=False)
+        # the completion as the tokenizer writes it after this prompt (a space between them,
+        # a sentencepiece word start), else decoded alone
+        if both.startswith(decoded):
+            completion = both[len(decoded) :]
         else:
-            prompt = tokenizer.decode(
-                seqs[row, width - int(lengths[row]) : width].tolist(), skip_special_tokens=False
-            )
-        completion = tokenizer.decode(
-            seqs[row, width : width + int(ends[row])].tolist(), skip_special_tokens=False
-        )
+            completion = tokenizer.decode(new_ids, skip_special_tokens=False)
+        prompt = b.texts[row] if b.texts is not None else decoded
         full.append(prompt + completion)
         prompt_bytes.append(len(prompt.encode("utf-8")))
     return full, prompt_bytes
