@@ -50,7 +50,6 @@ __all__ = [
     "GENERATED",
     "GenerateError",
     "can_generate",
-    "generated",
     "prompt_batches",
     "run_generate",
 ]
@@ -567,4 +566,4 @@ def _texts(
     return full, prompt_bytes
 
 
-generated = annotations.generated
+generated = annotations.generated  # documented in pyhook.annotations
