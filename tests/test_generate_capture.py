@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -456,3 +457,76 @@ def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_p
 def test_max_length_and_new_tokens_must_fit_the_positions(ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"max_length 60 \+ generate 5 is above the 64"):
         _job(ckpt, tmp_path, max_length=60).plan()
+
+
+# -- two ranks writing one S3 prefix --------------------------------------------------------------
+def _rank_job(rank: int, world: int, port: int, ckpt: str, url: str, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import torch.distributed as dist
+
+    try:
+        job = pyhook.CaptureJob(
+            model=os.path.join(ckpt, "model"),
+            input=os.path.join(ckpt, "prompts.jsonl"),
+            generate=4,
+            layers=POINTS,
+            batch_size=5,
+            out=url,
+        )
+        job.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_ranks_capture_their_shares_into_s3(ckpt, tmp_path):
+    """Each rank generates its share (examples 0-4, 5-9) into one S3 prefix; the merged store
+    equals one process's local capture of the same prompt batches."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import s3fs
+    import torch.multiprocessing as mp
+    from test_remote import _free_port, _start_moto
+
+    proc, port = _start_moto()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pyhook")
+        url = "s3://pyhook/gen"
+        ctx = mp.spawn(_rank_job, args=(2, _free_port(), str(ckpt), url, env), nprocs=2, join=False)
+        deadline = time.monotonic() + 600
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("the ranks did not finish in 600 s: a hang")
+        remote = pyhook.open_capture(url, verify=True)
+        assert remote.index["world_size"] == 2 and remote.examples == 10
+        local = tmp_path / "local"
+        _job(ckpt, local, generate=4, batch_size=5).run()
+        ref = pyhook.open_capture(local)
+        for name in [*POINTS, "__row_index__", "__token_ids__", "__generated__"]:
+            assert torch.equal(remote.layer(name).to_tensor(), ref.layer(name).to_tensor()), name
+        assert [remote.completion(e) for e in range(10)] == [ref.completion(e) for e in range(10)]
+        for name in POINTS:
+            torch.testing.assert_close(remote.stats(name)["mean"], ref.stats(name)["mean"])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(timeout=30)
