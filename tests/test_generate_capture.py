@@ -454,6 +454,11 @@ def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_p
     assert len(lines) == 1 and "no generation head" in lines[0], proc.stderr
 
 
+def test_stream_refuses_generate(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="stream"):
+        _job(ckpt, tmp_path).stream()
+
+
 def test_max_length_and_new_tokens_must_fit_the_positions(ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"max_length 60 \+ generate 5 is above the 64"):
         _job(ckpt, tmp_path, max_length=60).plan()

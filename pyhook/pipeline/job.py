@@ -960,6 +960,11 @@ class CaptureJob:
         from .format import parse_dtype
         from .runner import check_device
 
+        if self.generate is not None:
+            raise JobError(
+                "`generate`: stream() runs plain forwards over the corpus; capture during "
+                "generation with run() (a store)"
+            )
         check_device(self.device)
         rank, world = self._world()
         got = self._source(rank=rank, world=world)
