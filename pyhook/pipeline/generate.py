@@ -228,10 +228,14 @@ class _Steps:
         if self.rec._hold is not None:
             raise RuntimeError("run_generate: this recorder is already holding a generation")
         self.rec._hold = self.held
+        # The steps' own token annotations (a host copy of each step's ids) are not needed:
+        # the joined batch gets its token ids from the final sequences.
+        self.tokens, self.rec._tokens = self.rec._tokens, False
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.rec._hold = None
+        self.rec._tokens = self.tokens
         if exc_type is not None:  # nothing of this batch is stored: give the buffers back
             self.drop()
 
@@ -284,7 +288,13 @@ def run_generate(
     :func:`pyhook.runner.run` (``forward`` seconds, ``wait``, ``tokens`` run through the
     model) plus ``new_tokens``.
 
-    Example: see the module docstring.
+    >>> import transformers, pyhook
+    >>> gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    ...     n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=16)).eval()
+    >>> with pyhook.capture(gpt, "resid_post.0") as rec:  # in memory: one batch per prompt batch
+    ...     t = run_generate(gpt, prompt_batches([[1, 2, 3]]), rec, max_new_tokens=2)
+    >>> rec.row_index.tolist(), t["new_tokens"]        # 3 prompt + 2 new tokens, the last not run
+    ([[0, 0], [0, 1], [0, 2], [0, 3]], 2)
     """
     import time
 
@@ -375,6 +385,7 @@ def run_generate(
                         generated_only=generated_only,
                         stats=stats,
                         tokenizer=tokenizer,
+                        tokens=steps.tokens,
                     )
                 except BaseException:
                     steps.held[:] = held
@@ -406,6 +417,7 @@ def _join(
     generated_only: bool,
     stats: bool,
     tokenizer: Any,
+    tokens: bool,
 ) -> tuple[dict[str, Any], int, dict[str, torch.Tensor], Any, int, int]:
     """The held steps of one prompt batch as one store batch: ``(rows, examples, extra,
     wait, tokens run, new tokens)``; rows ordered by (example, position), past-the-end rows
@@ -431,7 +443,7 @@ def _join(
     slots = [r0] + [torch.arange(n_seq)] * (steps - 1)
     cols = [c0] + [torch.full((n_seq,), width + s - 1, dtype=torch.long) for s in range(1, steps)]
     counts = [int(r0.numel())] + [n_seq] * (steps - 1)
-    for s, (rows, _, extra, _) in enumerate(held):
+    for s, (rows, _, _, _) in enumerate(held):
         for name, p in rows.items():
             got = int(p.shapes[0][0] if not isinstance(p, torch.Tensor) else p.shape[0])
             if got != counts[s]:
@@ -440,12 +452,6 @@ def _join(
                     f"{counts[s]} (one per token run): capture layers whose output has a "
                     "token dimension, [batch, tokens, ...] (e.g. blocks, not the LM head)"
                 )
-        ids = extra.get("__token_ids__")
-        if s and ids is not None and not torch.equal(ids.to(torch.long), seqs[:, width + s - 1]):
-            raise RuntimeError(
-                f"step {s} of generate ran other tokens than the sequences it returned; "
-                "cannot place its rows"
-            )
     slot = torch.cat(slots)
     col = torch.cat(cols)
     valid = col < last_col[slot]  # the final token is never run; nothing after it is kept
@@ -461,7 +467,7 @@ def _join(
 
     examples_of = b.examples.to("cpu", torch.long).reshape(-1)
     extra: dict[str, torch.Tensor] = {}
-    if rec._tokens:
+    if tokens:
         extra["__token_ids__"] = seqs[slot[perm], col[perm]].contiguous()
         extra["__row_index__"] = torch.stack(
             [examples_of[slot[perm]], col[perm] - start[slot[perm]]], dim=1
