@@ -74,12 +74,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, 3 rounds")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts (one batch)")
+    ap.add_argument("--new", type=int, default=None, help="new tokens a prompt")
     ap.add_argument("--out-dir", default=None, help="where the captures go (default: a temp dir)")
     args = ap.parse_args()
     import transformers
 
     prompts_n, new, rounds = (8, 16, 3) if args.quick else (32, 64, 5)
     rounds = args.rounds or rounds
+    prompts_n, new = args.prompts or prompts_n, args.new or new
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config()  # GPT-2 small: 12 x 768, 50257 tokens, 1024 positions
