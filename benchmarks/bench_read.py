@@ -33,12 +33,17 @@ file, the best of them is named in the table):
     ``np.take`` into a preallocated buffer; sorted ``os.preadv`` of each row from 8 threads.
     Target: >= 1.0x the WILLNEED reader (and the best is named).
 (c) sequential batches against one ``readinto`` a batch of the raw file: warm, and cold (the
-    first 16/32 batches after the files left the page cache). Target cold: >= 0.9x readinto.
+    first 16/32 batches after the files left the page cache; also ``readinto`` after
+    ``POSIX_FADV_SEQUENTIAL``, which pyhook's cold sequential path advises, and the better of the
+    two is the reference). pyhook's cold sequential batches are read with ``preadv`` (see
+    ``pyhook/pipeline/_seqread.py``). Target cold: >= 0.9x readinto.
 (d) ``DataLoader(ds, batch_size=None, num_workers=2)`` (reused shared-memory slots) against the
     dataset iterated in the main process, warm, feeding nothing and feeding a training step (a
     768 -> 64 -> 768 autoencoder, forward, backward, Adam, on as many rows as make a step about
     as long as loading a batch in-process). Quiet rounds only.
 (e) (full runs only) shuffle modes: quality and speed.
+(f) a batch of 12 layers + token ids (256 and 2048 rows): the dataset's one native call for all
+    of them against one call per layer (the path before) and a sorted ``np.take`` per layer.
 
 At the end: one table of every target, measured in this run, with pass/miss.
 """
@@ -113,6 +118,18 @@ def warm(paths: list[str]) -> None:
 
 
 _EVICT = np.zeros(0, dtype=np.uint8)
+
+
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 buffer starting at a page boundary, for the hand-written readers. ``np.empty``
+    of a large array starts 16 bytes past a page boundary (malloc's header); a copy whose
+    destination is a few bytes ahead of its source modulo 4 KiB stalls on "4K aliasing" of loads
+    with earlier stores: measured 1.4x the CPU time of the same gather into a page-aligned
+    buffer (rows of 3 KB from a page-aligned file). Aligned, every reader gets its best case."""
+    n = int(np.prod(shape)) * 4
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    return raw[off : off + n].view(np.float32).reshape(shape)
 
 
 def evict_cpu_caches() -> None:
@@ -321,7 +338,7 @@ def case_warm_shuffled(
         mt = torch.from_numpy(arr)
     ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     parts = ds._sources()["h"]
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     tbuf = torch.from_numpy(buf)
     float(mm.sum()), sum(float(p.sum()) for p in parts)  # map every page in this process once
     np_idx = [i.numpy() for i in idxs]
@@ -369,6 +386,9 @@ def case_warm_shuffled(
         limits[0]: copy,
         limits[1]: one_thread(copy),
         "pyhook gather_rows (native, alone)": lambda r: _backend.gather_rows(parts, idxs[r]),
+        # The same kernel over the raw file the hand-written readers use: tells the code apart
+        # from the memory (the page-cache pages of the shards and of the raw file may differ).
+        "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
     }
     t = paired(fns, rounds, spinner)
@@ -407,7 +427,7 @@ def case_cold_shuffled(
     rounds: int,
     spinner: Spinner | None,
 ) -> None:
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     page = mmap.PAGESIZE
     pool = ThreadPoolExecutor(8)
 
@@ -514,7 +534,7 @@ def case_sequential(
     n_seq: int,
     spinner: Spinner | None,
 ) -> None:
-    buf = np.empty((BATCH, D), dtype=np.float32)
+    buf = aligned_empty((BATCH, D))
     view = memoryview(buf).cast("B")
     nb = rows // BATCH
 
@@ -579,8 +599,21 @@ def case_sequential(
         gc.collect()
         return dt
 
+    def cold_raw_seq_advised(r: int) -> tuple[float, float]:
+        drop_cache(files)
+        t0 = clock()
+        with open(raw_path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # twice the read-ahead
+            for _ in range(n_seq):
+                f.readinto(view)
+        return since(t0)
+
     t = paired(
-        {"raw file readinto": cold_raw_seq, "pyhook CaptureDataset (shuffle=False)": cold_ds_seq},
+        {
+            "raw file readinto": cold_raw_seq,
+            "raw file readinto, POSIX_FADV_SEQUENTIAL": cold_raw_seq_advised,
+            "pyhook CaptureDataset (shuffle=False)": cold_ds_seq,
+        },
         rounds,
         spinner,
     )
@@ -589,13 +622,14 @@ def case_sequential(
             f"\n(c2) the first {n_seq} sequential batches of {BATCH} rows after the files left "
             f"the page cache, {state} (load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds"
         )
-        print(report(ts, "raw file readinto", BATCH * ROW * n_seq, BATCH * n_seq))
+        best = best_of(ts, ["raw file readinto", "raw file readinto, POSIX_FADV_SEQUENTIAL"])
+        print(report(ts, best, BATCH * ROW * n_seq, BATCH * n_seq))
         verdict(
-            "(c2) cold sequential vs readinto",
+            "(c2) cold sequential vs best readinto",
             state,
             ts,
             "pyhook CaptureDataset (shuffle=False)",
-            "raw file readinto",
+            best,
             0.9,
         )
 
@@ -746,6 +780,71 @@ def case_modes(out: str, files: list[str], rows: int, rounds: int, cold_rounds: 
     )
 
 
+# -- (f) several layers in one batch ---------------------------------------------------------------
+def case_layers(root: str, rounds: int, spinner: Spinner | None, quick: bool) -> None:
+    """A batch of 12 layers (+ token ids), as an SAE sweep over every block reads it: the
+    dataset's one native call for all of them against one call per layer (the path before,
+    each call through the same direct kernel entry), and a hand-written sorted ``np.take`` per
+    layer into preallocated buffers. Small and large batches: the fixed cost of a call shows
+    in the small ones."""
+    layers, rows = 12, 8192 if quick else 16384
+    out = os.path.join(root, "layers")
+    g = torch.Generator().manual_seed(2)
+    with ShardWriter(out, shard_bytes=64 << 20) as w:
+        for s in range(0, rows, 2048):
+            xs = {f"h.{i}": torch.randn(2048, D, generator=g) for i in range(layers)}
+            w.add({**xs, "__token_ids__": torch.arange(s, s + 2048)}, examples=2048)
+    files = sorted(glob.glob(os.path.join(out, "*.safetensors")))
+    warm(files)
+    names = [f"h.{i}" for i in range(layers)]
+    ds = CaptureDataset(out, names, batch_size=BATCH, tokens=True)
+    src = ds._sources()
+    for parts in src.values():
+        sum(float(p.double().sum()) for p in parts)  # map every page once
+    arrays = [torch.cat(src[n]).numpy() for n in names]  # anonymous copies for numpy
+    for size in (256, 2048):
+        rng = torch.Generator().manual_seed(size)
+        idxs = [torch.randperm(rows, generator=rng)[:size] for _ in range(rounds)]
+        bufs = [aligned_empty((size, D)) for _ in names]
+        want = ds.batch(idxs[0])
+        per_layer = {n: _backend._gather_direct(parts, idxs[0]) for n, parts in src.items()}
+        assert all(torch.equal(want[_k], per_layer[n]) for n, _k in zip(src, [*names, "tokens"]))
+
+        def numpy_take(r: int, idxs: list[torch.Tensor] = idxs, bufs: list = bufs) -> None:
+            s = np.sort(idxs[r].numpy())
+            for a, b in zip(arrays, bufs):
+                np.take(a, s, axis=0, out=b, mode="clip")
+
+        def per_layer(r: int, idxs: list[torch.Tensor] = idxs) -> object:
+            return [_backend._gather_direct(parts, idxs[r]) for parts in src.values()]
+
+        def one_call(r: int, idxs: list[torch.Tensor] = idxs) -> object:
+            return ds.batch(idxs[r])
+
+        fns: dict[str, Callable[[int], object]] = {
+            "sorted np.take per layer into preallocated (anonymous memory)": numpy_take,
+            "one gather_rows call per layer (before)": per_layer,
+            "pyhook CaptureDataset.batch (one call)": one_call,
+        }
+        t = paired(fns, rounds, spinner)
+        for state, ts in t.items():
+            print(
+                f"\n(f) batches of {size} rows x {layers} layers of {D} float32 + token ids, "
+                f"warm, {state} (load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds"
+            )
+            base = "one gather_rows call per layer (before)"
+            print(report(ts, base, size * layers * ROW, size))
+            verdict(
+                f"(f) {size}-row batch of {layers} layers vs a call per layer",
+                state,
+                ts,
+                "pyhook CaptureDataset.batch (one call)",
+                base,
+                1.0,
+            )
+    gc.collect()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller capture, fewer rounds (~2 min)")
@@ -757,7 +856,7 @@ def main() -> None:
         "(both, the default), without only (off), or with it only (on)",
     )
     p.add_argument("--pin", action="store_true", help="pin the spinning process to the last core")
-    p.add_argument("--only", default="abcde", help="the cases to run, e.g. 'ab'")
+    p.add_argument("--only", default="abcdef", help="the cases to run, e.g. 'ab'")
     p.add_argument("--dir", default=None, help="where to write the capture (default: a temp dir)")
     args = p.parse_args()
     if not _backend.native_available():
@@ -820,6 +919,10 @@ def main() -> None:
             sp.set(False)  # (d) without the spinner (its two workers use both cores)
         if "d" in args.only:
             case_loader(out, files, loader_batches, d_rounds, not args.quick)
+        if "f" in args.only:
+            case_layers(root, rounds, sp, args.quick)
+            if sp is not None:
+                sp.set(False)
         if "e" in args.only and not args.quick:
             case_modes(out, files, rows, rounds, cold_rounds)
         print(

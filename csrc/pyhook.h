@@ -56,6 +56,9 @@ PooledBlock* pooled_block_create(size_t nbytes);  // holds one reference
 char* pooled_block_data(PooledBlock* block);
 void pooled_block_retain(PooledBlock* block);
 void pooled_block_release(void* block);  // usable as a c10::DeleterFnPtr
+// A fresh contiguous CPU tensor over a pooled buffer (cpu/gather.cpp): memory that is already
+// mapped when a buffer of that size was freed before (e.g. the previous batch).
+at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType dtype);
 
 // threads.cpp: the autograd engine's id of the calling thread, and of the thread whose
 // forward created the autograd Node being run on this thread (0 outside a backward).

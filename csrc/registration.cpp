@@ -43,12 +43,18 @@ TORCH_LIBRARY(pyhook, m) {
   // worker). Neither aliases the parts.
   m.def("gather_rows(Tensor[] parts, Tensor idx) -> Tensor");
   m.def("gather_rows_into(Tensor[] parts, Tensor idx, Tensor(a!) out) -> ()");
+  // The same for several layers in one call (a dataset batch): layer l's parts are the next
+  // counts[l] entries of `parts`; one output per layer, rows idx of each.
+  m.def("gather_rows_many(Tensor[] parts, int[] counts, Tensor idx) -> Tensor[]");
+  m.def(
+      "gather_rows_many_into(Tensor[] parts, int[] counts, Tensor idx, Tensor(a!)[] outs) -> ()");
 
   // The CPU buffer pool. These take no tensors, so the dispatcher has no
   // device to pick: they are registered as catch-all kernels right here.
   m.def("pool_stats() -> int[]", &pyhook::pool_stats);
   m.def("pool_set_limit(int nbytes) -> ()", &pyhook::pool_set_limit);
   m.def("pool_empty() -> ()", &pyhook::pool_empty);
+  m.def("empty_pooled(int[] size, ScalarType dtype) -> Tensor", &pyhook::empty_pooled);
 
   // Thread identities as the autograd engine records them (see pyhook/_hooks.py: a
   // thread-guarded hook acts on a checkpoint recomputation only if its owner's forward

@@ -18,7 +18,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   globs) to the device, host memory or safetensors shards on disk; :func:`open_capture` reads
   them back, :func:`verify_capture` checks them; :class:`CaptureJob` is a whole capture (corpus,
   model, layers, store) as one config with ``plan()``/``run()``/``stream()``, the job the
-  ``pyhook capture`` command parses its flags or ``--config`` file into;
+  ``pyhook capture`` command parses its flags or ``--config`` file into; :class:`Paired` runs
+  several named models on the same tokens into one store (crosscoders, model diffing);
 * streaming: :func:`stream` hands shuffled batches of live activations to a trainer (a
   producer thread ahead of it, a seeded mixing buffer, optionally a tee to a store);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
@@ -83,6 +84,7 @@ from .modules import (
 from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .pipeline.job import CaptureJob
+from .pipeline.paired import Paired
 from .pipeline.stream import Stream, stream
 from .store import (
     CaptureDamagedError,
@@ -146,6 +148,7 @@ __all__ = [
     # high-throughput capture
     "capture",
     "CaptureJob",
+    "Paired",
     "Recorder",
     "resolve_layers",
     "stream",

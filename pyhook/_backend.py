@@ -488,6 +488,25 @@ def _gather_direct_into(parts: list[torch.Tensor], idx: torch.Tensor, out: torch
         torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
 
 
+def _gather_many_direct(
+    parts: list[torch.Tensor], counts: list[int], idx: torch.Tensor
+) -> list[torch.Tensor]:
+    """Rows ``idx`` of several layers in one native call (layer ``l``'s parts are the next
+    ``counts[l]`` entries of ``parts``, each layer's parts passed :func:`_direct_gather_ok`):
+    one index check, one residency check and one work list for the whole batch."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return torch.ops.pyhook.gather_rows_many.default(parts, counts, idx)
+
+
+def _gather_many_direct_into(
+    parts: list[torch.Tensor], counts: list[int], idx: torch.Tensor, outs: list[torch.Tensor]
+) -> None:
+    """:func:`_gather_many_direct` written into ``outs`` (one per layer; the kernel checks
+    their dtype, shape and contiguity)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.ops.pyhook.gather_rows_many_into.default(parts, counts, idx, outs)
+
+
 def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Rows ``idx`` of ``torch.cat(parts)`` (without concatenating), as a fresh tensor.
 

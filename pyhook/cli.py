@@ -38,6 +38,7 @@ from .pipeline.job import (
     _table,
     default_corpus,
     default_layers,
+    models_from_flags,
 )
 from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
 from .pipeline.runner import resolve_model_path as _resolve
@@ -110,6 +111,8 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
     """
     names = {f.name for f in dataclasses.fields(CaptureJob)}
     given = {k: v for k, v in vars(args).items() if k in names}
+    if isinstance(given.get("model"), list):  # --model DIR, or --model NAME=DIR repeated
+        given["model"] = models_from_flags(given["model"])
     config = getattr(args, "config", None)
     values = CaptureJob.read_file(config) if config else {}
     return CaptureJob(**{**values, **given})
@@ -505,7 +508,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JOB.yaml",
         help="read the job's options from a JSON or YAML file (flags override its values)",
     )
-    c.add_argument("--model", help=model_help)
+    c.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]MODEL",
+        help=model_help + "; repeat as --model NAME=MODEL for several models into one store "
+        "(crosscoders, model diffing: --model base=DIR --model chat=DIR2; every batch goes "
+        "through each model, layers are stored as NAME/LAYER, e.g. base/resid_post.6, and the "
+        "models' tokenizers must give the same ids)",
+    )
     c.add_argument("--tokenizer", help=tokenizer_help)
     c.add_argument("--model-class", help=class_help)
     c.add_argument(

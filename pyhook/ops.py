@@ -54,3 +54,25 @@ def _gather_rows_into_fake(
     parts: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor
 ) -> None:
     return None
+
+
+@torch.library.register_fake("pyhook::gather_rows_many")
+def _gather_rows_many_fake(
+    parts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor
+) -> list[torch.Tensor]:
+    # One fresh tensor per layer: the first part of each layer gives its row shape and dtype.
+    firsts, at = [], 0
+    for c in counts:
+        firsts.append(parts[at])
+        at += c
+    return [p.new_empty((idx.shape[0], *p.shape[1:])) for p in firsts]
+
+
+@torch.library.register_fake("pyhook::gather_rows_many_into")
+def _gather_rows_many_into_fake(
+    parts: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    idx: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+) -> None:
+    return None

@@ -123,3 +123,25 @@ def word_tokenizer(docs):
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
+
+
+def save_gpt2_lm(folder, tok, *, seed: int = 0):
+    """Save a small GPT-2 LM checkpoint (2 layers x 32, random weights, 64 positions) whose
+    vocabulary and special tokens are ``tok``'s, with ``tok`` beside it, as
+    ``from_pretrained`` and the ``pyhook`` command load it; returns the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=len(tok),
+        n_positions=64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _models import word_tokenizer
+from _models import save_gpt2_lm, word_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -31,23 +31,9 @@ def _tokenizer():
 def ckpt(tmp_path_factory):
     """A GPT-2 LM checkpoint (random weights, 64 positions) with its tokenizer, a copy saved
     without a tokenizer (as model.save_pretrained leaves it), and a parquet corpus."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     root = tmp_path_factory.mktemp("ckpt")
     tok = _tokenizer()
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=len(tok),
-        n_positions=64,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    model = GPT2LMHeadModel(cfg).eval()
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    model = save_gpt2_lm(root / "model", tok)
     model.save_pretrained(root / "bare")
     pq.write_table(pa.table({"text": DOCS, "n": list(range(len(DOCS)))}), root / "c.parquet")
     return root

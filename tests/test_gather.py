@@ -326,3 +326,67 @@ def test_shuffled_rows_of_odd_sizes_across_pieces_are_exact(native, dtype, row_s
         assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
         out = torch.empty((n, *row_shape), dtype=dtype)
         assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
+
+
+def _layers():
+    # Three layers as a dataset batch has them: different dtypes, row shapes and shard splits
+    # (one layer in a single part, token ids as int64 scalars per row).
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(2003, 768, generator=g), (700, 3, 0, 1300))
+    b = ((torch.randn(2003, 2, 9, generator=g) * 50).to(torch.bfloat16), (2003,))
+    t = (torch.randint(0, 50_000, (2003,), generator=g), (1000, 1003))
+    return [list(x.split(list(sizes))) for x, sizes in (a, b, t)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 37, 4099])
+def test_many_layers_in_one_call_match_the_spec(native, n):
+    layers = _layers()
+    flat = [p for parts in layers for p in parts]
+    counts = [len(parts) for parts in layers]
+    idx = torch.randint(0, 2003, (n,), generator=torch.Generator().manual_seed(n))
+    got = torch.ops.pyhook.gather_rows_many(flat, counts, idx)
+    assert len(got) == 3
+    outs = [torch.full_like(spec(parts, idx), 7) for parts in layers]
+    torch.ops.pyhook.gather_rows_many_into(flat, counts, idx, outs)
+    for parts, g, o in zip(layers, got, outs):
+        want = spec(parts, idx)
+        assert g.dtype == want.dtype and torch.equal(g, want) and torch.equal(o, want)
+        assert g.is_contiguous() and not any(g.numel() and g.is_set_to(p) for p in parts)
+    # Outputs are separate tensors: writing one leaves the others and the parts alone.
+    if n:
+        got[0].zero_()
+        assert torch.equal(got[1], spec(layers[1], idx)) and torch.equal(got[0], got[0] * 0)
+        assert torch.equal(torch.cat(layers[0])[idx[:1]], spec(layers[0], idx[:1]))
+
+
+def test_many_layers_bad_arguments_are_named_and_write_nothing(native):
+    layers = _layers()
+    flat = [p for parts in layers for p in parts]
+    counts = [len(parts) for parts in layers]
+    op, into = torch.ops.pyhook.gather_rows_many, torch.ops.pyhook.gather_rows_many_into
+    with pytest.raises(RuntimeError, match=r"`counts` adds up to 6 parts, but 7 were given"):
+        op(flat, [4, 1, 1], torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"counts\[1\] is 0"):
+        op(flat, [4, 0, 3], torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="part 4 has dtype BFloat16, part 0 has Float"):
+        op(flat, [5, 1, 1], torch.tensor([0]))  # layer 0 would mix float32 and bfloat16 parts
+    idx = torch.tensor([3, 2003, 5])
+    outs = [torch.full((3, *parts[0].shape[1:]), 7, dtype=parts[0].dtype) for parts in layers]
+    with pytest.raises(IndexError, match=r"index 2003 \(at position 1 of idx\) is out of range"):
+        into(flat, counts, idx, outs)
+    assert all(bool((o == 7).all()) for o in outs)  # checked before any copy
+    with pytest.raises(RuntimeError, match=r"2 outputs for 3 layers"):
+        into(flat, counts, idx[:1], outs[:2])
+    with pytest.raises(RuntimeError, match=r"`out` \(layer 1\) must be a CPU tensor of dtype"):
+        into(flat, counts, idx[:1], [outs[0][:1], outs[0][:1], outs[2][:1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_opcheck(native, dtype):
+    a, b = make_parts(dtype, sizes=(3, 5)), make_parts(torch.int64, sizes=(8,), row_shape=())
+    idx = torch.tensor([7, 0, 4, 4])
+    torch.library.opcheck(torch.ops.pyhook.gather_rows_many.default, ([*a, *b], [2, 1], idx))
+    outs = [torch.empty(4, 6, dtype=dtype), torch.empty(4, dtype=torch.int64)]
+    torch.library.opcheck(
+        torch.ops.pyhook.gather_rows_many_into.default, ([*a, *b], [2, 1], idx, outs)
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import word_tokenizer
+from _models import save_gpt2_lm, word_tokenizer
 
 import pyhook
 from pyhook import cli
@@ -37,22 +37,9 @@ LAYERS = ["transformer.h.0", "transformer.h.1"]
 def ckpt(tmp_path_factory):
     """A GPT-2 LM checkpoint (random weights, 64 positions) with its tokenizer, a parquet
     corpus and a text corpus."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     root = tmp_path_factory.mktemp("job")
     tok = word_tokenizer(DOCS)
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=len(tok),
-        n_positions=64,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    GPT2LMHeadModel(cfg).eval().save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_gpt2_lm(root / "model", tok)
     pq.write_table(pa.table({"text": DOCS}), root / "c.parquet")
     (root / "c.txt").write_text("\n".join(DOCS) + "\n")
     return root

@@ -427,6 +427,10 @@ def test_a_server_that_stops_answering_ends_the_capture_within_the_stated_bound(
         raised_after = float(out.split()[1])  # the child's own clock, from the go to the raise
         assert raised_after < bound, (raised_after, bound, out)
         assert "s3://stall/acts" in out and "got no answer within" in out and "upload" in out, out
+        # the message names the URL the user gave, not the local staging folder, and no "[Errno 0]"
+        first = out.split(" <- ")[0]
+        assert "writing the capture to 's3://stall/acts' failed" in first, first
+        assert "pyhook-stage" not in first and "[Errno 0]" not in first, first
     finally:
         if child is not None and child.poll() is None:
             child.kill()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import word_tokenizer
+from _models import save_gpt2_lm, word_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -37,22 +37,9 @@ def face(reader, name, *args):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     root = tmp_path_factory.mktemp("sae")
     tok = word_tokenizer(DOCS)
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=len(tok),
-        n_positions=64,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    GPT2LMHeadModel(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_gpt2_lm(root / "model", tok)
     pq.write_table(pa.table({"text": DOCS}), root / "corpus.parquet")
     return root, tok
 

@@ -169,12 +169,13 @@ uintptr_t row_page(const Prepared& p, int64_t row) {
   return reinterpret_cast<uintptr_t>(s.base + (row - p.starts[part]) * s.row_step) / kPage * kPage;
 }
 
-void prefetch_if_cold(const Prepared& p, const int64_t* ix, int64_t n, bool sequential) {
+void prefetch_if_cold(const Prepared& p, const int64_t* ix, int64_t n, bool sequential,
+                      int64_t max_samples) {
   if (n == 0 || p.row_bytes == 0) {
     return;
   }
   std::vector<unsigned char> vec;
-  const int64_t samples = std::min<int64_t>(n, kResidencySamples);
+  const int64_t samples = std::min<int64_t>(n, max_samples);
   bool cold = false;
   for (int64_t k = 0; k < samples && !cold; ++k) {
     cold = !row_resident(p, ix[k * n / samples], vec);
@@ -257,7 +258,7 @@ void read_ahead_next(const Prepared& p, int64_t first, int64_t n) {
   }
 }
 #else
-void prefetch_if_cold(const Prepared&, const int64_t*, int64_t, bool) {}
+void prefetch_if_cold(const Prepared&, const int64_t*, int64_t, bool, int64_t) {}
 void read_ahead_next(const Prepared&, int64_t, int64_t) {}
 #endif
 
@@ -442,16 +443,49 @@ inline void prefetch_row(const Prepared& p, int64_t row) {
   }
 }
 
-// Copies rows idx[k] of the parts to out + k * row_bytes, for every k.
-void gather_into_buffer(const Prepared& p, const at::Tensor& idx_in, char* out) {
-  const at::Tensor idx = idx_in.contiguous();
-  const int64_t n = idx.numel();
-  if (n == 0) {
-    return;
+// Copies rows ix[begin..end) of the parts to out + k * row_bytes (k in that range).
+void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int64_t begin,
+                int64_t end) {
+  const int64_t row_bytes = p.row_bytes;
+  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytesAhead / row_bytes, 1, 64);
+  // The first rows of a piece: asked for by the previous piece on one thread, not when the
+  // pieces are spread over threads.
+  for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
+    prefetch_row(p, ix[k]);
   }
-  const int64_t* ix = idx.const_data_ptr<int64_t>();
-  const int64_t total = p.starts.back();
-  // Validate first, so that a bad index never leaves a half-written output behind.
+  // In idx order: the output is written front to back (measured faster than visiting the
+  // sources in sorted order and scattering the writes, once the rows are in memory; again
+  // this session in a C model of the loop, with and without non-temporal stores).
+  int64_t pos = begin;
+  while (pos < end) {
+    const int64_t row = ix[pos];
+    // Few parts (one per shard file): a binary search per run is cheaper than the copy.
+    const auto part = static_cast<size_t>(
+        std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+    const Source& s = p.sources[part];
+    // Consecutive rows of a dense part (a sequential batch, or a run of rows a shuffled
+    // batch happens to hold in order) are one memcpy: large copies take glibc's streaming path.
+    int64_t run = 1;
+    if (s.row_step == row_bytes) {
+      const int64_t part_end = p.starts[part + 1];
+      while (pos + run < end && ix[pos + run] == row + run && row + run < part_end) {
+        ++run;
+      }
+    }
+    if (pos + run + ahead < n) {
+      // Past the piece's end too: on one thread the next piece follows at once. (Rows a
+      // run skips were never prefetched: a sequential batch needs none.)
+      prefetch_row(p, ix[pos + run + ahead]);
+    }
+    std::memcpy(out + pos * row_bytes, s.base + (row - p.starts[part]) * s.row_step,
+                static_cast<size_t>(run * row_bytes));
+    pos += run;
+  }
+}
+
+// Checks every index against `total` rows, before anything is written (a bad index never
+// leaves a half-written output behind). True when idx is one ascending run of rows.
+bool check_indices(const int64_t* ix, int64_t n, int64_t total) {
   bool sequential = true;
   for (int64_t k = 0; k < n; ++k) {
     TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, "gather_rows: index ", ix[k],
@@ -459,55 +493,108 @@ void gather_into_buffer(const Prepared& p, const at::Tensor& idx_in, char* out) 
                       " rows; valid indices are 0..", total - 1);
     sequential = sequential && ix[k] == ix[0] + k;
   }
-  if (p.row_bytes == 0) {
+  return sequential;
+}
+
+// Copies rows idx[k] of the parts of layer l to outs[l] + k * row_bytes of that layer, for
+// every layer and k: one index check, one residency check and one piece of work list for all
+// the layers of a batch (a dataset batch of several layers and token ids is one call, so
+// the fixed costs of a call, the dispatcher's, the checks' and waking a helper, are paid
+// once a batch instead of once a layer).
+void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
+                   const std::vector<char*>& outs) {
+  const at::Tensor idx = idx_in.contiguous();
+  const int64_t n = idx.numel();
+  if (n == 0) {
     return;
   }
-  prefetch_if_cold(p, ix, n, sequential);
-  const int64_t row_bytes = p.row_bytes;
-  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytesAhead / row_bytes, 1, 64);
-  auto copy_range = [&](int64_t begin, int64_t end) {
-    // The first rows of a piece: asked for by the previous piece on one thread, not when the
-    // pieces are spread over threads.
-    for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
-      prefetch_row(p, ix[k]);
+  const int64_t* ix = idx.const_data_ptr<int64_t>();
+  int64_t total = ps[0].starts.back();
+  for (const Prepared& p : ps) {
+    total = std::min(total, p.starts.back());
+  }
+  const bool sequential = check_indices(ix, n, total);
+  // A warm batch pays a mincore call per sampled row: the samples are shared by the layers
+  // (at least 2 each; the layers of a capture live in the same shard files).
+  const auto layers = static_cast<int64_t>(ps.size());
+  const int64_t samples = std::max<int64_t>(2, kResidencySamples / layers);
+  int64_t bytes = 0;
+  std::vector<int64_t> piece_rows(ps.size()), first_piece(ps.size() + 1, 0);
+  for (size_t l = 0; l < ps.size(); ++l) {
+    const Prepared& p = ps[l];
+    if (p.row_bytes > 0) {
+      prefetch_if_cold(p, ix, n, sequential, samples);
     }
-    // In idx order: the output is written front to back (measured faster than visiting the
-    // sources in sorted order and scattering the writes, once the rows are in memory).
-    int64_t pos = begin;
-    while (pos < end) {
-      const int64_t row = ix[pos];
-      // Few parts (one per shard file): a binary search per run is cheaper than the copy.
-      const auto part = static_cast<size_t>(
-          std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
-      const Source& s = p.sources[part];
-      // Consecutive rows of a dense part (a sequential batch) are one memcpy: large copies
-      // take glibc's streaming path.
-      int64_t run = 1;
-      if (s.row_step == row_bytes) {
-        const int64_t part_end = p.starts[part + 1];
-        while (pos + run < end && ix[pos + run] == row + run && row + run < part_end) {
-          ++run;
-        }
+    bytes += n * p.row_bytes;
+    piece_rows[l] = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, p.row_bytes));
+    first_piece[l + 1] =
+        first_piece[l] + (p.row_bytes > 0 ? (n + piece_rows[l] - 1) / piece_rows[l] : 0);
+  }
+  if (bytes < kParallelMinBytes) {
+    for (size_t l = 0; l < ps.size(); ++l) {
+      if (ps[l].row_bytes > 0) {
+        copy_range(ps[l], ix, n, outs[l], 0, n);
       }
-      if (pos + run + ahead < n) {
-        // Past the piece's end too: on one thread the next piece follows at once. (Rows a
-        // run skips were never prefetched: a sequential batch needs none.)
-        prefetch_row(p, ix[pos + run + ahead]);
-      }
-      std::memcpy(out + pos * row_bytes, s.base + (row - p.starts[part]) * s.row_step,
-                  static_cast<size_t>(run * row_bytes));
-      pos += run;
     }
-  };
-  if (n * row_bytes < kParallelMinBytes) {
-    copy_range(0, n);
   } else {
-    const int64_t piece = std::max<int64_t>(1, kGrainBytes / row_bytes);
-    run_pieces((n + piece - 1) / piece,
-               [&](int64_t q) { copy_range(q * piece, std::min(n, (q + 1) * piece)); });
+    run_pieces(first_piece.back(), [&](int64_t q) {
+      const auto l = static_cast<size_t>(
+          std::upper_bound(first_piece.begin() + 1, first_piece.end(), q) - first_piece.begin() -
+          1);
+      const int64_t b = (q - first_piece[l]) * piece_rows[l];
+      copy_range(ps[l], ix, n, outs[l], b, std::min(n, b + piece_rows[l]));
+    });
   }
   if (sequential && n > 1) {
-    read_ahead_next(p, ix[0], n);
+    for (const Prepared& p : ps) {
+      read_ahead_next(p, ix[0], n);
+    }
+  }
+}
+
+// The parts of each layer: `counts[l]` consecutive entries of `parts` per layer.
+std::vector<Prepared> prepare_layers(at::TensorList parts, at::IntArrayRef counts,
+                                     const at::Tensor& idx) {
+  TORCH_CHECK(!counts.empty(), "gather_rows_many: `counts` is empty; pass one count per layer");
+  int64_t sum = 0;
+  for (size_t l = 0; l < counts.size(); ++l) {
+    TORCH_CHECK(counts[l] >= 1, "gather_rows_many: counts[", l, "] is ", counts[l],
+                "; every layer needs at least one part");
+    sum += counts[l];
+  }
+  TORCH_CHECK(sum == static_cast<int64_t>(parts.size()), "gather_rows_many: `counts` adds up to ",
+              sum, " parts, but ", parts.size(), " were given");
+  std::vector<Prepared> ps;
+  ps.reserve(counts.size());
+  int64_t at = 0;
+  for (int64_t c : counts) {
+    ps.push_back(prepare(parts.slice(static_cast<size_t>(at), static_cast<size_t>(c)), idx));
+    at += c;
+  }
+  return ps;
+}
+
+std::vector<int64_t> out_sizes(const Prepared& p, const at::Tensor& idx) {
+  std::vector<int64_t> sizes{idx.numel()};
+  sizes.insert(sizes.end(), p.row_shape.begin(), p.row_shape.end());
+  return sizes;
+}
+
+void check_out(const std::vector<Prepared>& ps, const at::Tensor& idx, const at::Tensor& out,
+               size_t l) {
+  const Prepared& p = ps[l];
+  const std::vector<int64_t> sizes = out_sizes(p, idx);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == p.dtype && out.sizes().equals(sizes),
+              "gather_rows_into: `out` (layer ", l, ") must be a CPU tensor of dtype ", p.dtype,
+              " and shape ", c10::IntArrayRef(sizes), ", got ", out.scalar_type(), " ",
+              out.sizes(), " on ", out.device());
+  TORCH_CHECK(out.is_contiguous(), "gather_rows_into: `out` (layer ", l, ") must be contiguous");
+  for (const Prepared& q : ps) {
+    for (const at::Tensor& t : q.keep) {
+      // Writing into a part would make the result depend on the copy order.
+      TORCH_CHECK(out.numel() == 0 || t.numel() == 0 || !t.is_alias_of(out),
+                  "gather_rows_into: `out` (layer ", l, ") shares memory with a part");
+    }
   }
 }
 
@@ -529,40 +616,71 @@ at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_
 
 }  // namespace
 
-at::Tensor gather_rows_cpu(at::TensorList parts, const at::Tensor& idx) {
-  const Prepared p = prepare(parts, idx);
-  std::vector<int64_t> sizes{idx.numel()};
-  sizes.insert(sizes.end(), p.row_shape.begin(), p.row_shape.end());
-  const int64_t nbytes = idx.numel() * p.row_bytes;
-  if (nbytes == 0) {
-    gather_into_buffer(p, idx, nullptr);  // still reports out-of-range indices
-    return at::empty(sizes, at::TensorOptions().dtype(p.dtype));
+at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
+  int64_t nbytes = static_cast<int64_t>(c10::elementSize(type));
+  for (int64_t s : size) {
+    TORCH_CHECK(s >= 0, "empty_pooled: negative size ", s);
+    nbytes *= s;
   }
-  at::Tensor out = pooled_empty(sizes, p.dtype, nbytes);
-  gather_into_buffer(p, idx, static_cast<char*>(out.data_ptr()));
-  return out;
+  if (nbytes == 0) {
+    return at::empty(size, at::TensorOptions().dtype(type));
+  }
+  return pooled_empty(std::move(size), type, nbytes);
+}
+
+std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayRef counts,
+                                             const at::Tensor& idx) {
+  const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
+  std::vector<at::Tensor> result;
+  std::vector<char*> outs;
+  for (const Prepared& p : ps) {
+    const int64_t nbytes = idx.numel() * p.row_bytes;
+    if (nbytes == 0) {
+      result.push_back(at::empty(out_sizes(p, idx), at::TensorOptions().dtype(p.dtype)));
+      outs.push_back(nullptr);
+    } else {
+      result.push_back(pooled_empty(out_sizes(p, idx), p.dtype, nbytes));
+      outs.push_back(static_cast<char*>(result.back().data_ptr()));
+    }
+  }
+  gather_layers(ps, idx, outs);  // also reports out-of-range indices when nothing is copied
+  return result;
+}
+
+void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
+                               const at::Tensor& idx, at::TensorList outs) {
+  const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
+  TORCH_CHECK(outs.size() == ps.size(), "gather_rows_many_into: ", outs.size(),
+              " outputs for ", ps.size(), " layers");
+  std::vector<char*> ptrs;
+  for (size_t l = 0; l < ps.size(); ++l) {
+    check_out(ps, idx, outs[l], l);
+    ptrs.push_back(outs[l].numel() ? static_cast<char*>(outs[l].data_ptr()) : nullptr);
+  }
+  gather_layers(ps, idx, ptrs);
+}
+
+at::Tensor gather_rows_cpu(at::TensorList parts, const at::Tensor& idx) {
+  const int64_t one[] = {static_cast<int64_t>(parts.size())};
+  if (parts.empty()) {
+    (void)prepare(parts, idx);  // names the empty list
+  }
+  return gather_rows_many_cpu(parts, one, idx)[0];
 }
 
 void gather_rows_into_cpu(at::TensorList parts, const at::Tensor& idx, const at::Tensor& out) {
-  const Prepared p = prepare(parts, idx);
-  std::vector<int64_t> sizes{idx.numel()};
-  sizes.insert(sizes.end(), p.row_shape.begin(), p.row_shape.end());
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == p.dtype && out.sizes().equals(sizes),
-              "gather_rows_into: `out` must be a CPU tensor of dtype ", p.dtype, " and shape ",
-              c10::IntArrayRef(sizes), ", got ", out.scalar_type(), " ", out.sizes(), " on ",
-              out.device());
-  TORCH_CHECK(out.is_contiguous(), "gather_rows_into: `out` must be contiguous");
-  for (const at::Tensor& t : p.keep) {
-    // Writing into a part would make the result depend on the copy order.
-    TORCH_CHECK(out.numel() == 0 || t.numel() == 0 || !t.is_alias_of(out),
-                "gather_rows_into: `out` shares memory with a part");
+  if (parts.empty()) {
+    (void)prepare(parts, idx);  // names the empty list
   }
-  gather_into_buffer(p, idx, out.numel() ? static_cast<char*>(out.data_ptr()) : nullptr);
+  const int64_t one[] = {static_cast<int64_t>(parts.size())};
+  gather_rows_many_into_cpu(parts, one, idx, {out});
 }
 
 TORCH_LIBRARY_IMPL(pyhook, CPU, m) {
   m.impl("gather_rows", &gather_rows_cpu);
   m.impl("gather_rows_into", &gather_rows_into_cpu);
+  m.impl("gather_rows_many", &gather_rows_many_cpu);
+  m.impl("gather_rows_many_into", &gather_rows_many_into_cpu);
 }
 
 }  // namespace pyhook

@@ -100,6 +100,9 @@ def resolve_layers(
         >>> [n for n, _ in resolve_layers(net, "*")], [n for n, _ in resolve_layers(net, "**")]
         (['0', '1'], ['0', '1', '1.0'])
     """
+    paired = getattr(model, "_pyhook_resolve_layers", None)
+    if paired is not None:  # several models as one (pyhook.pipeline.paired): NAME/LAYER
+        return paired(layers)
     if isinstance(layers, (str, nn.Module)):
         layers = [layers]
     if not isinstance(layers, Iterable):

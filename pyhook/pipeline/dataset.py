@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .. import _backend
 from .._backend import gather_rows, gather_rows_into
-from . import _ring
+from . import _ring, _seqread
 from . import reader as _reader
 from .reader import open_capture
 
@@ -154,7 +154,8 @@ class CaptureDataset(IterableDataset):
       window) are shuffled together, like a shuffle buffer of that many rows. A batch then
       holds rows of about ``buffer_chunks`` chunks only: fewer, larger regions of the files to
       read from a cold disk, at the price of a less mixed batch (docs/training.md measures both).
-    * ``False``: batches of consecutive rows, in capture order.
+    * ``False``: batches of consecutive rows, in capture order (in the main process, batches
+      not in the page cache are read with ``preadv`` rather than through the memory maps).
 
     ``set_epoch(e)`` changes the permutation reproducibly (the same ``seed`` and ``e`` give the
     same batches). ``drop_last=False`` serves every row (the last batch may be short and a rank
@@ -275,11 +276,18 @@ class CaptureDataset(IterableDataset):
         self._pid = os.getpid()
         self._cache: dict[str, list[torch.Tensor]] = {}
         self._direct = False  # set by _sources: every part may go straight to the native kernel
+        # Set with _direct: (every part of every key, parts per key, batch keys) for one
+        # native call per batch.
+        self._flat: tuple[list[torch.Tensor], list[int], list[str]] | None = None
+        # shuffle=False in the main process: cold batches read with preadv (_seqread); False
+        # once found impossible (remote shards, encoded rows).
+        self._seq: _seqread.SequentialReader | bool | None = None
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"], state["_cache"], state["_ring"] = None, {}, None
+        state["_flat"], state["_seq"] = None, None
         return state
 
     def _sources(self) -> dict[str, list[torch.Tensor]]:
@@ -293,6 +301,12 @@ class CaptureDataset(IterableDataset):
             # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
             # batch for a dozen shards, per layer).
             self._direct = all(_backend._direct_gather_ok(p) for p in self._cache.values())
+            if self._direct:
+                self._flat = (
+                    [t for p in self._cache.values() for t in p],
+                    [len(p) for p in self._cache.values()],
+                    [_key(n) for n in self._cache],
+                )
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
             if check is not None:
@@ -408,7 +422,13 @@ class CaptureDataset(IterableDataset):
                     f"idx must be 1-D global row numbers, got shape {tuple(idx.shape)}"
                 )
         shared = get_worker_info() is not None
-        out = {_key(n): self._read(parts, idx, shared) for n, parts in self._sources().items()}
+        sources = self._sources()
+        if not shared and self._flat is not None and _backend.get_backend() == "native":
+            # Every layer (and the token ids) of the batch in one native call.
+            flat, counts, keys = self._flat
+            out = dict(zip(keys, _backend._gather_many_direct(flat, counts, idx)))
+        else:
+            out = {_key(n): self._read(parts, idx, shared) for n, parts in sources.items()}
         if self.with_index:
             out["index"] = idx.share_memory_() if shared else idx.clone()
         return out
@@ -443,19 +463,46 @@ class CaptureDataset(IterableDataset):
         out = ring.batch(slot, idx.numel())
         # On an error the batch is never sent: its slot is free again once `out` is gone.
         sources = self._sources()
-        direct = self._direct and _backend.get_backend() == "native"
-        for name, parts in sources.items():
-            if direct:
-                _backend._gather_direct_into(parts, idx, out[_key(name)])
-            else:
+        if self._flat is not None and _backend.get_backend() == "native":
+            flat, counts, keys = self._flat
+            _backend._gather_many_direct_into(flat, counts, idx, [out[k] for k in keys])
+        else:
+            for name, parts in sources.items():
                 gather_rows_into(parts, idx, out[_key(name)])
         if self.with_index:
             out["index"].copy_(idx)
         return out
 
+    def _sequential_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The batch of the consecutive rows ``idx`` read with ``preadv`` when they are not in
+        the page cache (``None``: they are, or this capture cannot; then :meth:`batch`)."""
+        if self._seq is None:
+            sources = self._sources()
+            seq = None
+            if self._flat is not None:
+                seq = _seqread.SequentialReader.create(self._reader, list(sources))
+            self._seq = seq if seq is not None else False
+        seq = self._seq
+        if seq is False or not idx.numel():
+            return None
+        assert isinstance(seq, _seqread.SequentialReader)
+        start, stop = int(idx[0]), int(idx[-1]) + 1
+        if seq.resident(start, stop):
+            return None
+        out = {_key(n): t for n, t in seq.read(start, stop).items()}
+        if self.with_index:
+            out["index"] = idx.clone()
+        return out
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         ring = self._worker_ring()
+        sequential = self.shuffle is False and ring is None and get_worker_info() is None
         for idx in self._plan():
+            if sequential:
+                b = self._sequential_batch(idx)
+                if b is not None:
+                    yield b
+                    continue
             yield self.batch(idx) if ring is None else self._ring_batch(ring, idx)
 
     def __repr__(self) -> str:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._names import check_model_name
+
 __all__ = [
     "CaptureJob",
     "CapturePlan",
@@ -269,6 +271,78 @@ def default_layers(model: Any) -> str:
     return f"{best}.*"
 
 
+# -- several models (pyhook.pipeline.paired): checked here, without torch ------------------------
+def _check_models(v: dict[Any, Any]) -> None:
+    """``model`` as a mapping of names to models (a paired capture), checked."""
+    if len(v) < 2:
+        only = f" ({next(iter(v))!r})" if v else ""
+        raise JobError(
+            f"`model` names {len(v)} model(s){only}: several named models make one paired "
+            "store (`model` {'base': DIR, 'chat': DIR2}; --model base=DIR --model chat=DIR2); "
+            "for one model give its folder or name alone"
+        )
+    for name, spec in v.items():
+        problem = check_model_name(name)
+        if problem:
+            raise JobError(f"`model`: {problem}")
+        if not isinstance(spec, str) or not spec:
+            raise _JobTypeError(
+                f"`model` {name!r} must be a checkpoint folder or a model's name, got {_got(spec)}"
+            )
+
+
+def models_from_flags(values: list[str]) -> str | dict[str, str]:
+    """``--model`` given once or several times: one model (``DIR``) or named models
+    (``NAME=DIR`` each; ``NAME`` must not contain ``/``). A value that is an existing path is a
+    path, even with a ``=`` in it. Unnamed and given again, the last one counts (as any flag).
+
+    >>> models_from_flags(["./ckpt"]), models_from_flags(["base=./a", "chat=./b"])
+    ('./ckpt', {'base': './a', 'chat': './b'})
+    >>> models_from_flags(["./a", "chat=./b"])
+    Traceback (most recent call last):
+    ...
+    pyhook.pipeline.job.JobError: model './a' has no name but 'chat=./b' has one: name every model (--model base=DIR --model chat=DIR2)
+    """
+    named: dict[str, str] = {}
+    plain: list[str] = []
+    for v in values:
+        if "=" in v and not os.path.exists(v):
+            name, spec = v.split("=", 1)
+            problem = check_model_name(name)
+            if problem:
+                raise JobError(f"`model` {v!r} is neither a folder nor NAME=DIR: {problem}")
+            if name in named:
+                raise JobError(
+                    f"`model`: the name {name!r} is given twice ({name}={named[name]}, {v}); "
+                    "give each model its own name"
+                )
+            if not spec:
+                raise JobError(f"`model` {v!r}: no folder or model name after '='")
+            named[name] = spec
+        else:
+            plain.append(v)
+    if named and plain:
+        first = next(iter(named))
+        raise JobError(
+            f"`model` {plain[0]!r} has no name but '{first}={named[first]}' has one: name every "
+            "model (--model base=DIR --model chat=DIR2)"
+        )
+    if plain:  # unnamed, given again: the last one counts, as for every other flag
+        return plain[-1]
+    _check_models(named)
+    return named
+
+
+def _paired_default_layers(pair: Any) -> list[str]:
+    """Every model's default layers (:func:`default_layers`) for a
+    :class:`~pyhook.pipeline.paired.Paired`: one entry when the models agree (a layer without a
+    model's name is taken from every model), else ``NAME/LAYER`` each."""
+    per = {n: default_layers(pair.model(n)) for n in pair.names}
+    if len(set(per.values())) == 1:
+        return [next(iter(per.values()))]
+    return [f"{n}/{layer}" for n, layer in per.items()]
+
+
 # -- the job -----------------------------------------------------------------------------------
 @dataclass
 class CaptureJob:
@@ -291,7 +365,9 @@ class CaptureJob:
     Options (every one optional):
 
     * ``model``: a local checkpoint folder, a built-in name (``minilm``) or a model in the local
-      Hugging Face cache; never downloaded. ``tokenizer`` (for a checkpoint saved without one),
+      Hugging Face cache; never downloaded; or a mapping ``{name: model}`` of several models into
+      one store (layers stored as ``name/LAYER``; see :mod:`pyhook.pipeline.paired`).
+      ``tokenizer`` (for a checkpoint saved without one),
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
       ``device``.
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
@@ -317,7 +393,7 @@ class CaptureJob:
     :meth:`plan`, before the weights are loaded where it can be.
     """
 
-    model: str | None = None
+    model: str | dict[str, str] | None = None
     tokenizer: str | None = None
     model_class: str | None = None
     layers: list[str] | None = None
@@ -354,6 +430,10 @@ class CaptureJob:
             v = getattr(self, name)
             if isinstance(v, os.PathLike):
                 setattr(self, name, os.fspath(v))
+        if isinstance(self.model, dict):  # several named models (a paired capture)
+            self.model = {
+                k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in self.model.items()
+            }
         if self.positions is None:
             self.positions = "all"
         if isinstance(self.positions, str) and re.fullmatch(r"-?\d+", self.positions.strip()):
@@ -378,6 +458,8 @@ class CaptureJob:
                     )
                 if not v or not all(v):
                     raise JobError(f"`layers` must name at least one layer, got {_got(v)}")
+            elif name == "model" and isinstance(v, dict):
+                _check_models(v)
             elif name == "positions":
                 if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
                     raise JobError(
@@ -404,8 +486,8 @@ class CaptureJob:
                     raise JobError(f"`{name}` must be >= 1, got {v}")
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
                 hint = (
-                    " (a checkpoint folder or a model's name; a model object in memory is "
-                    "captured with pyhook.capture)"
+                    " (a checkpoint folder or a model's name, or a mapping of names to them for "
+                    "a paired capture; a model object in memory is captured with pyhook.capture)"
                     if name == "model"
                     else ""
                 )
@@ -567,9 +649,18 @@ class CaptureJob:
         from .runner import RunnerError, load_tokenizer, prepare_model
         from .source import SourceError, open_source
 
-        prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
+        paired = isinstance(self.model, dict)
+        if paired:  # several named models, one store (pyhook.pipeline.paired)
+            from .paired import prepare_models
+
+            prepared = prepare_models(self.model, model_class=self.model_class)  # type: ignore[arg-type]
+        else:
+            prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
         try:
-            tokenizer, tok_path = load_tokenizer(self.tokenizer, prepared.path)
+            if paired:  # each model's tokenizer; they must agree (checked here, before weights)
+                tokenizer, tok_path = prepared.load_tokenizer(self.tokenizer)
+            else:
+                tokenizer, tok_path = load_tokenizer(self.tokenizer, prepared.path)
             tok_error = None
         except RunnerError as e:
             tokenizer, tok_path, tok_error = None, None, e
@@ -578,7 +669,7 @@ class CaptureJob:
         if context_size is None and self.input is None and self.generate is None:
             # the default job (the bundled corpus): packed contexts, as SAE datasets use
             context_size = min(DEFAULT_CONTEXT_SIZE, positions_limit or DEFAULT_CONTEXT_SIZE)
-        model_name = os.path.basename(prepared.path)
+        model_name = getattr(prepared, "display_name", None) or os.path.basename(prepared.path)
         if positions_limit is not None:
             if context_size is not None and context_size > positions_limit:
                 raise JobError(
@@ -737,8 +828,14 @@ class CaptureJob:
 
         # 2. The weights, the layers, one probe forward for their widths.
         device = self._device(world)
-        model = runner.load_weights(prepared, device=device, dtype=model_dtype)
-        layers = self.layers or [default_layers(model)]
+        paired = hasattr(prepared, "load_weights")  # several models (pyhook.pipeline.paired)
+        if paired:
+            model = prepared.load_weights(device=device, dtype=model_dtype)
+        else:
+            model = runner.load_weights(prepared, device=device, dtype=model_dtype)
+        layers = self.layers or (
+            _paired_default_layers(model) if paired else [default_layers(model)]
+        )
         keep = runner._Keep()
         meta = {
             "model": type(model).__name__,
@@ -746,6 +843,11 @@ class CaptureJob:
             "command": "pyhook capture",
         }
         gen = self.generate is not None  # the rows of each step are chosen by the generation
+        if paired:
+            meta["models"] = {
+                n: {"path": prepared.loaded[n].path, "class": type(model.model(n)).__name__}
+                for n in model.names
+            }
         rec = capture(
             model,
             layers,
@@ -807,7 +909,7 @@ class CaptureJob:
             max(1, math.ceil(plan.bytes / (self.shard_mb * (1 << 20)))) if plan.bytes else 0
         )
         plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
-        plan.model_class = type(model).__name__
+        plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device
         plan._state = {
             "model": model,
@@ -975,10 +1077,13 @@ class CaptureJob:
                 "trainer; positions is for run()"
             )
         device = self._device(world)
-        model = runner.load_weights(
-            got["prepared"], device=device, dtype=parse_dtype(self.model_dtype, "model_dtype")
-        )
-        layers = self.layers or [default_layers(model)]
+        model_dtype = parse_dtype(self.model_dtype, "model_dtype")
+        if hasattr(got["prepared"], "load_weights"):  # several models (pyhook.pipeline.paired)
+            model = got["prepared"].load_weights(device=device, dtype=model_dtype)
+            layers = self.layers or _paired_default_layers(model)
+        else:
+            model = runner.load_weights(got["prepared"], device=device, dtype=model_dtype)
+            layers = self.layers or [default_layers(model)]
         kw: dict[str, Any] = {"device": device, "dtype": parse_dtype(self.dtype, "dtype")}
         if self.positions != "all":
             kw["positions"] = self.positions

@@ -60,6 +60,13 @@ def _json_arg(name: str, value: Any) -> Any:
         ) from None
 
 
+def _errno_of(err: BaseException) -> tuple[int, ...]:
+    """``(errno,)`` for an error that has one, else ``()``: ``OSError(0, msg)`` would print
+    "[Errno 0]" in front of a network error's message."""
+    code = getattr(err, "errno", None)
+    return (code,) if isinstance(code, int) and code else ()
+
+
 class ShardWriter:
     """Streams rows of several layers into safetensors shards from a background thread.
 
@@ -375,9 +382,9 @@ class ShardWriter:
         if self._error is not None:
             err = self._error
             raise CaptureWriteError(
-                getattr(err, "errno", None) or 0,
-                f"writing the capture to {self.out!r} failed: {err}. Shards written before the "
-                "failure are intact and indexed; fix the cause and run again to resume.",
+                *_errno_of(err),
+                f"writing the capture to {self.url or self.out!r} failed: {err}. Shards written "
+                "before the failure are intact and indexed; fix the cause and run again to resume.",
             ) from err
 
     def add(
@@ -644,7 +651,7 @@ class ShardWriter:
                         )
             except OSError as e:
                 raise CaptureWriteError(
-                    e.errno or 0, f"writing the index of {self.out!r} failed: {e}"
+                    *_errno_of(e), f"writing the index of {self.url or self.out!r} failed: {e}"
                 ) from e
         finally:
             self._close_journal()
