@@ -454,6 +454,11 @@ def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_p
     assert len(lines) == 1 and "no generation head" in lines[0], proc.stderr
 
 
+def test_paired_models_refuse_generate():
+    with pytest.raises(ValueError, match="one model's generation"):
+        pyhook.CaptureJob(model={"a": "minilm", "b": "minilm"}, generate=2)
+
+
 def test_stream_refuses_generate(ckpt, tmp_path):
     with pytest.raises(ValueError, match="stream"):
         _job(ckpt, tmp_path).stream()

@@ -529,6 +529,11 @@ class CaptureJob:
                 "`sampling` must be 'greedy', 'sample' (seeded by `seed`) or 'model' (the "
                 f"model's generation_config), got {_got(self.sampling)}"
             )
+        if isinstance(self.model, dict):
+            raise JobError(
+                "`generate` captures one model's generation; a paired capture (several named "
+                "`model`s) runs plain forwards over the corpus"
+            )
         if self.context_size is not None:
             raise JobError(
                 "`context_size` packs the corpus into contexts; `generate` continues each "
