@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -486,6 +487,21 @@ def _para(text: str) -> str:
     return textwrap.fill(text, width=min(shutil.get_terminal_size().columns, 100) - 2)
 
 
+def _json_object(text: str) -> Any:
+    """``--generate-kwargs``: a JSON object (argparse reports anything else in one line).
+
+    >>> _json_object('{"temperature": 0.7}')
+    {'temperature': 0.7}
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object ({...})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pyhook`` command's parser (every subcommand's ``--help`` ends with examples).
 
@@ -621,6 +637,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens",
         action=argparse.BooleanOptionalAction,
         help="keep each row's token id and (context, position) next to it (default on)",
+    )
+    c.add_argument(
+        "--generate",
+        type=int,
+        metavar="N",
+        help="continue each example (a prompt) with model.generate for up to N new tokens and "
+        "store every token run through the model, prompt and generated (one example per row)",
+    )
+    c.add_argument(
+        "--generated-only",
+        action="store_true",
+        help="with --generate: store only the rows of generated tokens",
+    )
+    c.add_argument(
+        "--sampling",
+        choices=("greedy", "sample", "model"),
+        help="with --generate: greedy (default), sample (seeded by --seed), or model (its "
+        "generation_config)",
+    )
+    c.add_argument("--seed", type=int, help="with --generate: the sampling seed (default 0)")
+    c.add_argument(
+        "--generate-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="with --generate: more generate options, e.g. '{\"temperature\": 0.7}'",
     )
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
     c.add_argument(

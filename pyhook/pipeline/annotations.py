@@ -44,7 +44,9 @@ import torch
 
 __all__ = [
     "AnnotationMissingError",
+    "completion",
     "format_stats",
+    "generated",
     "merge_stats",
     "row_index",
     "stats",
@@ -58,6 +60,8 @@ TEXT_LENGTHS = "__text_lengths__"
 TEXT_BYTES = "__text_bytes__"
 TEXT_EXAMPLES = "__text_examples__"
 STATS_PREFIX = "__stats__."
+GENERATED = "__generated__"  # bool [rows]: the row's token was generated (capture in generate)
+TEXT_PROMPT_BYTES = "__text_prompt_bytes__"  # int64 [texts]: utf-8 bytes of the prompt
 
 
 class AnnotationMissingError(LookupError):
@@ -136,6 +140,14 @@ def text(reader: Any, example: int) -> str:
         >>> text(open_capture(out), 0)
         'héllo'
     """
+    offsets, example = _text_slot(reader, example)
+    lo, hi = int(offsets[example]), int(offsets[example + 1])
+    raw = reader.layer(TEXT_BYTES)[lo:hi] if hi > lo else torch.empty(0, dtype=torch.uint8)
+    return bytes(raw.tolist()).decode("utf-8")
+
+
+def _text_slot(reader: Any, example: int) -> tuple[torch.Tensor, int]:
+    """The texts' byte offsets and where example ``example``'s text is stored."""
     cached = _TEXT_CACHE.get(reader)
     if cached is None:
         lengths = _read(reader, TEXT_LENGTHS)
@@ -168,9 +180,51 @@ def text(reader: Any, example: int) -> str:
         if not -n <= example < n:
             raise IndexError(f"example {example} out of range: the capture keeps {n} texts")
         example %= n
-    lo, hi = int(offsets[example]), int(offsets[example + 1])
-    raw = reader.layer(TEXT_BYTES)[lo:hi] if hi > lo else torch.empty(0, dtype=torch.uint8)
-    return bytes(raw.tolist()).decode("utf-8")
+    return offsets, example
+
+
+def completion(reader: Any, example: int) -> str:
+    """The completion alone of example ``example`` of a capture made during ``generate`` (its
+    text without the prompt; :func:`text` gives both).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"x": torch.zeros(1, 1), "__text_lengths__": torch.tensor([7]),
+        ...            "__text_bytes__": torch.tensor(list(b"Hi, you"), dtype=torch.uint8),
+        ...            "__text_prompt_bytes__": torch.tensor([3])}, examples=1)
+        >>> completion(open_capture(out), 0)
+        ' you'
+    """
+    prompts = _read(reader, TEXT_PROMPT_BYTES)
+    if prompts is None:
+        raise AnnotationMissingError(
+            f"capture {reader.path!r} keeps no completions (it was not made during generate)"
+        )
+    full = text(reader, example).encode("utf-8")
+    _, slot = _text_slot(reader, example)
+    return full[int(prompts[slot]) :].decode("utf-8")
+
+
+def generated(reader: Any) -> torch.Tensor | None:
+    """Which rows hold generated tokens (bool ``[rows]``, aligned with each layer's rows), for a
+    capture made during ``generate``; None for any other capture (older stores included).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pyhook.store import ShardWriter, open_capture
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"x": torch.zeros(2, 1)}, examples=1)
+        >>> generated(open_capture(out)) is None
+        True
+    """
+    t = _read(reader, GENERATED)
+    return None if t is None else _aligned(reader, "generated flags", t.bool())
 
 
 def merge_stats(rows: torch.Tensor) -> dict[str, torch.Tensor]:

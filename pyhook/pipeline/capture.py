@@ -400,6 +400,9 @@ class Recorder:
         # thread once the batch is on disk, before its buffers are reused (the sink copies).
         self._sink: Callable[[dict[str, Any], int], None] | None = None
         self._barrier: Callable[[], Any] | None = None  # ranks meet before the index merge
+        # Batches kept back instead of stored (pyhook.pipeline.generate: the steps of one
+        # generate call, joined into one batch once the sequences are final).
+        self._hold: list[Any] | None = None
         self._writer_opts: dict[str, Any] = {
             "shard_bytes": shard_bytes,
             "max_pending": max_pending_shards,
@@ -756,6 +759,9 @@ class Recorder:
     ) -> None:
         """One finished batch: ``rows`` (layer -> tensor or PendingCopy) and the reserved
         tensors ``extra``, to the writer (disk) or the in-memory results."""
+        if self._hold is not None:
+            self._hold.append((rows, examples, extra, wait))
+            return
         if self.to == "disk":
             assert self._writer is not None
             batch = {**rows, **extra}

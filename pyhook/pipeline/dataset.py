@@ -40,6 +40,8 @@ __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
 
 # The reserved tensor of the shared store format holding each row's token id.
 TOKEN_IDS = "__token_ids__"
+# Each row's flag of a capture made during generate (bool): its token was generated.
+GENERATED = "__generated__"
 _SHUFFLES = (False, True, "global", "chunks")
 
 
@@ -134,7 +136,7 @@ def _check_layers(reader: Any, layers: str | Sequence[str] | None, tokens: bool)
 
 def _key(name: str) -> str:
     """The batch key of a source: token ids come as ``"tokens"``."""
-    return "tokens" if name == TOKEN_IDS else name
+    return "tokens" if name == TOKEN_IDS else "generated" if name == GENERATED else name
 
 
 def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -193,10 +195,11 @@ class CaptureDataset(IterableDataset):
     may get one batch more than another); ``drop_last=True`` gives every rank the same number
     of full batches (what DistributedDataParallel needs) and skips the few rows left over,
     different ones each epoch when shuffling. ``tokens=True`` adds ``"tokens"`` (int64 token
-    ids of the rows); ``with_index=True`` adds ``"index"`` (the rows' global numbers).
-    ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in that floating dtype: a
-    compact store's quantised rows are dequantised straight into it (no float32 copy); plain
-    rows of another dtype are cast after the gather.
+    ids of the rows); ``with_index=True`` adds ``"index"`` (the rows' global numbers);
+    ``generated=True`` adds ``"generated"`` (bool: the row's token was generated, for a capture
+    made during ``generate``). ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in
+    that floating dtype: a compact store's quantised rows are dequantised straight into it (no
+    float32 copy); plain rows of another dtype are cast after the gather.
 
     The dataset holds the capture's path, not its memory maps: a worker process (or a pickled
     copy) reopens the capture by path. Batches are memory the caller owns. In a DataLoader
@@ -242,6 +245,7 @@ class CaptureDataset(IterableDataset):
         drop_last: bool = False,
         tokens: bool = False,
         with_index: bool = False,
+        generated: bool = False,
         chunk_rows: int = 2048,
         buffer_chunks: int = 64,
         worker_slots: int = 8,
@@ -308,6 +312,12 @@ class CaptureDataset(IterableDataset):
             pass
         self.rank, self.world_size = rank, world_size
         self.drop_last, self.tokens, self.with_index = drop_last, tokens, with_index
+        self.generated = bool(generated)
+        if self.generated and GENERATED not in reader:
+            raise ValueError(
+                f"generated=True, but the capture {reader.path!r} holds no generated flags "
+                "(they are stored by a capture during generate); pass generated=False"
+            )
         self.chunk_rows, self.buffer_chunks = chunk_rows, buffer_chunks
         self.worker_slots = worker_slots
         self._reader: Any = reader
@@ -335,8 +345,11 @@ class CaptureDataset(IterableDataset):
             self._reader = _open(self.path)
         if not self._cache:
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
+            names += [GENERATED] if self.generated else []
             self._cache = {
-                n: _parts(self._reader.layer(n), None if n == TOKEN_IDS else self.dtype)
+                n: _parts(
+                    self._reader.layer(n), None if n in (TOKEN_IDS, GENERATED) else self.dtype
+                )
                 for n in names
             }
             # The parts are plain CPU memory maps: checked once here, so that each batch goes

@@ -186,6 +186,11 @@ _SETTING_WORDS = {
     "examples_total": "the number of examples (several ranks)",
     "quantize": "`quantize`",
     "compress": "`compress`",
+    "generate": "`generate`",
+    "generated_only": "`generated_only`",
+    "sampling": "`sampling`",
+    "seed": "`seed`",
+    "generate_kwargs": "`generate_kwargs`",
 }
 _DEFAULT_WORDS = {
     "dtype": "the model's",
@@ -193,6 +198,7 @@ _DEFAULT_WORDS = {
     "positions": "all",
     "context_size": "none: one example per row",
     "max_length": "none",
+    "generate": "none (a forward over the corpus)",
 }
 
 
@@ -374,6 +380,12 @@ class CaptureJob:
       contexts), ``batch_size`` (examples or contexts per forward).
     * ``layers``: names, globs or standard points (default every block, ``resid_post.*``);
       ``positions`` (``"all"``, ``"last"`` or an index); ``dtype`` (stored dtype).
+    * ``generate`` (N): continue each example (a prompt, one per row) with ``model.generate``
+      for up to N new tokens and store the rows of every token run through the model (see
+      :mod:`pyhook.pipeline.generate`); ``generated_only`` (only generated tokens' rows; with
+      ``positions="last"``: the last token of each step), ``sampling`` (``"greedy"``,
+      ``"sample"``, or ``"model"``: its ``generation_config``), ``seed``, ``generate_kwargs``
+      (more ``generate`` options, e.g. ``{"temperature": 0.7}``).
     * ``out`` (a folder or an fsspec URL), ``shard_mb``, ``overwrite`` (replace a different
       capture there), ``force`` (start even when the estimate exceeds the free space), ``stats``
       (per-layer statistics), ``tokens`` (token ids and row index next to the rows);
@@ -408,6 +420,11 @@ class CaptureJob:
     tokens: bool = True
     quantize: str | None = None
     compress: str | None = None
+    generate: int | None = None
+    generated_only: bool = False
+    sampling: str = "greedy"
+    seed: int = 0
+    generate_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # the forms a file or the command gives, made one (so equal jobs compare equal)
@@ -454,6 +471,12 @@ class CaptureJob:
                     raise JobError(
                         f"`positions` must be 'all', 'last' or an integer, got {_got(v)}"
                     )
+            elif name == "seed":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise JobError(f"`seed` must be an integer >= 0, got {_got(v)}")
+            elif name == "generate_kwargs":
+                if v is not None:
+                    _check_generate_kwargs(v)
             elif name == "shard_mb":
                 if isinstance(v, bool) or not isinstance(v, float) or not v > 0:
                     raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {_got(v)}")
@@ -490,11 +513,48 @@ class CaptureJob:
                 raise JobError(
                     f"`{name}` must be {' or '.join(map(repr, choices))} (or absent), got {_got(v)}"
                 )
+        self._check_generate()
         if self.context_size is not None and self.max_length is not None:
             raise JobError(
                 "`max_length` cuts each example of a one-example-per-row capture; with "
                 f"`context_size` every row is a context of exactly {self.context_size} tokens: "
                 "drop one of them"
+            )
+
+    def _check_generate(self) -> None:
+        """The generation options: only with `generate`, and not with packed contexts."""
+        if self.generate is None:
+            for name, default in (
+                ("generated_only", False),
+                ("sampling", "greedy"),
+                ("seed", 0),
+                ("generate_kwargs", None),
+            ):
+                if getattr(self, name) != default:
+                    raise JobError(
+                        f"`{name}` is an option of capture during generation: add `generate` "
+                        "(new tokens per prompt)"
+                    )
+            return
+        if self.sampling not in ("greedy", "sample", "model"):
+            raise JobError(
+                "`sampling` must be 'greedy', 'sample' (seeded by `seed`) or 'model' (the "
+                f"model's generation_config), got {_got(self.sampling)}"
+            )
+        if isinstance(self.model, dict):
+            raise JobError(
+                "`generate` captures one model's generation; a paired capture (several named "
+                "`model`s) runs plain forwards over the corpus"
+            )
+        if self.context_size is not None:
+            raise JobError(
+                "`context_size` packs the corpus into contexts; `generate` continues each "
+                "example (one prompt per row, left-padded): drop `context_size`"
+            )
+        if self.positions not in ("all", "last"):
+            raise JobError(
+                f"`positions` {self.positions!r} with `generate`: use 'all' (every token) or "
+                "'last' (the last token of each generation step)"
             )
 
     # -- files ----------------------------------------------------------------------------------
@@ -623,7 +683,7 @@ class CaptureJob:
             tokenizer, tok_path, tok_error = None, None, e
         positions_limit = prepared.max_positions
         context_size = self.context_size
-        if context_size is None and self.input is None:
+        if context_size is None and self.input is None and self.generate is None:
             # the default job (the bundled corpus): packed contexts, as SAE datasets use
             context_size = min(DEFAULT_CONTEXT_SIZE, positions_limit or DEFAULT_CONTEXT_SIZE)
         model_name = getattr(prepared, "display_name", None) or os.path.basename(prepared.path)
@@ -638,8 +698,12 @@ class CaptureJob:
                     f"`max_length` {self.max_length} is above the {positions_limit} positions "
                     f"of {model_name} (its config); use at most {positions_limit}"
                 )
+        if self.generate is not None:
+            _check_generation_model(prepared, self.generate, self.max_length, model_name)
         # the default: 128, or fewer when the model has fewer positions
         max_length = self.max_length or min(128, positions_limit or 128)
+        if self.generate is not None and positions_limit is not None and not self.max_length:
+            max_length = min(max_length, positions_limit - self.generate)
         input_path = os.path.abspath(self.input or default_corpus())
         try:
             src = open_source(
@@ -725,6 +789,15 @@ class CaptureJob:
             "max_length": None if context_size else got["max_length"],
             "model_dtype": dtype_name(model_dtype) if model_dtype else None,
         }
+        if self.generate is not None:  # absent otherwise: stores made before compare equal
+            settings.update(
+                generate=self.generate,
+                generated_only=self.generated_only,
+                sampling=self.sampling,
+                seed=self.seed,
+                generate_kwargs=self.generate_kwargs,
+                positions=positions,
+            )
         plan = CapturePlan(
             job=self,
             model_path=prepared.path,
@@ -788,6 +861,7 @@ class CaptureJob:
             "model_path": prepared.path,
             "command": "pyhook capture",
         }
+        gen = self.generate is not None  # the rows of each step are chosen by the generation
         if paired:
             meta["models"] = {
                 n: {"path": prepared.loaded[n].path, "class": type(model.model(n)).__name__}
@@ -797,14 +871,14 @@ class CaptureJob:
             model,
             layers,
             out=out,
-            mask=keep,
-            positions=positions,
+            mask=None if gen else keep,
+            positions=None if gen else positions,
             dtype=dtype,
             overwrite=self.overwrite,
             shard_bytes=int(self.shard_mb * (1 << 20)),
             settings=settings,
             meta=meta,
-            stats=self.stats,
+            stats=False if gen else self.stats,  # generate: the kept rows' (run_generate)
             tokens=self.tokens,
             quantize=self.quantize,
             compress=self.compress,
@@ -819,6 +893,14 @@ class CaptureJob:
         frac = max(0, share["examples"] - done) / max(share["examples"], 1)
         est = {k: (round(v * frac) if k != "exact" else v) for k, v in share.items()}
         rows = est["examples"] if positions is not None else est["rows"]
+        if self.generate is not None:
+            # at most: the prompts' rows and one a new token but the last (fewer after EOS)
+            n = est["examples"]
+            rows = n * self.generate if positions == "last" else n * (self.generate - 1)
+            if not self.generated_only and positions != "last":
+                rows += est["rows"]
+            est["text_bytes"] = est.get("text_bytes", 0) + n * self.generate * 8
+            est["exact"] = False
         batches = math.ceil(est["examples"] / self.batch_size)
         extra = rows * 24 if self.tokens else 0  # int64 token id + int64 (context, position)
         extra += est.get("text_bytes", 0) + 16 * est.get("texts", 0)  # + int64 length, index
@@ -860,6 +942,7 @@ class CaptureJob:
             "recorder": rec,
             "keep": keep,
             "share": share,
+            "tokenizer": got["tokenizer"],
         }
         return plan
 
@@ -920,7 +1003,26 @@ class CaptureJob:
                 bar.update(len(b.examples))
 
             try:
-                timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
+                if self.generate is not None:
+                    from .generate import run_generate
+
+                    timing = run_generate(
+                        model,
+                        src,
+                        rec,
+                        max_new_tokens=self.generate,
+                        generated_only=self.generated_only,
+                        last_only=self.positions == "last",
+                        sampling=self.sampling,
+                        seed=self.seed,
+                        tokenizer=state["tokenizer"],
+                        stats=self.stats,
+                        device=device,
+                        on_batch=on_batch,
+                        **(self.generate_kwargs or {}),
+                    )
+                else:
+                    timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
             finally:
                 bar.close()
         elapsed = time.perf_counter() - t0
@@ -992,6 +1094,11 @@ class CaptureJob:
         from .format import parse_dtype
         from .runner import check_device
 
+        if self.generate is not None:
+            raise JobError(
+                "`generate`: stream() runs plain forwards over the corpus; capture during "
+                "generation with run() (a store)"
+            )
         check_device(self.device)
         rank, world = self._world()
         got = self._source(rank=rank, world=world)
@@ -1192,6 +1299,20 @@ class CaptureResult:
 
 
 # -- helpers of the plan -----------------------------------------------------------------------
+def _check_generate_kwargs(v: Any) -> None:
+    """``generate_kwargs``: a mapping of JSON values (stored in the capture's settings)."""
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise _JobTypeError(
+            f"`generate_kwargs` must be a mapping of generate options, got {_got(v)}"
+        )
+    try:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
+        raise _JobTypeError(
+            f"`generate_kwargs` must hold JSON values (numbers, strings, lists), got {_got(v)}"
+        ) from None
+
+
 def _stored_capture(out: str) -> Any:
     """The reader of the capture already in ``out`` (None when there is none or it is unreadable:
     the writer then reports what is wrong)."""
@@ -1256,3 +1377,27 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
             "Pick modules that run (pyhook layers lists them with their output shapes)"
         )
     return shapes
+
+
+def _check_generation_model(prepared: Any, new: int, max_length: int | None, name: str) -> None:
+    """`generate` needs a model with a generation head, and room for the new tokens in its
+    positions (checked before the weights load)."""
+    from .generate import can_generate
+
+    cls = prepared.model_class
+    if not can_generate(cls, prepared.config):
+        raise JobError(
+            f"`generate`: {name} loads as {getattr(cls, '__name__', cls)}, which has no "
+            "generation head (cannot generate); pick a class that has one with `model_class` "
+            "(e.g. AutoModelForCausalLM) or a causal language model"
+        )
+    limit = prepared.max_positions
+    if limit is not None and new >= limit:
+        raise JobError(
+            f"`generate` {new} leaves no room for a prompt in the {limit} positions of {name}"
+        )
+    if limit is not None and max_length is not None and max_length + new > limit:
+        raise JobError(
+            f"`max_length` {max_length} + `generate` {new} is above the {limit} positions of "
+            f"{name} (its config); use at most {limit - new} for `max_length`"
+        )

@@ -532,6 +532,21 @@ class CaptureReader:
 
         return annotations.text(self, example)
 
+    def completion(self, example: int) -> str:
+        """The completion alone of example ``example`` (a capture made during ``generate``);
+        see :func:`pyhook.annotations.completion`."""
+        from . import annotations
+
+        return annotations.completion(self, example)
+
+    @property
+    def generated(self) -> torch.Tensor | None:
+        """Which rows hold generated tokens (``BoolTensor [rows]``), or None for a capture made
+        without ``generate``; see :func:`pyhook.annotations.generated`."""
+        from . import annotations
+
+        return annotations.generated(self)
+
     def stats(self, layer: str) -> dict[str, torch.Tensor]:
         """Statistics of ``layer`` gathered while capturing, exact across shards, resumes and
         ranks: ``count``, per-dimension ``mean`` and ``var``, ``norm_mean`` (mean L2 norm of a

@@ -1,0 +1,575 @@
+"""Capture during ``model.generate``: the activations of every token a generation runs through
+the model, prompt and generated, one row each, stored as a plain forward over the final
+sequences would store them.
+
+>>> import tempfile, torch, transformers, pyhook
+>>> from pyhook.pipeline.generate import prompt_batches, run_generate
+>>> gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+...     n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32,
+...     bos_token_id=0, eos_token_id=0)).eval()
+>>> out = tempfile.mkdtemp()
+>>> with pyhook.capture(gpt, "resid_post.1", out=out) as rec:
+...     _ = run_generate(gpt, prompt_batches([[5, 6, 7], [8, 9]]), rec, max_new_tokens=4)
+>>> r = pyhook.open_capture(out)
+>>> r.examples, r.row_index[:, 0].tolist() == sorted(r.row_index[:, 0].tolist())
+(2, True)
+
+How it works, for one batch of prompts (:func:`run_generate`):
+
+* the prompts are left-padded and handed to ``model.generate`` (KV cache on; greedy unless
+  asked otherwise); the recorder's hooks see each step, i.e. each call of the model: the
+  prompt (the first call, its padding masked out through :meth:`~pyhook.capture.Recorder.annotate`)
+  and then one token per sequence per call;
+* the steps' rows are kept back from the store (``Recorder._hold``) until the generation ends;
+  then the final sequences are known, and the batch is written as **one** batch of the store:
+  rows ordered by (example, position) as a forward over the final sequences gives them, each
+  with its token id, ``row_index`` (example, absolute position in the unpadded sequence) and
+  a ``__generated__`` flag; rows of a sequence past its end (after EOS) are dropped;
+* statistics are those of the stored rows; the examples count once per prompt batch, so a
+  killed capture resumes at the next prompt batch (a batch is never split across shards).
+
+The last token of each sequence (its EOS, or the ``max_new_tokens``-th new token) is never run
+through the model by ``generate`` (nothing is predicted after it), so it has no row; every row's
+next token is in the sequence. ``reader.text(e)`` is the prompt and its completion,
+``reader.completion(e)`` the completion alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from . import annotations
+from ._record import batch_stats, stats_later
+
+__all__ = [
+    "GENERATED",
+    "GenerateError",
+    "can_generate",
+    "prompt_batches",
+    "run_generate",
+]
+
+#: The reserved tensor holding each row's flag (bool ``[rows]``): its token was generated.
+GENERATED = annotations.GENERATED
+#: Bytes of each text that are the prompt (int64, aligned with ``__text_lengths__``).
+TEXT_PROMPT_BYTES = annotations.TEXT_PROMPT_BYTES
+
+# generate options that would break the one-row-per-token bookkeeping
+_REFUSED = {
+    "input_ids": "the prompts come from the batches",
+    "attention_mask": "it is made from the prompts",
+    "max_new_tokens": "pass max_new_tokens (--generate N)",
+    "max_length": "pass max_new_tokens (--generate N)",
+    "num_return_sequences": "one completion per prompt is captured",
+    "num_beams": "beam search reorders the sequences between steps",
+    "assistant_model": "assisted decoding runs tokens through another model",
+    "prompt_lookup_num_tokens": "speculative decoding runs several tokens per step",
+}
+
+
+class GenerateError(ValueError):
+    """A generation that cannot be captured as asked (one line naming the option or example).
+
+    >>> issubclass(GenerateError, ValueError)
+    True
+    """
+
+
+def can_generate(model_class: Any, config: Any = None) -> bool:
+    """Whether a transformers class (an auto class resolved for ``config``) has a generation
+    head (``can_generate()``): checked before the weights load.
+
+    >>> import transformers
+    >>> can_generate(transformers.GPT2LMHeadModel), can_generate(transformers.GPT2Model)
+    (True, False)
+    """
+    target = model_class
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None and config is not None:
+        try:
+            target = mapping[type(config)]
+        except (KeyError, ValueError):
+            return False
+    check = getattr(target, "can_generate", None)
+    try:
+        return bool(check()) if callable(check) else False
+    except Exception:  # a class whose check needs an instance
+        return False
+
+
+def prompt_batches(
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    tokenizer: Any = None,
+    batch_size: int = 32,
+    skip: int = 0,
+) -> Iterator[Any]:
+    """Batches (:class:`pyhook.source.Batch`) of ``prompts``: strings (tokenised with
+    ``tokenizer``, which adds its own special tokens) or lists of token ids, ``batch_size`` a
+    batch, from prompt ``skip`` on (``rec.examples_done`` resumes a capture).
+
+    >>> [b.examples.tolist() for b in prompt_batches([[1], [2, 3], [4]], batch_size=2)]
+    [[0, 1], [2]]
+    """
+    from .source import Batch
+
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise GenerateError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    prompts = list(prompts)
+    for start in range(skip, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        texts = None
+        if all(isinstance(p, str) for p in chunk):
+            if tokenizer is None:
+                raise GenerateError("prompts given as text need a tokenizer= to tokenise them")
+            texts = list(chunk)
+            ids = [list(tokenizer(p)["input_ids"]) for p in chunk]
+        else:
+            ids = [[int(t) for t in p] for p in chunk]  # type: ignore[union-attr]
+        width = max(1, max(len(i) for i in ids))
+        input_ids = torch.zeros(len(ids), width, dtype=torch.long)
+        mask = torch.zeros(len(ids), width, dtype=torch.long)
+        for row, seq in enumerate(ids):
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        examples = torch.arange(start, start + len(ids), dtype=torch.long)
+        yield Batch(input_ids, mask, mask.bool(), examples, texts)
+
+
+def _eos_ids(model: Any, kwargs: dict[str, Any]) -> list[int]:
+    eos = kwargs.get("eos_token_id")
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(x) for x in eos.reshape(-1).tolist()]
+    return [int(x) for x in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _pad_id(model: Any, kwargs: dict[str, Any], tokenizer: Any, eos: list[int]) -> int:
+    for v in (
+        kwargs.get("pad_token_id"),
+        getattr(getattr(model, "generation_config", None), "pad_token_id", None),
+        getattr(tokenizer, "pad_token_id", None),
+        eos[0] if eos else None,
+    ):
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def _left_pad(b: Any, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, attention mask, keep, lengths)`` of batch ``b`` with its prompts left-padded."""
+    am = b.attention_mask.to("cpu").bool()
+    lengths = am.sum(1)
+    if int(lengths.min()) == 0:
+        row = int((lengths == 0).nonzero()[0])
+        raise GenerateError(
+            f"example {int(b.examples[row])}: the prompt is empty (no token to continue); "
+            "give every prompt at least one token"
+        )
+    width = int(lengths.max())
+    ids = torch.full((am.shape[0], width), pad, dtype=torch.long)
+    mask = torch.zeros(am.shape[0], width, dtype=torch.long)
+    keep = torch.zeros(am.shape[0], width, dtype=torch.bool)
+    src_ids = b.input_ids.to("cpu")
+    src_keep = b.keep.to("cpu").bool() if b.keep is not None else am
+    for row in range(am.shape[0]):
+        n = int(lengths[row])
+        ids[row, width - n :] = src_ids[row][am[row]]
+        mask[row, width - n :] = 1
+        keep[row, width - n :] = src_keep[row][am[row]]
+    return ids, mask, keep, lengths
+
+
+def _generate_kwargs(
+    model: Any, sampling: str, options: dict[str, Any], max_new_tokens: int, pad: int
+) -> dict[str, Any]:
+    for key in options:
+        if key in _REFUSED and not (key == "num_beams" and options[key] == 1):
+            raise GenerateError(f"generate option {key!r} cannot be captured: {_REFUSED[key]}")
+    if options.get("use_cache") is False:
+        raise GenerateError(
+            "generate option use_cache=False: capture runs generate with its KV cache (one "
+            "token per sequence per step)"
+        )
+    cfg = getattr(model, "generation_config", None)
+    for key in ("num_beams", "num_return_sequences"):
+        if sampling == "model" and int(getattr(cfg, key, 1) or 1) > 1 and key not in options:
+            raise GenerateError(
+                f"the model's generation_config sets {key}={getattr(cfg, key)}: {_REFUSED[key]}; "
+                f"pass {key}=1 (generate_kwargs), or sampling 'greedy'/'sample'"
+            )
+    kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad}
+    if sampling == "greedy":
+        kw.update(do_sample=False, num_beams=1)
+    elif sampling == "sample":
+        kw.update(do_sample=True, num_beams=1)
+    elif sampling != "model":
+        raise GenerateError(f"sampling must be 'greedy', 'sample' or 'model', got {sampling!r}")
+    kw.update(options)
+    return kw
+
+
+class _Steps:
+    """What one prompt batch's generation held back: its steps' rows, joined into one batch."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.held: list[tuple[dict[str, Any], int, dict[str, Any], Any]] = []
+
+    def __enter__(self) -> _Steps:
+        if self.rec._hold is not None:
+            raise RuntimeError("run_generate: this recorder is already holding a generation")
+        self.rec._hold = self.held
+        # The steps' own token annotations (a host copy of each step's ids) are not needed:
+        # the joined batch gets its token ids from the final sequences.
+        self.tokens, self.rec._tokens = self.rec._tokens, False
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.rec._hold = None
+        self.rec._tokens = self.tokens
+        if exc_type is not None:  # nothing of this batch is stored: give the buffers back
+            self.drop()
+
+    def drop(self) -> None:
+        rec = self.rec
+        for rows, _, _, wait in self.held:
+            with contextlib.suppress(Exception):
+                if wait is not None:
+                    wait()
+                parts = [_resolved(p) for p in rows.values()]
+                if rec.to == "disk" and not rec._compiled:
+                    rec._offloader.release(parts)
+        self.held.clear()
+
+
+def _resolved(p: Any) -> torch.Tensor:
+    """A step's rows: a tensor, or a pending host copy (waited for)."""
+    return p if isinstance(p, torch.Tensor) else p.wait()[0]
+
+
+def run_generate(
+    model: Any,
+    batches: Iterable[Any],
+    rec: Any,
+    *,
+    max_new_tokens: int,
+    generated_only: bool = False,
+    last_only: bool = False,
+    sampling: str = "greedy",
+    seed: int = 0,
+    tokenizer: Any = None,
+    stats: bool | None = None,
+    device: Any = None,
+    on_batch: Callable[[Any, float], None] | None = None,
+    **generate_kwargs: Any,
+) -> dict[str, float]:
+    """Run ``model.generate`` over the prompt ``batches`` (:class:`pyhook.source.Batch`, e.g.
+    from :func:`prompt_batches` or a corpus source) under the recorder ``rec`` (made by
+    :func:`pyhook.capture` with no ``mask`` or ``positions``), one store batch per prompt batch.
+
+    ``max_new_tokens`` new tokens at most per prompt (fewer after EOS). ``generated_only``
+    stores only the rows of generated tokens; ``last_only`` only the last token of each step
+    (the token whose output chose the next one: the prompt's last, then each generated token
+    but the final one). ``sampling``: ``"greedy"`` (default), ``"sample"`` (multinomial, seeded
+    per batch from ``seed`` and the batch's first example, so a resumed capture samples the
+    same), or ``"model"`` (the model's ``generation_config``, seeded the same way);
+    ``generate_kwargs`` go to ``generate`` (``temperature=``, ``eos_token_id=``, ...).
+    ``tokenizer`` decodes the completions into the stored texts. ``stats`` (default: the
+    recorder's) stores the statistics of the kept rows. Returns timings like
+    :func:`pyhook.runner.run` (``forward`` seconds, ``wait``, ``tokens`` run through the
+    model) plus ``new_tokens``.
+
+    >>> import transformers, pyhook
+    >>> gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    ...     n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=16)).eval()
+    >>> with pyhook.capture(gpt, "resid_post.0") as rec:  # in memory: one batch per prompt batch
+    ...     t = run_generate(gpt, prompt_batches([[1, 2, 3]]), rec, max_new_tokens=2)
+    >>> rec.row_index.tolist(), t["new_tokens"]        # 3 prompt + 2 new tokens, the last not run
+    ([[0, 0], [0, 1], [0, 2], [0, 3]], 2)
+    """
+    import time
+
+    if (
+        not isinstance(max_new_tokens, int)
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 1
+    ):
+        raise GenerateError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not callable(getattr(model, "generate", None)):
+        raise GenerateError(
+            f"{type(model).__name__} has no generate(): capture during generation needs a model "
+            "with a generation head (e.g. AutoModelForCausalLM, GPT2LMHeadModel)"
+        )
+    if rec.positions is not None or not rec.flatten:
+        raise GenerateError(
+            "run_generate: capture with positions=None and flatten=True (keep only the last "
+            "token of each step with last_only=True)"
+        )
+    from .runner import _Keep
+
+    if rec.mask is not None and not isinstance(rec.mask, _Keep):
+        raise GenerateError(
+            "run_generate: capture without mask= (the rows of each step are chosen from the "
+            "generation: prompt tokens without padding, then the running sequences)"
+        )
+    if not rec.copy:
+        raise GenerateError("run_generate: capture with copy=True (the steps' rows are joined)")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise GenerateError(f"seed must be an int >= 0, got {seed!r}")
+    if stats is None:
+        stats = bool(rec._stats)
+    if device is None:
+        p = next(iter(model.parameters()), None)
+        device = p.device if p is not None else "cpu"
+    eos = _eos_ids(model, generate_kwargs)
+    pad = _pad_id(model, generate_kwargs, tokenizer, eos)
+    kw = _generate_kwargs(model, sampling, dict(generate_kwargs), max_new_tokens, pad)
+    seeded = sampling != "greedy" or bool(kw.get("do_sample"))
+    forward = wait = 0.0
+    tokens = new_tokens = 0
+    it = iter(batches)
+    try:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            wait += t1 - t0
+            ids, am, keep, lengths = _left_pad(b, pad)
+            prefill_keep = keep.clone()
+            if last_only:
+                prefill_keep[:, :-1] = False
+            if generated_only:
+                prefill_keep[:] = False
+            if isinstance(rec.mask, _Keep):
+                rec.mask.current = None
+            fork = (
+                torch.random.fork_rng(
+                    devices=[torch.device(device)] if torch.device(device).type == "cuda" else []
+                )
+                if seeded
+                else contextlib.nullcontext()
+            )
+            with _Steps(rec) as steps, fork, torch.no_grad():
+                if seeded:
+                    torch.manual_seed(seed * 1_000_003 + int(b.examples[0]))
+                # the first call's rows (the prompts): their tokens, no padding
+                rec.annotate(ids, prefill_keep, b.examples.to("cpu", torch.long))
+                seqs = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), **kw)
+                if not isinstance(seqs, torch.Tensor):  # return_dict_in_generate=True
+                    seqs = seqs.sequences
+                seqs = seqs.to("cpu")
+                held = list(steps.held)
+                steps.held.clear()
+                try:
+                    joined = _join(
+                        rec,
+                        b,
+                        held,
+                        seqs,
+                        ids.shape[1],
+                        lengths,
+                        prefill_keep,
+                        eos,
+                        generated_only=generated_only,
+                        stats=stats,
+                        tokenizer=tokenizer,
+                        tokens=steps.tokens,
+                    )
+                except BaseException:
+                    steps.held[:] = held
+                    raise
+            rec._add(*joined[:3], wait=joined[3])
+            dt = time.perf_counter() - t1
+            forward += dt
+            tokens += joined[4]
+            new_tokens += joined[5]
+            if on_batch is not None:
+                on_batch(b, dt)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return {"forward": forward, "wait": wait, "tokens": tokens, "new_tokens": new_tokens}
+
+
+def _join(
+    rec: Any,
+    b: Any,
+    held: list[tuple[dict[str, Any], int, dict[str, Any], Any]],
+    seqs: torch.Tensor,
+    width: int,
+    lengths: torch.Tensor,
+    prefill_keep: torch.Tensor,
+    eos: list[int],
+    *,
+    generated_only: bool,
+    stats: bool,
+    tokenizer: Any,
+    tokens: bool,
+) -> tuple[dict[str, Any], int, dict[str, torch.Tensor], Any, int, int]:
+    """The held steps of one prompt batch as one store batch: ``(rows, examples, extra,
+    wait, tokens run, new tokens)``; rows ordered by (example, position), past-the-end rows
+    dropped, token ids, row index, generated flags and texts from the final sequences."""
+    n_seq = seqs.shape[0]
+    steps = seqs.shape[1] - width  # new tokens = calls of the model
+    if steps < 1 or len(held) != steps:
+        raise RuntimeError(
+            f"generate ran the model {len(held)} time(s) for {steps} new token(s) a sequence; "
+            "pyhook captures generate with its KV cache, one call per new token (no beam "
+            "search, assisted or speculative decoding)"
+        )
+    # Each sequence's end: its first EOS among the new tokens (included), else all of them.
+    gen = seqs[:, width:]
+    ends = torch.full((n_seq,), steps, dtype=torch.long)
+    if eos:
+        hit = torch.isin(gen, torch.tensor(eos, dtype=gen.dtype))
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, steps)
+        ends = first.to(torch.long)
+    last_col = width + ends - 1  # the padded column of each sequence's final token
+    # Where each held row comes from: (sequence, padded column), in the steps' row order.
+    r0, c0 = prefill_keep.nonzero(as_tuple=True)
+    slots = [r0] + [torch.arange(n_seq)] * (steps - 1)
+    cols = [c0] + [torch.full((n_seq,), width + s - 1, dtype=torch.long) for s in range(1, steps)]
+    counts = [int(r0.numel())] + [n_seq] * (steps - 1)
+    for s, (rows, _, _, _) in enumerate(held):
+        for name, p in rows.items():
+            got = int(p.shapes[0][0] if not isinstance(p, torch.Tensor) else p.shape[0])
+            if got != counts[s]:
+                raise GenerateError(
+                    f"layer {name!r} gave {got} row(s) in step {s} of generate, expected "
+                    f"{counts[s]} (one per token run): capture layers whose output has a "
+                    "token dimension, [batch, tokens, ...] (e.g. blocks, not the LM head)"
+                )
+    slot = torch.cat(slots)
+    col = torch.cat(cols)
+    valid = col < last_col[slot]  # the final token is never run; nothing after it is kept
+    if generated_only:
+        valid &= col >= width
+    start = width - lengths  # the first prompt column of each sequence
+    key = slot * (width + steps + 1) + col
+    sel = valid.nonzero(as_tuple=True)[0]
+    perm = sel[torch.argsort(key[sel])]
+    dest = torch.full((slot.numel(),), -1, dtype=torch.long)
+    dest[perm] = torch.arange(perm.numel())
+    n_rows = int(perm.numel())
+
+    examples_of = b.examples.to("cpu", torch.long).reshape(-1)
+    extra: dict[str, torch.Tensor] = {}
+    if tokens:
+        extra["__token_ids__"] = seqs[slot[perm], col[perm]].contiguous()
+        extra["__row_index__"] = torch.stack(
+            [examples_of[slot[perm]], col[perm] - start[slot[perm]]], dim=1
+        ).contiguous()
+    extra[GENERATED] = (col[perm] >= width).contiguous()
+    texts = _texts(b, seqs, width, lengths, ends, tokenizer)
+    if texts is not None:
+        full, prompt_bytes = texts
+        enc = [s.encode("utf-8") for s in full]
+        extra["__text_lengths__"] = torch.tensor([len(e) for e in enc], dtype=torch.long)
+        extra["__text_examples__"] = examples_of.clone()
+        blob = b"".join(enc)
+        extra["__text_bytes__"] = (
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            if blob
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        extra[TEXT_PROMPT_BYTES] = torch.tensor(prompt_bytes, dtype=torch.long)
+
+    # The rows: one buffer per layer, filled from the steps' rows (on the writer thread for a
+    # disk capture, once their copies have landed).
+    layers = list(held[0][0])
+    bounds = [0, *itertools.accumulate(counts)]
+    waits = [w for _, _, _, w in held if w is not None]
+    parts_of = [rows for rows, _, _, _ in held]
+    first = {name: _shape_of(parts_of[0][name]) for name in layers}
+    out: dict[str, torch.Tensor] = {}
+    for name in layers:
+        shape, dtype, dev = first[name]
+        out[name] = torch.empty((n_rows, *shape), dtype=dtype, device=dev)
+    fill_stats: Callable[[], None] | None = None
+    with_stats = [n for n, t in out.items() if not t.is_complex()] if stats else []
+    if with_stats and rec.to == "disk":  # disk rows are host rows: the writer thread does them
+        later, fill_stats = stats_later({n: out[n] for n in with_stats})
+        for name, s in later.items():
+            extra[f"__stats__.{name}"] = s
+
+    def fill() -> None:
+        for w in waits:
+            w()
+        with torch.no_grad():
+            for s, rows in enumerate(parts_of):
+                d = dest[bounds[s] : bounds[s + 1]]
+                m = d >= 0
+                if not bool(m.any()):
+                    continue
+                src_idx = m.nonzero(as_tuple=True)[0]
+                for name in layers:
+                    part = _resolved(rows[name])
+                    o = out[name]
+                    o.index_copy_(
+                        0, d[m].to(o.device), part.index_select(0, src_idx.to(part.device))
+                    )
+        if rec.to == "disk" and not rec._compiled:
+            rec._offloader.release([p for rows in parts_of for p in rows.values()])
+        if fill_stats is not None:
+            fill_stats()
+
+    run = int(counts[0]) + n_seq * (steps - 1)
+    if rec.to == "disk":
+        return out, n_seq, extra, fill, run, int(ends.sum())
+    fill()
+    for name in with_stats:
+        extra[f"__stats__.{name}"] = batch_stats(out[name])
+    return out, n_seq, extra, None, run, int(ends.sum())
+
+
+def _shape_of(p: Any) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    if isinstance(p, torch.Tensor):
+        return tuple(p.shape[1:]), p.dtype, p.device
+    host = p._host[0]  # a pending copy: its destination exists already
+    return tuple(host.shape[1:]), host.dtype, host.device
+
+
+def _texts(
+    b: Any,
+    seqs: torch.Tensor,
+    width: int,
+    lengths: torch.Tensor,
+    ends: torch.Tensor,
+    tokenizer: Any,
+) -> tuple[list[str], list[int]] | None:
+    """Each example's prompt + completion text and the prompt's utf-8 byte count, or None
+    without a tokenizer to decode the completions."""
+    if tokenizer is None:
+        return None
+    full, prompt_bytes = [], []
+    for row in range(seqs.shape[0]):
+        prompt_ids = seqs[row, width - int(lengths[row]) : width].tolist()
+        new_ids = seqs[row, width : width + int(ends[row])].tolist()
+        decoded = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        both = tokenizer.decode(prompt_ids + new_ids, skip_special_tokens=False)
+        # the completion as the tokenizer writes it after this prompt (a space between them,
+        # a sentencepiece word start), else decoded alone
+        if both.startswith(decoded):
+            completion = both[len(decoded) :]
+        else:
+            completion = tokenizer.decode(new_ids, skip_special_tokens=False)
+        prompt = b.texts[row] if b.texts is not None else decoded
+        full.append(prompt + completion)
+        prompt_bytes.append(len(prompt.encode("utf-8")))
+    return full, prompt_bytes
+
+
+generated = annotations.generated  # documented in pyhook.annotations

@@ -1,0 +1,542 @@
+"""Capture during batched ``model.generate`` (issue 27): every token run through the model gets
+its row, equal to a plain forward over the final sequence (no padding, no cache); the generated
+flag, texts, statistics, resume, options and refusals.
+
+The reference is independent of pyhook: each prompt generated alone (no padding), then one
+forward of the final sequence with hand-written forward hooks on the blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+from _models import word_tokenizer
+from pyhook.annotations import AnnotationMissingError
+
+import pyhook
+from pyhook.pipeline.generate import GenerateError, prompt_batches, run_generate
+
+transformers = pytest.importorskip("transformers")
+
+BLOCKS = [0, 2]
+POINTS = [f"resid_post.{i}" for i in BLOCKS]
+PROMPTS = [[5, 6, 7, 8, 9, 10], [8, 9], [1, 2, 3], [4], [11, 12, 13, 14], [7, 7]]
+NEW = 6
+
+
+def _gpt(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=40,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _final_sequences(model, prompts, eos, batch_size, new=NEW):
+    """Plain ``generate`` (greedy, KV cache) over the prompts in batches of ``batch_size``,
+    left-padded by hand: each example's final sequence, without padding, cut after its EOS."""
+    out = []
+    for at in range(0, len(prompts), batch_size):
+        chunk = prompts[at : at + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[eos] * (width - len(p)) + list(p) for p in chunk])
+        am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            seqs = model.generate(
+                ids,
+                attention_mask=am,
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+                use_cache=True,
+            )
+        for p, row in zip(chunk, seqs):
+            tail = row[width:].tolist()
+            if eos in tail:
+                tail = tail[: tail.index(eos) + 1]
+            out.append(torch.tensor(list(p) + tail))
+    return out
+
+
+def _forward(model, seq):
+    """The reference rows: one plain forward of ``seq`` (no padding, no cache) with
+    hand-written hooks on the blocks."""
+    seen = {}
+    handles = [
+        model.transformer.h[i].register_forward_hook(
+            lambda _m, _a, out, i=i: seen.__setitem__(i, _hidden(out)[0].detach().clone())
+        )
+        for i in BLOCKS
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=seq[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _eos_mid_batch(model, prompts, new=NEW):
+    """A token the greedy model emits for some sequences, at different steps and not at the
+    first one for all: made the EOS, sequences of one batch end at different steps."""
+    batch = next(prompt_batches(prompts, batch_size=len(prompts)))
+    from pyhook.pipeline.generate import _left_pad
+
+    ids, am, _, _ = _left_pad(batch, 0)
+    with torch.no_grad():
+        seqs = model.generate(
+            ids,
+            attention_mask=am,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=39,
+        )[:, ids.shape[1] :]
+    for t in torch.unique(seqs).tolist():
+        hit = seqs == t
+        ends = torch.where(hit.any(1), hit.int().argmax(1) + 1, new)
+        if len(set(ends.tolist())) >= 3 and int(ends.min()) < new and int(ends.max()) == new:
+            return t
+    pytest.skip("this random model emits no usable EOS candidate")
+
+
+def _check_rows(
+    model, reader, prompts, eos, batch_size, *, new=NEW, generated_only=False, last_only=False
+):
+    ri, tok, gen = reader.row_index, reader.tokens, reader.generated
+    assert gen is not None and gen.dtype == torch.bool
+    assert reader.examples == len(prompts)
+    ended_early = 0
+    for e, (prompt, seq) in enumerate(
+        zip(prompts, _final_sequences(model, prompts, eos, batch_size, new))
+    ):
+        ref = _forward(model, seq)
+        ended_early += int(seq[-1] == eos and len(seq) < len(prompt) + new)
+        pos = torch.arange(len(seq) - 1)  # the final token is never run through the model
+        if generated_only:
+            pos = pos[pos >= len(prompt)]
+        if last_only:
+            pos = pos[pos >= len(prompt) - 1]
+        sel = (ri[:, 0] == e).nonzero()[:, 0]
+        assert ri[sel, 1].tolist() == pos.tolist()
+        assert tok[sel].tolist() == seq[pos].tolist()
+        assert gen[sel].tolist() == (pos >= len(prompt)).tolist()
+        for i, name in zip(BLOCKS, POINTS):
+            torch.testing.assert_close(reader[name][sel], ref[i][pos], rtol=1e-5, atol=1e-5)
+    return ended_early
+
+
+def test_rows_equal_a_forward_over_each_final_sequence_with_eos_mid_batch(tmp_path):
+    model = _gpt()
+    eos = _eos_mid_batch(model, PROMPTS)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        timing = run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=4),
+            rec,
+            max_new_tokens=NEW,
+            eos_token_id=eos,
+        )
+    r = pyhook.open_capture(tmp_path)
+    assert _check_rows(model, r, PROMPTS, eos, 4) >= 1  # some sequence stopped at EOS
+    assert timing["tokens"] >= r.rows(POINTS[0])
+    # rows in (example, position) order, as a forward over the final sequences stores them
+    key = r.row_index[:, 0] * 1000 + r.row_index[:, 1]
+    assert torch.equal(key, key.sort().values)
+    # statistics: those of the stored rows
+    for name in POINTS:
+        s = r.stats(name)
+        rows = r[name].to_tensor().double()
+        assert int(s["count"]) == rows.shape[0]
+        torch.testing.assert_close(s["mean"], rows.mean(0))
+
+
+@pytest.mark.parametrize("generated_only,last_only", [(True, False), (False, True), (True, True)])
+def test_generated_only_and_last_token_of_each_step(tmp_path, generated_only, last_only):
+    model = _gpt()
+    eos = _eos_mid_batch(model, PROMPTS)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=3),
+            rec,
+            max_new_tokens=NEW,
+            generated_only=generated_only,
+            last_only=last_only,
+            eos_token_id=eos,
+        )
+    r = pyhook.open_capture(tmp_path)
+    _check_rows(model, r, PROMPTS, eos, 3, generated_only=generated_only, last_only=last_only)
+    if generated_only:
+        assert bool(r.generated.all())
+
+
+def test_host_capture_gives_the_same_rows(tmp_path):
+    model = _gpt()
+    with pyhook.capture(model, POINTS, out=tmp_path) as disk:
+        run_generate(model, prompt_batches(PROMPTS, batch_size=4), disk, max_new_tokens=3)
+    with pyhook.capture(model, POINTS, stats=True) as host:
+        run_generate(model, prompt_batches(PROMPTS, batch_size=4), host, max_new_tokens=3)
+    r = pyhook.open_capture(tmp_path)
+    for name in POINTS:
+        assert torch.equal(host[name], r[name].to_tensor())
+        torch.testing.assert_close(host.stats(name)["mean"], r.stats(name)["mean"])
+    assert torch.equal(host.row_index, r.row_index)
+
+
+def test_compiled_model_gives_the_rows_of_the_eager_one(tmp_path):
+    model = _gpt()
+    prompts = PROMPTS[:3]
+    with pyhook.capture(model, POINTS, out=tmp_path / "eager") as rec:
+        run_generate(model, prompt_batches(prompts), rec, max_new_tokens=3)
+    model.compile()
+    with pyhook.capture(model, POINTS, out=tmp_path / "compiled") as rec:
+        run_generate(model, prompt_batches(prompts), rec, max_new_tokens=3)
+    a, b = pyhook.open_capture(tmp_path / "eager"), pyhook.open_capture(tmp_path / "compiled")
+    assert torch.equal(a.row_index, b.row_index) and torch.equal(a.generated, b.generated)
+    for name in POINTS:
+        torch.testing.assert_close(a[name].to_tensor(), b[name].to_tensor(), rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_is_seeded_per_batch(tmp_path):
+    model = _gpt()
+    runs = []
+    for k, seed in enumerate((3, 3, 4)):
+        out = tmp_path / str(k)
+        with pyhook.capture(model, POINTS[:1], out=out) as rec:
+            run_generate(
+                model,
+                prompt_batches(PROMPTS, batch_size=3),
+                rec,
+                max_new_tokens=NEW,
+                sampling="sample",
+                seed=seed,
+                temperature=2.0,
+            )
+        runs.append(pyhook.open_capture(out).tokens)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_bad_calls_are_refused_before_generating():
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        with pytest.raises(GenerateError, match="max_new_tokens"):
+            run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=0)
+        with pytest.raises(GenerateError, match="num_beams"):
+            run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, num_beams=2)
+        with pytest.raises(GenerateError, match="example 1: the prompt is empty"):
+            run_generate(model, prompt_batches([[1], []]), rec, max_new_tokens=2)
+    assert rec.rows[POINTS[0]] == 0
+    rec = pyhook.capture(model, POINTS, positions="last")
+    with rec, pytest.raises(GenerateError, match="positions=None"):
+        run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+    base = transformers.GPT2Model(model.config).eval()
+    with pyhook.capture(base, "h.0") as rec, pytest.raises(GenerateError, match="no generate"):
+        run_generate(base, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+    # a layer without a token dimension in the prompt step (the LM head sees the last token)
+    with pyhook.capture(model, "lm_head") as rec, pytest.raises(ValueError, match="lm_head"):
+        run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+
+
+def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
+    with pyhook.capture(net, "0", out=tmp_path) as rec:
+        rec.annotate(torch.tensor([[1, 2]]), texts=["a b"])
+        net(torch.tensor([[1, 2]]))
+    r = pyhook.open_capture(tmp_path)
+    assert r.generated is None and r.text(0) == "a b"
+    with pytest.raises(AnnotationMissingError, match="generate"):
+        r.completion(0)
+
+
+# -- the job and the command ----------------------------------------------------------------
+DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 7))} away ." for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A GPT-2 LM checkpoint with a word-level tokenizer, and a JSON-lines file of prompts."""
+    root = tmp_path_factory.mktemp("gen")
+    tok = word_tokenizer(DOCS)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=len(tok),
+        n_positions=64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"text": " ".join(DOCS[i].split()[: 1 + i % 5])}) + "\n")
+    return root
+
+
+def _job(ckpt, out, **kw):
+    opts = dict(
+        model=str(ckpt / "model"),
+        input=str(ckpt / "prompts.jsonl"),
+        generate=5,
+        layers=POINTS,
+        batch_size=4,
+        out=str(out),
+    )
+    return pyhook.CaptureJob(**{**opts, **kw})
+
+
+def test_command_stores_rows_texts_and_completions(ckpt, tmp_path, capsys):
+    from pyhook.cli import main
+
+    out = tmp_path / "acts"
+    code = main(
+        [
+            "capture",
+            "--model",
+            str(ckpt / "model"),
+            "--input",
+            str(ckpt / "prompts.jsonl"),
+            "--generate",
+            "5",
+            "--layers",
+            *POINTS,
+            "--batch-size",
+            "4",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    r = pyhook.open_capture(out)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt / "model")
+    model = transformers.GPT2LMHeadModel.from_pretrained(ckpt / "model").eval()
+    with open(ckpt / "prompts.jsonl") as f:
+        prompts = [json.loads(line)["text"] for line in f]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    _check_rows(model, r, ids, tok.eos_token_id, 4, new=5)
+    seqs = _final_sequences(model, ids, tok.eos_token_id, 4, new=5)
+    for e, p in enumerate(prompts):
+        words = tok.decode(seqs[e][len(ids[e]) :].tolist()).split()
+        assert r.text(e).startswith(p) and r.text(e) == p + r.completion(e)
+        assert r.completion(e).split() == words
+    # the dataset reader: rows with their token ids, and the flag by the global row number
+    ds = r.dataset(POINTS[1], batch_size=8, seed=1, tokens=True, with_index=True, generated=True)
+    seen = 0
+    for b in ds:
+        assert torch.equal(b[POINTS[1]], r[POINTS[1]][b["index"]])
+        assert torch.equal(b["tokens"], r.tokens[b["index"]])
+        assert b["generated"].dtype == torch.bool
+        assert torch.equal(b["generated"], r.generated[b["index"]])
+        seen += len(b["index"])
+    assert seen == r.rows(POINTS[1])
+
+
+def test_job_resumes_at_the_next_prompt_batch(ckpt, tmp_path):
+    whole = tmp_path / "whole"
+    _job(ckpt, whole, sampling="sample", seed=5).run()
+    part = tmp_path / "part"
+    job = _job(ckpt, part, sampling="sample", seed=5)
+    plan = job.plan()
+    calls = []
+
+    def stop(_m, _a, _o):  # killed in the generation of the second prompt batch
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+
+    h = plan._state["model"].register_forward_hook(stop)
+    with pytest.raises(KeyboardInterrupt):
+        job.run(plan)
+    h.remove()
+    assert pyhook.open_capture(part).examples == 4  # the first batch of 4 prompts
+    result = _job(ckpt, part, sampling="sample", seed=5).run()
+    assert result.examples == 10
+    a, b = pyhook.open_capture(whole), pyhook.open_capture(part)
+    for name in [*POINTS, "__row_index__", "__token_ids__", "__generated__"]:
+        assert torch.equal(a.layer(name).to_tensor(), b.layer(name).to_tensor()), name
+    assert [a.text(e) for e in range(10)] == [b.text(e) for e in range(10)]
+    for name in POINTS:
+        torch.testing.assert_close(a.stats(name)["var"], b.stats(name)["var"])
+
+
+def test_job_refuses_a_different_generation_in_out(ckpt, tmp_path):
+    _job(ckpt, tmp_path, limit=2).run()
+    with pytest.raises(ValueError, match="generate 4 now, 5 when stored"):
+        _job(ckpt, tmp_path, limit=4, generate=4).plan()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--generate", "0"], "--generate must be >= 1, got 0"),
+        (["--generate", "4", "--context-size", "16"], "--context-size packs the corpus"),
+        (["--seed", "3"], "--seed is an option of capture during generation"),
+        (["--generate", "2", "--positions", "0"], "--positions 0 with --generate"),
+    ],
+)
+def test_command_refuses_bad_generation_flags_in_one_line(flags, message, capsys):
+    from pyhook.cli import main
+
+    assert main(["capture", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
+def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_path, monkeypatch):
+    from pyhook.cli import main
+    from pyhook.pipeline import runner
+
+    def no_weights(*_a, **_k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(runner, "load_weights", no_weights)
+    for model, extra in (
+        (str(ckpt / "model"), ["--model-class", "GPT2Model"]),
+        ("minilm", []),
+    ):
+        code = main(
+            [
+                "capture",
+                "--model",
+                model,
+                "--input",
+                str(ckpt / "prompts.jsonl"),
+                "--generate",
+                "3",
+                "--out",
+                str(tmp_path / "x"),
+                *extra,
+            ]
+        )
+        assert code == 2
+    import subprocess
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-m",
+            "pyhook",
+            "capture",
+            "--generate",
+            "3",
+            "--out",
+            str(tmp_path / "y"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "no generation head" in lines[0], proc.stderr
+
+
+def test_paired_models_refuse_generate():
+    with pytest.raises(ValueError, match="one model's generation"):
+        pyhook.CaptureJob(model={"a": "minilm", "b": "minilm"}, generate=2)
+
+
+def test_stream_refuses_generate(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="stream"):
+        _job(ckpt, tmp_path).stream()
+
+
+def test_max_length_and_new_tokens_must_fit_the_positions(ckpt, tmp_path):
+    with pytest.raises(ValueError, match=r"max_length 60 \+ generate 5 is above the 64"):
+        _job(ckpt, tmp_path, max_length=60).plan()
+
+
+# -- two ranks writing one S3 prefix --------------------------------------------------------------
+def _rank_job(rank: int, world: int, port: int, ckpt: str, url: str, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import torch.distributed as dist
+
+    try:
+        job = pyhook.CaptureJob(
+            model=os.path.join(ckpt, "model"),
+            input=os.path.join(ckpt, "prompts.jsonl"),
+            generate=4,
+            layers=POINTS,
+            batch_size=5,
+            out=url,
+        )
+        job.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_ranks_capture_their_shares_into_s3(ckpt, tmp_path):
+    """Each rank generates its share (examples 0-4, 5-9) into one S3 prefix; the merged store
+    equals one process's local capture of the same prompt batches."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import s3fs
+    import torch.multiprocessing as mp
+    from test_remote import _free_port, _start_moto
+
+    proc, port = _start_moto()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pyhook")
+        url = "s3://pyhook/gen"
+        ctx = mp.spawn(_rank_job, args=(2, _free_port(), str(ckpt), url, env), nprocs=2, join=False)
+        deadline = time.monotonic() + 600
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("the ranks did not finish in 600 s: a hang")
+        remote = pyhook.open_capture(url, verify=True)
+        assert remote.index["world_size"] == 2 and remote.examples == 10
+        local = tmp_path / "local"
+        _job(ckpt, local, generate=4, batch_size=5).run()
+        ref = pyhook.open_capture(local)
+        for name in [*POINTS, "__row_index__", "__token_ids__", "__generated__"]:
+            assert torch.equal(remote.layer(name).to_tensor(), ref.layer(name).to_tensor()), name
+        assert [remote.completion(e) for e in range(10)] == [ref.completion(e) for e in range(10)]
+        for name in POINTS:
+            torch.testing.assert_close(remote.stats(name)["mean"], ref.stats(name)["mean"])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(timeout=30)
