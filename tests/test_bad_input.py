@@ -161,7 +161,12 @@ CASES: list[Case] = [
         (ValueError,),
         "backend name must be one of",
     ),
-    ("format_info", lambda: pyhook.format_info(["torch"]), (TypeError,), "facts must be a non-empty dict"),
+    (
+        "format_info",
+        lambda: pyhook.format_info(["torch"]),
+        (TypeError,),
+        "facts must be a non-empty dict",
+    ),
     ("format_info", lambda: pyhook.format_info({}), (TypeError,), "facts must be a non-empty dict"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit(-1), (ValueError,), "nbytes must be >= 0"),
     ("set_pool_limit", lambda: pyhook.set_pool_limit("1GB"), (TypeError,), "nbytes"),
@@ -177,7 +182,27 @@ CASES: list[Case] = [
         (TypeError,),
         "model must be a torch.nn.Module",
     ),
-    ("prepare_compiled", lambda: pyhook.prepare_compiled(M, "0"), (TypeError,), "layers must be a list"),
+    # --- Paired: two models, one store
+    ("Paired", lambda: pyhook.Paired(a=M), (ValueError,), "at least two named models"),
+    (
+        "Paired",
+        lambda: pyhook.Paired(**{"a/b": M, "c": net()}),
+        (ValueError,),
+        "cannot contain '/'",
+    ),
+    ("Paired", lambda: pyhook.Paired(a=M, b=M), (ValueError,), "same module object"),
+    (
+        "Paired",
+        lambda: pyhook.Paired(a=M, b=3),
+        (TypeError,),
+        "model 'b' must be a torch.nn.Module",
+    ),
+    (
+        "prepare_compiled",
+        lambda: pyhook.prepare_compiled(M, "0"),
+        (TypeError,),
+        "layers must be a list",
+    ),
     ("prepare_compiled", lambda: pyhook.prepare_compiled(M, ["nope"]), (LookupError,), "nope"),
     # --- deephook
     (
@@ -358,11 +383,31 @@ CASES: list[Case] = [
     ("CaptureJob", lambda: pyhook.CaptureJob(limit=0), (ValueError,), "limit must be >= 1, got 0"),
     ("CaptureJob", lambda: pyhook.CaptureJob(model=M), (TypeError,), "model must be a string"),
     ("CaptureJob", lambda: pyhook.CaptureJob(layers=[3]), (TypeError,), "layers must be a list"),
-    ("CaptureJob", lambda: pyhook.CaptureJob(positions="first"), (ValueError,), "positions must be"),
+    (
+        "CaptureJob",
+        lambda: pyhook.CaptureJob(positions="first"),
+        (ValueError,),
+        "positions must be",
+    ),
     ("open_capture", lambda: pyhook.open_capture(3), (TypeError,), "path must be a directory path"),
-    ("open_capture", lambda: pyhook.open_capture("/nonexistent/pyhook"), (FileNotFoundError,), "does not exist"),
-    ("verify_capture", lambda: pyhook.verify_capture(3), (TypeError,), "path must be a directory path"),
-    ("CaptureReader", lambda: pyhook.CaptureReader(None), (TypeError,), "path must be a directory path"),
+    (
+        "open_capture",
+        lambda: pyhook.open_capture("/nonexistent/pyhook"),
+        (FileNotFoundError,),
+        "does not exist",
+    ),
+    (
+        "verify_capture",
+        lambda: pyhook.verify_capture(3),
+        (TypeError,),
+        "path must be a directory path",
+    ),
+    (
+        "CaptureReader",
+        lambda: pyhook.CaptureReader(None),
+        (TypeError,),
+        "path must be a directory path",
+    ),
     ("ShardWriter", lambda: pyhook.ShardWriter(3.5), (TypeError,), "out must be a directory path"),
     # --- capture
     (
