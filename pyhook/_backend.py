@@ -304,10 +304,29 @@ def row_stats(rows: torch.Tensor) -> torch.Tensor | None:
         or rows.layout != torch.strided
         or rows.is_complex()
         or rows.is_quantized
+        or rows.dtype not in _ROW_STATS_DTYPES
         or not native_available()
     ):
         return None
     return torch.ops.pyhook.row_stats(rows)
+
+
+# What the kernel dispatches on (AT_DISPATCH_ALL_TYPES_AND3 with half, bfloat16 and bool); any
+# other dtype (uint16, float8, ...) takes the Python path, whose callers name what they refuse.
+_ROW_STATS_DTYPES = frozenset(
+    {
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.bool,
+    }
+)
 
 
 def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
