@@ -160,12 +160,14 @@ _TRIM_SLACK = 32 << 20
 
 def write_inline(model: nn.Module) -> bool:
     """Whether a disk capture of ``model`` writes its shards on the forward's thread
-    (:class:`~pyhook.store.ShardWriter`'s ``write_inline``): when the model runs on the CPU
-    with a torch thread for every core this process may use. A background writer would then
-    take a core from the forward's OpenMP team, which waits for it at every barrier: measured
-    (benchmarks/bench_capture.py (d)), that costs more wall and CPU time than the write itself.
-    A forward on an accelerator leaves the host's cores free, and the writer stays in the
-    background. ``PYHOOK_WRITE_INLINE=1`` / ``0`` overrides the choice.
+    (:class:`~pyhook.store.ShardWriter`'s ``write_inline``): only when
+    ``PYHOOK_WRITE_INLINE=1`` asks for it, with the model on the CPU. By default a background
+    thread writes. The inline writer was meant for a forward that uses every core, where a
+    writer thread takes a core from the forward's OpenMP team; on the quiet rerun of
+    benchmarks/bench_capture.py (d) (GPT-2 small, 2 cores, torch's 2 threads) the background
+    writer was the faster of the two at 12 and at 48 hooked modules, in wall and CPU time
+    (docs/benchmarks.md), so it stays the default. ``model`` is accepted so that the choice can
+    depend on where it runs.
 
     Example::
 
@@ -174,15 +176,8 @@ def write_inline(model: nn.Module) -> bool:
         >>> write_inline(torch.nn.Linear(2, 2)) in (True, False)
         True
     """
-    env = os.environ.get("PYHOOK_WRITE_INLINE", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    if torch.get_num_threads() < cores:
-        return False  # a core is left free for the writer
+    if os.environ.get("PYHOOK_WRITE_INLINE", "").strip() != "1":
+        return False
     for t in model.parameters():
         return t.device.type == "cpu"
     for t in model.buffers():
