@@ -169,6 +169,7 @@ def set_backend(name: str) -> None:
 
     >>> set_backend("reference"); get_backend()
     'reference'
+    >>> set_backend("auto")  # back to the default
     """
     global _requested
     _check_name(name)

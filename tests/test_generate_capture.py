@@ -499,21 +499,10 @@ def test_two_ranks_capture_their_shares_into_s3(ckpt, tmp_path):
     pytest.importorskip("s3fs")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    import s3fs
     import torch.multiprocessing as mp
-    from test_remote import _free_port, _start_moto
+    from test_remote import _free_port, s3_server
 
-    proc, port = _start_moto()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        os.environ.update(env)
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pyhook")
+    with s3_server() as env:
         url = "s3://pyhook/gen"
         ctx = mp.spawn(_rank_job, args=(2, _free_port(), str(ckpt), url, env), nprocs=2, join=False)
         deadline = time.monotonic() + 600
@@ -532,11 +521,3 @@ def test_two_ranks_capture_their_shares_into_s3(ckpt, tmp_path):
         assert [remote.completion(e) for e in range(10)] == [ref.completion(e) for e in range(10)]
         for name in POINTS:
             torch.testing.assert_close(remote.stats(name)["mean"], ref.stats(name)["mean"])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -57,5 +57,11 @@ def test_docstring_examples_run(modname):
         module = importlib.import_module(modname)
     except ImportError as e:  # an optional dependency of that module is missing
         pytest.skip(f"{modname}: {e}")
+    from pyhook import _backend
+
+    chosen = _backend._requested
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} doctest failures in {modname}"
+    # an example that changes the process-wide backend must put it back: the tests that run
+    # after it in the same worker would otherwise take the other backend's paths
+    assert _backend._requested == chosen, f"{modname}'s examples left the backend changed"

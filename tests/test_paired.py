@@ -48,7 +48,12 @@ DOCS = [
 def _gpt2(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = T.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=1,
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=64,
+        bos_token_id=1,
         eos_token_id=1,
     )
     return T.GPT2LMHeadModel(cfg).eval()
@@ -57,8 +62,14 @@ def _gpt2(vocab: int) -> torch.nn.Module:
 def _llama(vocab: int) -> torch.nn.Module:
     torch.manual_seed(1)
     cfg = T.LlamaConfig(
-        num_hidden_layers=2, hidden_size=48, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64, bos_token_id=1,
+        num_hidden_layers=2,
+        hidden_size=48,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+        bos_token_id=1,
         eos_token_id=1,
     )
     return T.LlamaForCausalLM(cfg).eval()
@@ -117,9 +128,23 @@ def _hand_rows(path, layer, ids, keep):
 
 def _job_args(ckpts, out, *extra):
     return [
-        "capture", "--model", f"base={ckpts['base']}", "--model", f"chat={ckpts['chat']}",
-        "--input", ckpts["corpus"], "--context-size", str(CONTEXT), "--batch-size", "4",
-        "--layers", "resid_post.1", "--out", str(out), "--quiet", *extra,
+        "capture",
+        "--model",
+        f"base={ckpts['base']}",
+        "--model",
+        f"chat={ckpts['chat']}",
+        "--input",
+        ckpts["corpus"],
+        "--context-size",
+        str(CONTEXT),
+        "--batch-size",
+        "4",
+        "--layers",
+        "resid_post.1",
+        "--out",
+        str(out),
+        "--quiet",
+        *extra,
     ]
 
 
@@ -172,7 +197,10 @@ def test_dataset_yields_both_models_rows_of_the_same_tokens_under_one_permutatio
 ):
     r = open_capture(stored)
     ds = r.dataset(
-        ["base/resid_post.1", "chat/resid_post.1"], batch_size=7, seed=3, tokens=True,
+        ["base/resid_post.1", "chat/resid_post.1"],
+        batch_size=7,
+        seed=3,
+        tokens=True,
         with_index=True,
     )
     seen = []
@@ -192,13 +220,21 @@ def test_python_capture_of_paired_models_equals_hooks_on_each_model_alone(tmp_pa
     a standard point, a module name and a module input each resolved in its own model."""
     base, chat = _gpt2(40), _llama(40)
     pair = Paired(base=base, chat=chat)
-    xs = [torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    xs = [
+        torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)
+    ]
     want = {"base": [], "mlp": [], "chat": [], "chat_in": []}
     hs = [
-        base.transformer.h[0].register_forward_hook(lambda m, a, o: want["base"].append(o[0] if isinstance(o, tuple) else o)),
+        base.transformer.h[0].register_forward_hook(
+            lambda m, a, o: want["base"].append(o[0] if isinstance(o, tuple) else o)
+        ),
         base.transformer.h[1].mlp.register_forward_hook(lambda m, a, o: want["mlp"].append(o)),
-        chat.model.layers[0].register_forward_hook(lambda m, a, o: want["chat"].append(o[0] if isinstance(o, tuple) else o)),
-        chat.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: want["chat_in"].append(a[0])),
+        chat.model.layers[0].register_forward_hook(
+            lambda m, a, o: want["chat"].append(o[0] if isinstance(o, tuple) else o)
+        ),
+        chat.model.layers[1].mlp.register_forward_pre_hook(
+            lambda m, a: want["chat_in"].append(a[0])
+        ),
     ]
     with torch.no_grad():
         for x in xs:
@@ -213,7 +249,9 @@ def test_python_capture_of_paired_models_equals_hooks_on_each_model_alone(tmp_pa
     assert all_hooks(pair) == 0
     r = open_capture(rec.out)
     assert r.layers == [
-        "base/resid_post.0", "base/transformer.h.1.mlp", "chat/resid_post.0",
+        "base/resid_post.0",
+        "base/transformer.h.1.mlp",
+        "chat/resid_post.0",
         "chat/model.layers.1.mlp:in",
     ]
     flat = lambda ts: torch.cat([t.reshape(-1, t.shape[-1]) for t in ts])  # noqa: E731
@@ -227,8 +265,11 @@ def test_python_capture_of_paired_models_equals_hooks_on_each_model_alone(tmp_pa
 # -- bad input ------------------------------------------------------------------------------------
 def _run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "pyhook", *args], capture_output=True, text=True,
-        cwd=tempfile.gettempdir(), timeout=300,
+        [sys.executable, "-m", "pyhook", *args],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+        timeout=300,
     )
 
 
@@ -307,8 +348,11 @@ def _variant(tok, *, pre=None, added=None, swap=None):
     t = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     t.pre_tokenizer = pre or pre_tokenizers.WhitespaceSplit()
     fast = T.PreTrainedTokenizerFast(
-        tokenizer_object=t, unk_token="[UNK]", bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        tokenizer_object=t,
+        unk_token="[UNK]",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
     )
     if added:
         fast.add_special_tokens({"additional_special_tokens": [added]})
@@ -336,11 +380,20 @@ def test_tokenizers_that_split_the_corpus_differently_are_refused_before_any_for
     tok = _variant(ckpts["tok"], pre=pre_tokenizers.Whitespace())
     other = _checkpoint_with(ckpts, "chat-split", tok)
     corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(DOCS[:5] + ["the king." ] + DOCS[5:]) + "\n")
+    corpus.write_text("\n".join(DOCS[:5] + ["the king."] + DOCS[5:]) + "\n")
     out = tmp_path / "acts"
     p = _run_cli(
-        "capture", "--model", f"base={ckpts['base']}", "--model", f"chat={other}",
-        "--input", str(corpus), "--context-size", str(CONTEXT), "--out", str(out),
+        "capture",
+        "--model",
+        f"base={ckpts['base']}",
+        "--model",
+        f"chat={other}",
+        "--input",
+        str(corpus),
+        "--context-size",
+        str(CONTEXT),
+        "--out",
+        str(out),
     )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -402,17 +455,28 @@ def test_resume_continues_to_the_one_shot_store(ckpts, stored, tmp_path, referen
     # another second model is another capture: refused, naming what differs
     with pytest.raises(JobError, match="already holds a different capture.*`model`|model.*now"):
         CaptureJob(
-            model={"base": ckpts["base"], "chat": ckpts["base"]}, input=ckpts["corpus"],
-            context_size=CONTEXT, layers=["resid_post.1"], out=str(out),
+            model={"base": ckpts["base"], "chat": ckpts["base"]},
+            input=ckpts["corpus"],
+            context_size=CONTEXT,
+            layers=["resid_post.1"],
+            out=str(out),
         ).plan()
 
 
 def test_config_file_equals_the_flags(ckpts, stored, tmp_path):
     cfg = tmp_path / "job.json"
-    cfg.write_text(json.dumps({
-        "model": {"base": ckpts["base"], "chat": ckpts["chat"]}, "input": ckpts["corpus"],
-        "context_size": CONTEXT, "batch_size": 4, "layers": ["resid_post.1"], "shard_mb": 0.004,
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "model": {"base": ckpts["base"], "chat": ckpts["chat"]},
+                "input": ckpts["corpus"],
+                "context_size": CONTEXT,
+                "batch_size": 4,
+                "layers": ["resid_post.1"],
+                "shard_mb": 0.004,
+            }
+        )
+    )
     out = tmp_path / "acts"
     assert main(["capture", "--config", str(cfg), "--out", str(out), "--quiet"]) == 0
     shards = sorted(p.name for p in stored.iterdir() if p.suffix == ".safetensors")
@@ -425,7 +489,10 @@ def test_config_file_equals_the_flags(ckpts, stored, tmp_path):
 
 def _cli_rank(rank, world, port, args):
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
@@ -498,19 +565,9 @@ def test_a_swapped_or_damaged_shard_is_found_never_read_as_misaligned_rows(store
 def test_a_paired_store_on_s3_equals_the_local_one(ckpts, stored):
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    from test_remote import _start_moto
+    from test_remote import s3_server
 
-    proc, port = _start_moto()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pyhook")
+    with s3_server():
         url = "s3://pyhook/paired"
         assert main(_job_args(ckpts, url, "--shard-mb", "0.004")) == 0
         r, one = open_capture(url, verify=True), open_capture(stored)
@@ -521,14 +578,6 @@ def test_a_paired_store_on_s3_equals_the_local_one(ckpts, stored):
         assert verify_capture(url) == ([], [])
         assert main(["verify", url]) == 0
         r.close()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_paired_is_exported():
@@ -549,9 +598,24 @@ def test_a_difference_past_the_plans_sample_stops_the_run_before_that_batch(ckpt
     corpus.write_text("\n".join(docs) + "\n")
     out = tmp_path / "acts"
     args = [
-        "capture", "--model", f"base={ckpts['base']}", "--model", f"chat={other}",
-        "--input", str(corpus), "--context-size", str(CONTEXT), "--batch-size", "64",
-        "--layers", "resid_post.0", "--out", str(out), "--quiet", "--shard-mb", "0.5",
+        "capture",
+        "--model",
+        f"base={ckpts['base']}",
+        "--model",
+        f"chat={other}",
+        "--input",
+        str(corpus),
+        "--context-size",
+        str(CONTEXT),
+        "--batch-size",
+        "64",
+        "--layers",
+        "resid_post.0",
+        "--out",
+        str(out),
+        "--quiet",
+        "--shard-mb",
+        "0.5",
     ]
     p = _run_cli(*args)
     assert p.returncode == 2, p.stderr
@@ -568,8 +632,11 @@ def test_job_stream_hands_out_both_models_rows_of_the_same_tokens(ckpts, stored)
     at = {tuple(ix): i for i, ix in enumerate(r.row_index.tolist())}
     base, chat = r["base/resid_post.1"].to_tensor(), r["chat/resid_post.1"].to_tensor()
     job = CaptureJob(
-        model={"base": ckpts["base"], "chat": ckpts["chat"]}, input=ckpts["corpus"],
-        context_size=CONTEXT, batch_size=4, layers=["resid_post.1"],
+        model={"base": ckpts["base"], "chat": ckpts["chat"]},
+        input=ckpts["corpus"],
+        context_size=CONTEXT,
+        batch_size=4,
+        layers=["resid_post.1"],
     )
     n = 0
     with job.stream(batch_size=32, buffer_rows=128, seed=1) as s:

@@ -11,6 +11,7 @@ named errors that come back quickly.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -66,9 +67,10 @@ def _start_moto(**env: str) -> tuple[subprocess.Popen, int]:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """A running S3 server with bucket ``pyhook``; yields a function giving fresh prefixes."""
+@contextlib.contextmanager
+def s3_server():
+    """A moto S3 server on a free port with bucket ``pyhook``, and the environment that points
+    fsspec/s3fs at it (restored after); yields the environment (spawned ranks pass it on)."""
     proc, port = _start_moto()
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
@@ -79,10 +81,8 @@ def s3():
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir("pyhook")
-        counter = itertools.count()
-        yield lambda: f"s3://pyhook/run{next(counter)}"
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pyhook")
+        yield env
     finally:
         for k, v in saved.items():
             if v is None:
@@ -91,6 +91,14 @@ def s3():
                 os.environ[k] = v
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A running S3 server with bucket ``pyhook``; yields a function giving fresh prefixes."""
+    with s3_server():
+        counter = itertools.count()
+        yield lambda: f"s3://pyhook/run{next(counter)}"
 
 
 def _fs():
@@ -521,7 +529,9 @@ def test_the_command_captures_verifies_and_inspects_an_s3_prefix(s3, tmp_path, m
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     url = s3()
-    assert main(["capture", "--out", url, "--limit", "3", "--layers", "resid_post.5", "--quiet"]) == 0
+    assert (
+        main(["capture", "--out", url, "--limit", "3", "--layers", "resid_post.5", "--quiet"]) == 0
+    )
     assert not any(tmp_path.iterdir())  # nothing written locally
     assert "index.json" in {k.rsplit("/", 1)[-1] for k in _objects(url)}
     assert main(["verify", url]) == 0
@@ -530,5 +540,7 @@ def test_the_command_captures_verifies_and_inspects_an_s3_prefix(s3, tmp_path, m
     assert url in out and "statistics of every row" in out
     r = open_capture(url)
     rows = r["resid_post.5"].to_tensor()
-    assert r.examples == 3 and rows.shape[0] == r.tokens.shape[0] == r.stats("resid_post.5")["count"]
+    assert (
+        r.examples == 3 and rows.shape[0] == r.tokens.shape[0] == r.stats("resid_post.5")["count"]
+    )
     torch.testing.assert_close(r.stats("resid_post.5")["mean"], rows.double().mean(0))
