@@ -306,3 +306,40 @@ def test_a_batch_without_kept_rows_counts_nothing(tmp_path):
     r = open_capture(tmp_path)
     assert r.rows("lin") == int(am.sum()) and rec.batches == 2
     assert_stats(annotations.stats(r, "lin"), r["lin"].to_tensor())
+
+
+def _all_real_dtypes():
+    return sorted(
+        {
+            v
+            for v in vars(torch).values()
+            if isinstance(v, torch.dtype)
+            and not v.is_complex
+            and v != torch.quint8
+            and not str(v).startswith(("torch.q", "torch.bits"))
+        },
+        key=str,
+    )
+
+
+@pytest.mark.parametrize("dtype", _all_real_dtypes(), ids=str)
+def test_row_stats_dtype_set_is_the_kernel_dispatch(dtype):
+    # _backend._ROW_STATS_DTYPES mirrors the kernel's AT_DISPATCH list by hand: call the op
+    # itself on every real dtype torch has and require the set to say exactly where it works, so
+    # a change to either side fails here instead of a capture raising inside the hook.
+    from pyhook import _backend
+
+    if not _backend.native_available():
+        pytest.skip("needs the native kernel")
+    try:
+        rows = torch.zeros(2, 3, dtype=dtype)
+    except (RuntimeError, TypeError):
+        pytest.skip(f"torch cannot make a CPU {dtype} tensor")
+    try:
+        torch.ops.pyhook.row_stats(rows)
+        works = True
+    except RuntimeError:
+        works = False
+    assert works == (dtype in _backend._ROW_STATS_DTYPES), dtype
+    if not works:
+        assert _backend.row_stats(rows) is None
