@@ -364,11 +364,37 @@ def case_warm_shuffled(
 
         return run
 
+    tmp = aligned_empty((BATCH, D))
+
+    def sorted_scatter(r: int) -> None:
+        # The batch's order kept: the rows read in file order into a staging buffer, then each
+        # written to its slot (numpy has no one-pass gather-scatter: two copies).
+        i = np_idx[r]
+        order = np.argsort(i, kind="stable")
+        np.take(arr, i[order], axis=0, out=tmp, mode="clip")
+        buf[order] = tmp
+
+    sorted_scatter(0)
+    assert np.array_equal(mm[np_idx[0]], buf)
+
+    def in_batch_order(fn: Callable[[int], object]) -> Callable[[int], object]:
+        def run(r: int) -> object:
+            os.environ["PYHOOK_GATHER_ORDER"] = "batch"
+            try:
+                return fn(r)
+            finally:
+                os.environ.pop("PYHOOK_GATHER_ORDER")
+
+        return run
+
     # np.take's mode="clip" (the indices are valid): with the default "raise", `out` is buffered.
+    # "sorted np.take" returns the rows in file order, not the batch's: the strongest reader
+    # when a trainer may take a batch's rows in any order. The others keep the batch's order.
     hand = [
         "numpy memmap fancy index",
         "np.take into preallocated",
         "sorted np.take into preallocated",
+        "sorted read + scatter write (np.take, then out[order] = rows)",
         "torch.index_select into preallocated",
         "torch.index_select into preallocated, 1 thread",
     ]
@@ -381,8 +407,9 @@ def case_warm_shuffled(
         hand[0]: lambda r: mm[np_idx[r]],
         hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
         hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
-        hand[3]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
-        hand[4]: one_thread(lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf)),
+        hand[3]: sorted_scatter,
+        hand[4]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
+        hand[5]: one_thread(lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf)),
         limits[0]: copy,
         limits[1]: one_thread(copy),
         "pyhook gather_rows (native, alone)": lambda r: _backend.gather_rows(parts, idxs[r]),
@@ -390,6 +417,11 @@ def case_warm_shuffled(
         # from the memory (the page-cache pages of the shards and of the raw file may differ).
         "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
+        # The kernel's copy in idx order (before): what reading in file order is worth.
+        "pyhook CaptureDataset.batch, copied in batch order": in_batch_order(
+            lambda r: ds.batch(idxs[r])
+        ),
+        "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
     }
     t = paired(fns, rounds, spinner)
     for state, ts in t.items():
