@@ -23,10 +23,13 @@ file, the best of them is named in the table):
 
 (a) shuffled batches of 4096 rows, page cache warm. Hand-written: numpy memmap fancy index;
     ``np.take`` into a preallocated buffer, in batch order and with the rows sorted first (a
-    batch is a uniform sample: a trainer may take its rows in file order); ``torch.index_select``
-    into a preallocated buffer (torch's intra-op threads). Limit: ``copy_`` of the same number of
-    *consecutive* bytes into a preallocated buffer (memory bandwidth). Targets: pyhook >= 1.0x
-    the best hand-written reader and >= 80% of the ``copy_`` bandwidth.
+    batch is a uniform sample: a trainer may take its rows in file order); the rows read in
+    sorted order and scattered to their slots (``np.take`` then ``out[order] = rows``: the batch's
+    order kept); ``torch.index_select`` into a preallocated buffer (torch's intra-op threads, and
+    one thread). Limit: ``copy_`` of the same number of *consecutive* bytes into a preallocated
+    buffer (memory bandwidth). Targets: pyhook >= 1.0x the best hand-written reader and >= 80%
+    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and two variants of its copy
+    (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes; a deeper prefetch).
 (b) the same batch as the first read after the files left the page cache (``posix_fadvise
     (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
     Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
@@ -377,13 +380,13 @@ def case_warm_shuffled(
     sorted_scatter(0)
     assert np.array_equal(mm[np_idx[0]], buf)
 
-    def in_batch_order(fn: Callable[[int], object]) -> Callable[[int], object]:
+    def with_env(var: str, value: str, fn: Callable[[int], object]) -> Callable[[int], object]:
         def run(r: int) -> object:
-            os.environ["PYHOOK_GATHER_ORDER"] = "batch"
+            os.environ[var] = value
             try:
                 return fn(r)
             finally:
-                os.environ.pop("PYHOOK_GATHER_ORDER")
+                os.environ.pop(var)
 
         return run
 
@@ -417,9 +420,13 @@ def case_warm_shuffled(
         # from the memory (the page-cache pages of the shards and of the raw file may differ).
         "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
-        # The kernel's copy in idx order (before): what reading in file order is worth.
-        "pyhook CaptureDataset.batch, copied in batch order": in_batch_order(
-            lambda r: ds.batch(idxs[r])
+        # Variants of the kernel's copy (environment knobs read per call): the rows read in
+        # ascending file order and written to their slots, and a deeper prefetch.
+        "pyhook batch, sorted read + scattered write": with_env(
+            "PYHOOK_GATHER_ORDER", "sorted", lambda r: ds.batch(idxs[r])
+        ),
+        "pyhook batch, prefetch 192 KiB ahead": with_env(
+            "PYHOOK_GATHER_AHEAD_KB", "192", lambda r: ds.batch(idxs[r])
         ),
         "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
     }
