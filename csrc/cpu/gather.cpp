@@ -751,10 +751,25 @@ void check_out(const std::vector<Prepared>& ps, const at::Tensor& idx, const at:
 
 // A fresh contiguous tensor of the given shape whose memory is one pooled buffer; the buffer
 // goes back to the pool when the tensor's storage dies.
+//
+// Buffers of 64 KiB or more start at a page boundary. A pooled buffer started 64 bytes past
+// one (the allocator's alignment), and rows copied from a page-aligned shard to a destination
+// 64 bytes ahead of them modulo 4 KiB stall on "4K aliasing" (a load after a store to an
+// address with the same low 12 bits waits for it): with 3 KB rows, one row in four. Measured
+// on one thread, 4096 random rows of 3 KB from a warm file mapping, 25 paired rounds at load 8:
+// 2.10 ms of CPU into a pooled buffer against 1.85 ms into a page-aligned one (np.take into a
+// page-aligned buffer: 2.09 ms).
+constexpr int64_t kAlignOutputBytes = int64_t{64} << 10;
+
 at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_t nbytes) {
-  PooledBlock* block = pooled_block_create(static_cast<size_t>(nbytes));
-  c10::DataPtr data(pooled_block_data(block), block, &pooled_block_release,
-                    c10::Device(c10::kCPU));
+  const bool align = nbytes >= kAlignOutputBytes;
+  PooledBlock* block =
+      pooled_block_create(static_cast<size_t>(nbytes + (align ? int64_t{kPage} : 0)));
+  char* base = pooled_block_data(block);
+  if (align) {
+    base += (kPage - reinterpret_cast<uintptr_t>(base) % kPage) % kPage;
+  }
+  c10::DataPtr data(base, block, &pooled_block_release, c10::Device(c10::kCPU));
   // Resizable with the default CPU allocator, like any fresh tensor's storage.
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
                        std::move(data), c10::GetCPUAllocator(), /*resizable=*/true);
