@@ -203,7 +203,8 @@ def test_set_backend_reference_gives_identical_batches(capture):
 
 def test_large_outputs_start_at_a_page_boundary(native):
     # A pooled buffer 64 bytes past a page boundary put one 3 KB row in four 64 bytes ahead of
-    # its page-aligned source modulo 4 KiB (4K aliasing: 13% more CPU time for the batch).
+    # its page-aligned source modulo 4 KiB (4K aliasing); the readers it is compared with use
+    # page-aligned buffers.
     parts = make_parts((300, 700), row_shape=(768,))
     for n in (22, 1000, 3000):  # 66 KB and more: aligned; the rows exact either way
         idx = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))

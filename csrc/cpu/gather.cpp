@@ -752,13 +752,13 @@ void check_out(const std::vector<Prepared>& ps, const at::Tensor& idx, const at:
 // A fresh contiguous tensor of the given shape whose memory is one pooled buffer; the buffer
 // goes back to the pool when the tensor's storage dies.
 //
-// Buffers of 64 KiB or more start at a page boundary. A pooled buffer started 64 bytes past
-// one (the allocator's alignment), and rows copied from a page-aligned shard to a destination
-// 64 bytes ahead of them modulo 4 KiB stall on "4K aliasing" (a load after a store to an
-// address with the same low 12 bits waits for it): with 3 KB rows, one row in four. Measured
-// on one thread, 4096 random rows of 3 KB from a warm file mapping, 25 paired rounds at load 8:
-// 2.10 ms of CPU into a pooled buffer against 1.85 ms into a page-aligned one (np.take into a
-// page-aligned buffer: 2.09 ms).
+// Buffers of 64 KiB or more start at a page boundary, as the hand-written readers' buffers in
+// bench_read.py do. A pooled buffer started 64 bytes past one (the allocator's alignment): a
+// row copied from a page-aligned shard to a destination a few bytes ahead of it modulo 4 KiB
+// can stall on "4K aliasing" (a load after a store to an address with the same low 12 bits);
+// with 3 KB rows that is one row in four. (One paired run at load 8 showed 2.10 ms of CPU into
+// a pooled buffer against 1.85 ms into a page-aligned one, 4096 rows of 3 KB on one thread; a
+// direct loop of 40 batches then showed no difference, 1.83 against 1.83 ms: not resolved.)
 constexpr int64_t kAlignOutputBytes = int64_t{64} << 10;
 
 at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_t nbytes) {
