@@ -218,3 +218,12 @@ def test_large_outputs_start_at_a_page_boundary(native):
     assert t.data_ptr() % 4096 == 0 and t.untyped_storage().nbytes() == 4096 * 768 * 4
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * 4096 * 768
+
+
+@pytest.mark.parametrize("ahead", ["1", "192", "100000", "0", "-5", "junk"])
+def test_any_prefetch_distance_gives_the_same_rows(native, order, monkeypatch, ahead):
+    # PYHOOK_GATHER_AHEAD_KB only moves the software prefetch (nonsense falls back to 48 KiB).
+    monkeypatch.setenv("PYHOOK_GATHER_AHEAD_KB", ahead)
+    parts = make_parts((700, 3, 0, 1300), row_shape=(129,), dtype=torch.float16, seed=6)
+    for idx in orders(2003, 4099, seed=11).values():
+        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
