@@ -23,10 +23,13 @@ file, the best of them is named in the table):
 
 (a) shuffled batches of 4096 rows, page cache warm. Hand-written: numpy memmap fancy index;
     ``np.take`` into a preallocated buffer, in batch order and with the rows sorted first (a
-    batch is a uniform sample: a trainer may take its rows in file order); ``torch.index_select``
-    into a preallocated buffer (torch's intra-op threads). Limit: ``copy_`` of the same number of
-    *consecutive* bytes into a preallocated buffer (memory bandwidth). Targets: pyhook >= 1.0x
-    the best hand-written reader and >= 80% of the ``copy_`` bandwidth.
+    batch is a uniform sample: a trainer may take its rows in file order); the rows read in
+    sorted order and scattered to their slots (``np.take`` then ``out[order] = rows``: the batch's
+    order kept); ``torch.index_select`` into a preallocated buffer (torch's intra-op threads, and
+    one thread). Limit: ``copy_`` of the same number of *consecutive* bytes into a preallocated
+    buffer (memory bandwidth). Targets: pyhook >= 1.0x the best hand-written reader and >= 80%
+    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and two variants of its copy
+    (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes; a deeper prefetch).
 (b) the same batch as the first read after the files left the page cache (``posix_fadvise
     (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
     Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
@@ -364,11 +367,37 @@ def case_warm_shuffled(
 
         return run
 
+    tmp = aligned_empty((BATCH, D))
+
+    def sorted_scatter(r: int) -> None:
+        # The batch's order kept: the rows read in file order into a staging buffer, then each
+        # written to its slot (numpy has no one-pass gather-scatter: two copies).
+        i = np_idx[r]
+        order = np.argsort(i, kind="stable")
+        np.take(arr, i[order], axis=0, out=tmp, mode="clip")
+        buf[order] = tmp
+
+    sorted_scatter(0)
+    assert np.array_equal(mm[np_idx[0]], buf)
+
+    def with_env(var: str, value: str, fn: Callable[[int], object]) -> Callable[[int], object]:
+        def run(r: int) -> object:
+            os.environ[var] = value
+            try:
+                return fn(r)
+            finally:
+                os.environ.pop(var)
+
+        return run
+
     # np.take's mode="clip" (the indices are valid): with the default "raise", `out` is buffered.
+    # "sorted np.take" returns the rows in file order, not the batch's: the strongest reader
+    # when a trainer may take a batch's rows in any order. The others keep the batch's order.
     hand = [
         "numpy memmap fancy index",
         "np.take into preallocated",
         "sorted np.take into preallocated",
+        "sorted read + scatter write (np.take, then out[order] = rows)",
         "torch.index_select into preallocated",
         "torch.index_select into preallocated, 1 thread",
     ]
@@ -381,8 +410,9 @@ def case_warm_shuffled(
         hand[0]: lambda r: mm[np_idx[r]],
         hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
         hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
-        hand[3]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
-        hand[4]: one_thread(lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf)),
+        hand[3]: sorted_scatter,
+        hand[4]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
+        hand[5]: one_thread(lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf)),
         limits[0]: copy,
         limits[1]: one_thread(copy),
         "pyhook gather_rows (native, alone)": lambda r: _backend.gather_rows(parts, idxs[r]),
@@ -390,6 +420,15 @@ def case_warm_shuffled(
         # from the memory (the page-cache pages of the shards and of the raw file may differ).
         "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
+        # Variants of the kernel's copy (environment knobs read per call): the rows read in
+        # ascending file order and written to their slots, and a deeper prefetch.
+        "pyhook batch, sorted read + scattered write": with_env(
+            "PYHOOK_GATHER_ORDER", "sorted", lambda r: ds.batch(idxs[r])
+        ),
+        "pyhook batch, prefetch 192 KiB ahead": with_env(
+            "PYHOOK_GATHER_AHEAD_KB", "192", lambda r: ds.batch(idxs[r])
+        ),
+        "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
     }
     t = paired(fns, rounds, spinner)
     for state, ts in t.items():

@@ -124,3 +124,29 @@ def test_the_shuffled_and_worker_paths_do_not_use_it(capture, monkeypatch):
     assert sorted(torch.cat([b["a"] for b in ds])[:, 0].tolist()) == sorted(
         _spec(capture, ["a"])["a"][:, 0].tolist()
     )
+
+
+def test_batches_after_a_cold_one_stay_on_preadv_even_when_resident(capture, monkeypatch):
+    # The kernel's read-ahead on the descriptor often has the next batch in the page cache by
+    # the time it is asked for: it must still be read with preadv (as readinto would go on),
+    # not through the memory maps (regression: 9 of 32 cold batches took the mapped path).
+    asked = []
+    monkeypatch.setattr(
+        _seqread.SequentialReader,
+        "resident",
+        lambda self, a, b: asked.append(a) or a >= 20,  # the first two batches are cold
+    )
+    real = _seqread.SequentialReader.read
+    reads = []
+    monkeypatch.setattr(
+        _seqread.SequentialReader, "read", lambda self, a, b: reads.append(a) or real(self, a, b)
+    )
+    ds = CaptureDataset(capture, "a", batch_size=10, shuffle=False)
+    got = torch.cat([b["a"] for b in ds])
+    assert torch.equal(got, _spec(capture, ["a"])["a"])
+    assert reads == [0, 10, 20, 30, 40, 50, 60]
+    assert asked == [0]  # only the first batch of the iteration is checked
+    # A new iteration starts over: warm from its first batch, the mapped gather serves all.
+    asked.clear(), reads.clear()
+    monkeypatch.setattr(_seqread.SequentialReader, "resident", lambda self, a, b: True)
+    assert torch.equal(torch.cat([b["a"] for b in ds]), got) and reads == []

@@ -445,9 +445,9 @@ inline void prefetch_row(const Prepared& p, int64_t row) {
 
 // Copies rows ix[begin..end) of the parts to out + k * row_bytes (k in that range).
 void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int64_t begin,
-                int64_t end) {
+                int64_t end, int64_t ahead_bytes = kPrefetchBytesAhead) {
   const int64_t row_bytes = p.row_bytes;
-  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytesAhead / row_bytes, 1, 64);
+  const int64_t ahead = std::clamp<int64_t>(ahead_bytes / row_bytes, 1, 256);
   // The first rows of a piece: asked for by the previous piece on one thread, not when the
   // pieces are spread over threads.
   for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
@@ -484,16 +484,150 @@ void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int6
 }
 
 // Checks every index against `total` rows, before anything is written (a bad index never
-// leaves a half-written output behind). True when idx is one ascending run of rows.
-bool check_indices(const int64_t* ix, int64_t n, int64_t total) {
-  bool sequential = true;
+// leaves a half-written output behind). `sequential`: idx is one ascending run of rows;
+// `ascending`: idx never decreases (its rows are already in file order).
+void check_indices(const int64_t* ix, int64_t n, int64_t total, bool& sequential,
+                   bool& ascending) {
+  sequential = ascending = true;
   for (int64_t k = 0; k < n; ++k) {
     TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, "gather_rows: index ", ix[k],
                       " (at position ", k, " of idx) is out of range for ", total,
                       " rows; valid indices are 0..", total - 1);
     sequential = sequential && ix[k] == ix[0] + k;
+    ascending = ascending && (k == 0 || ix[k] >= ix[k - 1]);
   }
-  return sequential;
+}
+
+// Below this many rows a batch is copied in idx order (sorting costs more than it saves).
+constexpr int64_t kSortMinRows = 64;
+
+int bit_width(uint64_t v) {
+  int b = 0;
+  while (v != 0) {
+    ++b;
+    v >>= 1;
+  }
+  return b;
+}
+
+// Whether a shuffled batch is copied in ascending source order, each row written to its slot
+// of the output (PYHOOK_GATHER_ORDER=sorted), or in idx order (the default). Read per call, so
+// that bench_read.py compares the two in one process. Measured (one thread, 4096 random rows
+// of 3 KB from a warm 370 MB capture, CPU caches flushed, 21 paired rounds at load 8): 2.87 ms
+// of CPU sorted against 2.33 ms in idx order; the scattered writes (a store miss and a TLB miss
+// on the output per row) cost more than reading in file order saves on 4 KiB pages, where rows
+// of a shuffled batch are ~90 KB apart and share neither pages nor page-table cache lines.
+bool sorted_order_wanted() {
+  const char* v = std::getenv("PYHOOK_GATHER_ORDER");
+  return v != nullptr && std::strcmp(v, "sorted") == 0;
+}
+
+// Bytes of rows prefetched ahead of the copy: PYHOOK_GATHER_AHEAD_KB (default 48), read per
+// call (for bench_read.py's comparisons).
+int64_t prefetch_bytes_ahead() {
+  const char* v = std::getenv("PYHOOK_GATHER_AHEAD_KB");
+  if (v != nullptr) {
+    const long kb = std::strtol(v, nullptr, 10);
+    if (kb > 0 && kb < (1L << 20)) {
+      return static_cast<int64_t>(kb) << 10;
+    }
+  }
+  return kPrefetchBytesAhead;
+}
+
+// The positions of idx in ascending order of their rows (ties in position order), packed as
+// (row << pbits) | position, sorted by an LSD radix sort of 11-bit digits: for 4096 rows of a
+// 120,000-row capture three passes over 32 KiB, about 20 us, against ~150 us for std::sort.
+// Empty when the packed key would not fit 64 bits (then the batch is copied in idx order).
+std::vector<uint64_t> sorted_positions(const int64_t* ix, int64_t n, int64_t total, int& pbits) {
+  pbits = std::max(1, bit_width(static_cast<uint64_t>(n - 1)));
+  const int rbits = std::max(1, bit_width(static_cast<uint64_t>(total - 1)));
+  std::vector<uint64_t> keys;
+  if (pbits + rbits > 64) {
+    return keys;
+  }
+  keys.resize(static_cast<size_t>(n));
+  for (int64_t k = 0; k < n; ++k) {
+    keys[static_cast<size_t>(k)] = (static_cast<uint64_t>(ix[k]) << pbits) | static_cast<uint64_t>(k);
+  }
+  if (n < 512) {
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+  constexpr int kDigit = 11;
+  constexpr size_t kBuckets = size_t{1} << kDigit;
+  std::vector<uint64_t> tmp(keys.size());
+  std::vector<uint32_t> count(kBuckets);
+  // The positions' bits are already in order: only the row's bits need passes.
+  for (int shift = pbits; shift < pbits + rbits; shift += kDigit) {
+    std::fill(count.begin(), count.end(), 0);
+    for (uint64_t key : keys) {
+      ++count[(key >> shift) & (kBuckets - 1)];
+    }
+    uint32_t sum = 0;
+    for (uint32_t& c : count) {
+      const uint32_t here = c;
+      c = sum;
+      sum += here;
+    }
+    for (uint64_t key : keys) {
+      tmp[count[(key >> shift) & (kBuckets - 1)]++] = key;
+    }
+    keys.swap(tmp);
+  }
+  return keys;
+}
+
+// Copies the rows of sorted positions keys[begin..end) (see sorted_positions): the sources are
+// visited in ascending file order, each row written to its own slot of `out`. A shuffled batch
+// touches rows tens of KiB apart all over a mapping of hundreds of MB; in file order the page
+// walks of consecutive rows share the page-table cache lines, and the software prefetch runs
+// ahead over addresses that only go up. The output (one batch) is the small side.
+void copy_range_sorted(const Prepared& p, const int64_t* ix, const uint64_t* keys, int pbits,
+                       int64_t n, char* out, int64_t begin, int64_t end, int64_t ahead_bytes) {
+  const int64_t row_bytes = p.row_bytes;
+  const uint64_t mask = (uint64_t{1} << pbits) - 1;
+  const int64_t ahead = std::clamp<int64_t>(ahead_bytes / row_bytes, 1, 256);
+  // The output slot of a row is as scattered as the rows are in idx order: its first line
+  // per page is asked for (for writing) as far ahead as the source.
+  auto prefetch_out = [&](int64_t k) {
+    char* d = out + static_cast<int64_t>(keys[k] & mask) * row_bytes;
+    __builtin_prefetch(d, 1);
+    const auto dend = reinterpret_cast<uintptr_t>(d) + static_cast<uintptr_t>(row_bytes);
+    for (uintptr_t page = (reinterpret_cast<uintptr_t>(d) | (kPage - 1)) + 1; page < dend;
+         page += kPage) {
+      __builtin_prefetch(reinterpret_cast<char*>(page), 1);
+    }
+  };
+  for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
+    prefetch_row(p, static_cast<int64_t>(keys[k] >> pbits));
+    prefetch_out(k);
+  }
+  int64_t k = begin;
+  while (k < end) {
+    const auto pos = static_cast<int64_t>(keys[k] & mask);
+    const int64_t row = ix[pos];
+    const auto part = static_cast<size_t>(
+        std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+    const Source& s = p.sources[part];
+    // Rows consecutive both in the file and in the output (a run a shuffled batch holds in
+    // order): one memcpy.
+    int64_t run = 1;
+    if (s.row_step == row_bytes) {
+      const int64_t part_end = p.starts[part + 1];
+      while (k + run < end && static_cast<int64_t>(keys[k + run] & mask) == pos + run &&
+             ix[pos + run] == row + run && row + run < part_end) {
+        ++run;
+      }
+    }
+    if (k + run + ahead < n) {
+      prefetch_row(p, static_cast<int64_t>(keys[k + run + ahead] >> pbits));
+      prefetch_out(k + run + ahead);
+    }
+    std::memcpy(out + pos * row_bytes, s.base + (row - p.starts[part]) * s.row_step,
+                static_cast<size_t>(run * row_bytes));
+    k += run;
+  }
 }
 
 // Copies rows idx[k] of the parts of layer l to outs[l] + k * row_bytes of that layer, for
@@ -513,7 +647,24 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   for (const Prepared& p : ps) {
     total = std::min(total, p.starts.back());
   }
-  const bool sequential = check_indices(ix, n, total);
+  bool sequential = true, ascending = true;
+  check_indices(ix, n, total, sequential, ascending);
+  // A shuffled batch: read in ascending file order, written in idx order (see
+  // copy_range_sorted). A batch already in file order needs no sort.
+  int pbits = 0;
+  std::vector<uint64_t> keys;
+  if (!ascending && n >= kSortMinRows && sorted_order_wanted()) {
+    keys = sorted_positions(ix, n, total, pbits);
+  }
+  const uint64_t* kp = keys.empty() ? nullptr : keys.data();
+  const int64_t ahead_bytes = prefetch_bytes_ahead();
+  auto copy = [&](const Prepared& p, char* o, int64_t b, int64_t e) {
+    if (kp != nullptr) {
+      copy_range_sorted(p, ix, kp, pbits, n, o, b, e, ahead_bytes);
+    } else {
+      copy_range(p, ix, n, o, b, e, ahead_bytes);
+    }
+  };
   // A warm batch pays a mincore call per sampled row: the samples are shared by the layers
   // (at least 2 each; the layers of a capture live in the same shard files).
   const auto layers = static_cast<int64_t>(ps.size());
@@ -533,7 +684,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   if (bytes < kParallelMinBytes) {
     for (size_t l = 0; l < ps.size(); ++l) {
       if (ps[l].row_bytes > 0) {
-        copy_range(ps[l], ix, n, outs[l], 0, n);
+        copy(ps[l], outs[l], 0, n);
       }
     }
   } else {
@@ -542,7 +693,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
           std::upper_bound(first_piece.begin() + 1, first_piece.end(), q) - first_piece.begin() -
           1);
       const int64_t b = (q - first_piece[l]) * piece_rows[l];
-      copy_range(ps[l], ix, n, outs[l], b, std::min(n, b + piece_rows[l]));
+      copy(ps[l], outs[l], b, std::min(n, b + piece_rows[l]));
     });
   }
   if (sequential && n > 1) {
@@ -600,10 +751,25 @@ void check_out(const std::vector<Prepared>& ps, const at::Tensor& idx, const at:
 
 // A fresh contiguous tensor of the given shape whose memory is one pooled buffer; the buffer
 // goes back to the pool when the tensor's storage dies.
+//
+// Buffers of 64 KiB or more start at a page boundary, as the hand-written readers' buffers in
+// bench_read.py do. A pooled buffer started 64 bytes past one (the allocator's alignment): a
+// row copied from a page-aligned shard to a destination a few bytes ahead of it modulo 4 KiB
+// can stall on "4K aliasing" (a load after a store to an address with the same low 12 bits);
+// with 3 KB rows that is one row in four. (One paired run at load 8 showed 2.10 ms of CPU into
+// a pooled buffer against 1.85 ms into a page-aligned one, 4096 rows of 3 KB on one thread; a
+// direct loop of 40 batches then showed no difference, 1.83 against 1.83 ms: not resolved.)
+constexpr int64_t kAlignOutputBytes = int64_t{64} << 10;
+
 at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_t nbytes) {
-  PooledBlock* block = pooled_block_create(static_cast<size_t>(nbytes));
-  c10::DataPtr data(pooled_block_data(block), block, &pooled_block_release,
-                    c10::Device(c10::kCPU));
+  const bool align = nbytes >= kAlignOutputBytes;
+  PooledBlock* block =
+      pooled_block_create(static_cast<size_t>(nbytes + (align ? int64_t{kPage} : 0)));
+  char* base = pooled_block_data(block);
+  if (align) {
+    base += (kPage - reinterpret_cast<uintptr_t>(base) % kPage) % kPage;
+  }
+  c10::DataPtr data(base, block, &pooled_block_release, c10::Device(c10::kCPU));
   // Resizable with the default CPU allocator, like any fresh tensor's storage.
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
                        std::move(data), c10::GetCPUAllocator(), /*resizable=*/true);

@@ -547,9 +547,13 @@ class CaptureDataset(IterableDataset):
             out["index"].copy_(idx)
         return out
 
-    def _sequential_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    def _sequential_batch(
+        self, idx: torch.Tensor, streaming: bool = False
+    ) -> dict[str, torch.Tensor] | None:
         """The batch of the consecutive rows ``idx`` read with ``preadv`` when they are not in
-        the page cache (``None``: they are, or this capture cannot; then :meth:`batch`)."""
+        the page cache (``None``: they are, or this capture cannot; then :meth:`batch`).
+        ``streaming``: the previous batch of this iteration was read so and ended where this
+        one starts; then this one is read so too, resident or not (see :meth:`__iter__`)."""
         if self._seq is None:
             sources = self._sources()
             seq = None
@@ -561,7 +565,7 @@ class CaptureDataset(IterableDataset):
             return None
         assert isinstance(seq, _seqread.SequentialReader)
         start, stop = int(idx[0]), int(idx[-1]) + 1
-        if seq.resident(start, stop):
+        if not streaming and seq.resident(start, stop):
             return None
         out = {_key(n): t for n, t in seq.read(start, stop).items()}
         if self.with_index:
@@ -571,12 +575,21 @@ class CaptureDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         ring = self._worker_ring()
         sequential = self.shuffle is False and ring is None and get_worker_info() is None
+        # Once a batch of a cold capture was read with preadv, the batches that follow it are
+        # read so too: the kernel's read-ahead on the descriptor (up to read_ahead_kb, 8 MiB on
+        # some disks, doubled by POSIX_FADV_SEQUENTIAL) has often read all of the next batch
+        # by then, and a resident batch went through the memory maps: measured in
+        # bench_read.py (c2), 9 of 32 cold batches took the mapped path, each with page-table
+        # work and a MADV_WILLNEED of the batch after it, where readinto simply reads on.
+        streaming_from = -1
         for idx in self._plan():
             if sequential:
-                b = self._sequential_batch(idx)
+                b = self._sequential_batch(idx, bool(idx.numel()) and int(idx[0]) == streaming_from)
                 if b is not None:
+                    streaming_from = int(idx[-1]) + 1
                     yield b
                     continue
+                streaming_from = -1
             yield self.batch(idx) if ring is None else self._ring_batch(ring, idx)
 
     def __repr__(self) -> str:
