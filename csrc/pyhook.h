@@ -22,6 +22,21 @@ inline bool has_lazy_values(const at::Tensor& t) {
   return t.is_conj() || t.is_neg() || t._is_zerotensor();
 }
 
+// Checks every index of a batch against `total` rows before anything is written (a bad index
+// never leaves a half-written output behind), naming `op`, the index and its position. True
+// when idx is one ascending run of rows (a sequential batch). Shared by the row gathers
+// (cpu/gather.cpp, cpu/dequant.cpp).
+inline bool check_row_indices(const int64_t* ix, int64_t n, int64_t total, const char* op) {
+  bool sequential = true;
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, op, ": index ", ix[k], " (at position ", k,
+                      " of idx) is out of range for ", total, " rows; valid indices are 0..",
+                      total - 1);
+    sequential = sequential && ix[k] == ix[0] + k;
+  }
+  return sequential;
+}
+
 // Where one input lands in the shared buffer and with which strides.
 struct SlicePlan {
   std::vector<int64_t> strides;  // the strides Tensor::clone() would give
