@@ -477,6 +477,20 @@ def test_a_compact_capture_on_s3(tmp_path, request):
     for b in ds:
         assert torch.equal(b["0"], loc["0"][b["index"]])
     r.close()
+    # quantised only: the remote dataset (each layer decoded on its own, shards fetched when
+    # touched) gives bit for bit the batches of the local store's fused path, in bfloat16 too
+    url = new_url()
+    _capture(url, net, xs, quantize="fp8")
+    local = _capture(str(tmp_path / "fp8"), net, xs, quantize="fp8")
+    r = open_capture(url, cache_bytes=4000, prefetch=1)
+    for dtype in (None, torch.bfloat16):
+        a = local.dataset(["0", "2"], batch_size=40, seed=2, dtype=dtype)
+        b = r.dataset(["0", "2"], batch_size=40, seed=2, dtype=dtype)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x["0"], y["0"]) and torch.equal(x["2"], y["2"])
+        assert a._fused is not None or not _backend._dequant_many_ok()
+        assert b._fused is None
+    r.close()
 
 
 # -- the job, the command, inspect -----------------------------------------------------------------
@@ -666,7 +680,7 @@ def test_the_dataset_reads_a_quantised_batch_in_one_call(tokens_store, dtype, mo
         assert torch.equal(x["tokens"], y["tokens"])
 
 
-def test_indexing_and_remote_reads_equal_the_reference_backend(tokens_store, stores):
+def test_indexing_equals_the_reference_backend(tokens_store, stores):
     for path in (tokens_store, stores["int8"]):
         r = open_capture(path)
         for k in r.layers:
