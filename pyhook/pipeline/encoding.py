@@ -480,7 +480,7 @@ def stored_bytes_bound(
     >>> enc = Encoding(compress="zstd").layer_info(
     ...     "h", torch.bfloat16, {"dtype": "bfloat16", "row_shape": [384]})["encoding"]
     >>> stored_bytes_bound(enc, 1000, 768)
-    (769470, False)
+    (768866, False)
     """
     plain = rows * row_bytes
     if not enc.get("compress"):
