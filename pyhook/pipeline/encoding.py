@@ -14,7 +14,10 @@ Index:
   :class:`~pyhook.store.LayerData` (indexing, ``to_tensor``, ``parts``, ``batches``), decoded
   in the gather; :class:`DecodedSource` - what :mod:`pyhook.dataset` gathers batches from;
 * :func:`stored_layout` - what the shard header of an encoded layer holds (for the checks of
-  :mod:`.format`); :func:`layer_bytes` - stored and decoded bytes (``pyhook inspect``).
+  :mod:`.format`); :func:`layer_bytes` - stored and decoded bytes (``pyhook inspect``);
+  :func:`stored_bytes_bound` - the bytes a plan announces (an upper bound with ``compress``);
+* :func:`chunk_cache_bytes` - the bound of a compressed layer's decoded-chunk cache (argument,
+  ``PYHOOK_CHUNK_CACHE_BYTES``, default).
 
 The layout on disk is described in docs/store-format.md ("Compact stores"). This module sits
 with the format (it imports :mod:`.format`, never the reader or the writer, and hands the
@@ -571,8 +574,9 @@ class EncodedLayerData:
 
     Quantised rows are dequantised inside the native gather (``pyhook::dequant_rows``);
     compressed rows are decoded one chunk at a time, only the chunks a read touches, into a
-    bounded cache (``cache_bytes`` per layer, by default ``DEFAULT_CACHE_BYTES``) that later
-    reads gather from as from a plain store.
+    bounded cache (``cache_bytes`` per layer, by default :func:`chunk_cache_bytes`'s: the
+    reader's ``chunk_cache_bytes``, ``PYHOOK_CHUNK_CACHE_BYTES`` or 128 MiB) that later reads
+    gather from as from a plain store.
 
     >>> import tempfile
     >>> import pyhook
