@@ -296,7 +296,7 @@ void dispatch(const Plan& p, const at::Tensor& idx, const at::Tensor& out) {
 // as c10::BFloat16 and torch's casts round), float16 (VCVTPS2PH, nearest even), double.
 enum class Out { kF32, kBF16, kF16, kF64 };
 
-// Eight float32 values to `dst` as T.
+// Eight float32 values to `dst` as float32, float64 or float16.
 template <Out O>
 __attribute__((target("avx2,f16c"), always_inline)) inline void store8(void* dst, int64_t j,
                                                                        __m256 v) {
@@ -306,20 +306,10 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void store8(void* dst
     double* d = static_cast<double*>(dst) + j;
     _mm256_storeu_pd(d, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
     _mm256_storeu_pd(d + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-  } else if constexpr (O == Out::kF16) {
+  } else {
+    static_assert(O == Out::kF16, "bfloat16 is stored sixteen at a time (store16)");
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::Half*>(dst) + j),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    // bits + 0x7FFF + lsb, the top half: round to nearest even. A NaN here is a quiet NaN with
-    // an empty low payload (from an fp8 NaN or an infinite scale times 0; rows with a NaN
-    // scale take the scalar path), which this keeps a NaN.
-    const __m256i b = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(dst) + j),
-                     _mm256_castsi256_si128(packed));
   }
 }
 
@@ -329,6 +319,9 @@ template <Out O>
 __attribute__((target("avx2,f16c"), always_inline)) inline void store16(void* dst, int64_t j,
                                                                         __m256 v0, __m256 v1) {
   if constexpr (O == Out::kBF16) {
+    // bits + 0x7FFF + lsb, the top half: round to nearest even. A NaN here is a quiet NaN with
+    // an empty low payload (from an fp8 NaN or an infinite scale times 0; rows with a NaN
+    // scale take the scalar path), which this keeps a NaN.
     const __m256i one = _mm256_set1_epi32(1);
     const __m256i bias = _mm256_set1_epi32(0x7FFF);
     const __m256i b0 = _mm256_castps_si256(v0);
