@@ -121,7 +121,9 @@ class _Fused:
         keys: list[str] = []
         for name, p in sources.items():
             if isinstance(p, DecodedSource):
-                parts, scales = p.layer._mapped_quantised()
+                mapped = p.layer._mapped_quantised()
+                assert mapped is not None  # checked by _fused_plan
+                parts, scales = mapped
                 self.q += parts
                 self.scales += scales
                 self.counts.append(len(parts))
@@ -173,8 +175,7 @@ def _fused_plan(sources: dict[str, Any]) -> _Fused | None:
     quantised = False
     for p in sources.values():
         if isinstance(p, DecodedSource):
-            layer = getattr(p, "layer", None)
-            if type(p) is not DecodedSource or layer._mapped_quantised() is None:
+            if type(p) is not DecodedSource or p.layer._mapped_quantised() is None:
                 return None
             quantised = True
         elif not _backend._direct_gather_ok(p):
