@@ -22,6 +22,28 @@ inline bool has_lazy_values(const at::Tensor& t) {
   return t.is_conj() || t.is_neg() || t._is_zerotensor();
 }
 
+// Checks every index of a batch against `total` rows before anything is written (a bad index
+// never leaves a half-written output behind), naming `op`, the index and its position. Returns
+// whether idx is one ascending run of rows (a sequential batch); `ascending`, when given, is
+// set to whether idx never decreases (its rows are already in file order). Shared by the row
+// gathers (cpu/dequant.cpp; cpu/gather.cpp's check_indices is the same check).
+inline bool check_row_indices(const int64_t* ix, int64_t n, int64_t total, const char* op,
+                              bool* ascending = nullptr) {
+  bool sequential = true;
+  bool up = true;
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, op, ": index ", ix[k], " (at position ", k,
+                      " of idx) is out of range for ", total, " rows; valid indices are 0..",
+                      total - 1);
+    sequential = sequential && ix[k] == ix[0] + k;
+    up = up && (k == 0 || ix[k] >= ix[k - 1]);
+  }
+  if (ascending != nullptr) {
+    *ascending = up;
+  }
+  return sequential;
+}
+
 // Where one input lands in the shared buffer and with which strides.
 struct SlicePlan {
   std::vector<int64_t> strides;  // the strides Tensor::clone() would give

@@ -54,6 +54,14 @@ TORCH_LIBRARY(pyhook, m) {
   // (cpu/dequant.cpp): dtype(float32(row) * scale). Fresh output, or written into `out`.
   m.def("dequant_rows(Tensor[] parts, Tensor[] scales, Tensor idx, ScalarType dtype) -> Tensor");
   m.def("dequant_rows_into(Tensor[] parts, Tensor[] scales, Tensor idx, Tensor(a!) out) -> ()");
+  // The same for several layers in one call (a dataset batch): layer l's parts and scales are
+  // the next counts[l] entries of `parts` and `scales`; one output per layer, rows idx of each.
+  m.def(
+      "dequant_rows_many(Tensor[] parts, Tensor[] scales, int[] counts, Tensor idx, "
+      "ScalarType dtype) -> Tensor[]");
+  m.def(
+      "dequant_rows_many_into(Tensor[] parts, Tensor[] scales, int[] counts, Tensor idx, "
+      "Tensor(a!)[] outs) -> ()");
 
   // The CPU buffer pool. These take no tensors, so the dispatcher has no
   // device to pick: they are registered as catch-all kernels right here.

@@ -706,3 +706,42 @@ def dequant_rows_into(
     else:
         _reference.dequant_rows_into(parts, scales, idx, out)
     return out
+
+
+def _dequant_many_ok() -> bool:
+    """Whether the fused batch decode (``pyhook::dequant_rows_many``) is there to call: the
+    native backend, and a build that has the op."""
+    return (
+        get_backend() == "native"
+        and native_available()
+        and hasattr(torch.ops.pyhook, "dequant_rows_many")
+    )
+
+
+def _dequant_many_direct(
+    parts: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    counts: list[int],
+    idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Rows ``idx`` of several quantised layers in one native call, each dequantised into
+    ``dtype`` (layer ``l``'s parts and scales are the next ``counts[l]`` entries of ``parts``
+    and ``scales``; the kernel checks them and every index). For a caller that keeps the
+    parts, e.g. a dataset's memory maps; :func:`dequant_rows` per layer gives the same values.
+    """
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return torch.ops.pyhook.dequant_rows_many.default(parts, scales, counts, idx, dtype)
+
+
+def _dequant_many_direct_into(
+    parts: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    counts: list[int],
+    idx: torch.Tensor,
+    outs: list[torch.Tensor],
+) -> None:
+    """:func:`_dequant_many_direct` written into ``outs`` (one per layer, each in the dtype
+    to dequantise into; the kernel checks their shape and contiguity)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.ops.pyhook.dequant_rows_many_into.default(parts, scales, counts, idx, outs)

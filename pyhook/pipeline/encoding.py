@@ -14,7 +14,10 @@ Index:
   :class:`~pyhook.store.LayerData` (indexing, ``to_tensor``, ``parts``, ``batches``), decoded
   in the gather; :class:`DecodedSource` - what :mod:`pyhook.dataset` gathers batches from;
 * :func:`stored_layout` - what the shard header of an encoded layer holds (for the checks of
-  :mod:`.format`); :func:`layer_bytes` - stored and decoded bytes (``pyhook inspect``).
+  :mod:`.format`); :func:`layer_bytes` - stored and decoded bytes (``pyhook inspect``);
+  :func:`stored_bytes_bound` - the bytes a plan announces (an upper bound with ``compress``);
+* :func:`chunk_cache_bytes` - the bound of a compressed layer's decoded-chunk cache (argument,
+  ``PYHOOK_CHUNK_CACHE_BYTES``, default).
 
 The layout on disk is described in docs/store-format.md ("Compact stores"). This module sits
 with the format (it imports :mod:`.format`, never the reader or the writer, and hands the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -48,6 +52,8 @@ __all__ = [
     "decompress_chunk",
     "stored_layout",
     "layer_bytes",
+    "chunk_cache_bytes",
+    "stored_bytes_bound",
 ]
 
 #: The index's ``format_version`` of a store with encoded layers (plain stores keep 2).
@@ -65,8 +71,11 @@ CHUNKS_PREFIX = "__chunks__."
 DEFAULT_CHUNK_BYTES = 64 << 10
 DEFAULT_LEVEL = 1  # measured on MiniLM bf16 rows: ratio 1.44 at level 1, 1.41 at 3 (byte planes)
 #: Decoded rows each compressed layer keeps for later reads (whole shards' worth, least
-#: recently used dropped first).
+#: recently used dropped first), unless ``open_capture(chunk_cache_bytes=...)``,
+#: ``dataset(chunk_cache_bytes=...)`` or the environment variable ``PYHOOK_CHUNK_CACHE_BYTES``
+#: says otherwise (see :func:`chunk_cache_bytes`).
 DEFAULT_CACHE_BYTES = 128 << 20
+CACHE_ENV = "PYHOOK_CHUNK_CACHE_BYTES"
 
 _QUANTISED_DTYPES = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
 
@@ -87,6 +96,29 @@ def _zstd() -> Any:
             "package: pip install zstandard (or pip install 'pyhook[compact]')"
         ) from None
     return zstandard
+
+
+def chunk_cache_bytes(value: Any = None, what: str = "chunk_cache_bytes") -> int:
+    """The bound, in bytes, of each compressed layer's decoded-chunk cache: ``value`` when
+    given (an int >= 0; 0 keeps nothing, every read decodes the chunks it touches), else the
+    environment variable ``PYHOOK_CHUNK_CACHE_BYTES``, else ``DEFAULT_CACHE_BYTES`` (128 MiB).
+
+    >>> chunk_cache_bytes(1 << 20), chunk_cache_bytes() == DEFAULT_CACHE_BYTES
+    (1048576, True)
+    """
+    source = what
+    if value is None:
+        env = os.environ.get(CACHE_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_CACHE_BYTES
+        source = f"the environment variable {CACHE_ENV}"
+        try:
+            value = int(env.strip())
+        except ValueError:
+            raise ValueError(f"{source} must be a number of bytes >= 0, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source} must be an int >= 0 (bytes), got {value!r}")
+    return value
 
 
 def check_quantize(quantize: Any, what: str = "quantize") -> str | None:
@@ -431,6 +463,37 @@ def layer_bytes(info: dict[str, Any], shards: Sequence[Any], name: str) -> tuple
     return stored, decoded
 
 
+#: Bytes a zstd frame adds to its input at most when the input does not compress (zstd then
+#: stores it as raw blocks): the frame header (18 at most) and checksum (4), plus the frame's
+#: int64 offset kept beside the blob (8); and 3 a block of 128 KiB.
+_FRAME_BYTES = 18 + 4 + 8
+_BLOCK = 128 << 10
+
+
+def stored_bytes_bound(
+    enc: dict[str, Any], rows: int, row_bytes: int, shards: int = 1
+) -> tuple[int, bool]:
+    """``(bytes, exact)``: what ``rows`` rows of ``row_bytes`` stored bytes each (after
+    quantisation; scales not included) take in the shards of a layer encoded as ``enc`` (its
+    index entry, :meth:`Encoding.layer_info`), split over at most ``shards`` shards. Exact
+    without ``compress``; with it, an upper bound: the rows uncompressed plus the most zstd
+    adds to input it cannot compress (what compression saves depends on the values, unknown
+    before the capture: 1.44x on bf16 activations in benchmarks/bench_compact.py).
+
+    >>> enc = Encoding(compress="zstd").layer_info(
+    ...     "h", torch.bfloat16, {"dtype": "bfloat16", "row_shape": [384]})["encoding"]
+    >>> stored_bytes_bound(enc, 1000, 768)
+    (768866, False)
+    """
+    plain = rows * row_bytes
+    if not enc.get("compress"):
+        return plain, True
+    cr, planes = int(enc["chunk_rows"]), int(enc.get("byte_planes", 1))
+    frames = (math.ceil(rows / cr) + max(1, shards)) * planes  # a shard starts a new chunk
+    blocks = max(1, math.ceil(cr * row_bytes / planes / _BLOCK))
+    return plain + frames * (_FRAME_BYTES + 3 * blocks) + 8 * max(1, shards), False
+
+
 def describe(info: dict[str, Any]) -> str:
     """``"fp8"``, ``"zstd"``, ``"fp8+zstd"`` or ``"-"``."""
     enc = info.get("encoding") or {}
@@ -511,8 +574,9 @@ class EncodedLayerData:
 
     Quantised rows are dequantised inside the native gather (``pyhook::dequant_rows``);
     compressed rows are decoded one chunk at a time, only the chunks a read touches, into a
-    bounded cache (``cache_bytes`` per layer, by default ``DEFAULT_CACHE_BYTES``) that later
-    reads gather from as from a plain store.
+    bounded cache (``cache_bytes`` per layer, by default :func:`chunk_cache_bytes`'s: the
+    reader's ``chunk_cache_bytes``, ``PYHOOK_CHUNK_CACHE_BYTES`` or 128 MiB) that later reads
+    gather from as from a plain store.
 
     >>> import tempfile
     >>> import pyhook
@@ -561,7 +625,7 @@ class EncodedLayerData:
         # Remote shards are downloaded when first touched: only the touched ones are asked for.
         self._local = all(getattr(s, "fetch", None) is None for s in self._sources)
         if _cache is None:
-            _cache = _ChunkCache(DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
+            _cache = _ChunkCache(chunk_cache_bytes(cache_bytes, "cache_bytes"))
         self._cache = _cache
 
     # -- the LayerData interface ----------------------------------------------------------------
@@ -579,6 +643,46 @@ class EncodedLayerData:
         assert d is not None
         return EncodedLayerData(
             self.name, self._sources, self._info, self._rows, dtype=d, _cache=self._cache
+        )
+
+    def with_cache(self, cache_bytes: int) -> EncodedLayerData:
+        """The same rows with a decoded-chunk cache of its own, bounded by ``cache_bytes``
+        (what ``dataset(chunk_cache_bytes=...)`` reads through; matters for compressed
+        layers only).
+
+        >>> import tempfile
+        >>> import pyhook
+        >>> net, out = torch.nn.Sequential(torch.nn.Linear(4, 8)), tempfile.mkdtemp()
+        >>> with pyhook.capture(net, "0", out=out, compress="zstd"):
+        ...     _ = net(torch.randn(6, 4))
+        >>> h = pyhook.open_capture(out)["0"].with_cache(0)  # decode on every read
+        >>> h[:2].shape, h._cache.bytes
+        (torch.Size([2, 8]), 0)
+        """
+        return EncodedLayerData(
+            self.name,
+            self._sources,
+            self._info,
+            self._rows,
+            dtype=self.dtype,
+            cache_bytes=chunk_cache_bytes(cache_bytes, "cache_bytes"),
+        )
+
+    def _mapped_quantised(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(parts, scales)``: every local shard's memory-mapped quantised rows and their
+        scales, for a caller that reads batches of several layers in one native call
+        (:mod:`pyhook.dataset`); None for rows that are compressed, remote or not quantised."""
+        if (
+            not self.encoding.get("quantize")
+            or self.encoding.get("compress")
+            or not self._local
+            or not self._sources
+        ):
+            return None
+        n = len(self._sources)
+        return (
+            [self._tensor(i, self.name) for i in range(n)],
+            [self._tensor(i, self.encoding["scale"]) for i in range(n)],
         )
 
     @property

@@ -904,13 +904,32 @@ class CaptureJob:
         batches = math.ceil(est["examples"] / self.batch_size)
         extra = rows * 24 if self.tokens else 0  # int64 token id + int64 (context, position)
         extra += est.get("text_bytes", 0) + 16 * est.get("texts", 0)  # + int64 length, index
+        if self.compress:  # the bound counts the frames of each shard (of the plain size)
+            from .encoding import Encoding, stored_bytes_bound
+
+            plain = sum(
+                rows
+                * math.prod(shapes[n][0])
+                * torch.empty((), dtype=dtype or shapes[n][1]).element_size()
+                for n in rec.layers
+            )
+            shards_at_most = max(1, math.ceil(plain / (self.shard_mb * (1 << 20))))
         for name in rec.layers:
             row_shape, out_dtype = shapes[name]
             itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
             width = math.prod(row_shape)
             nbytes = rows * width * itemsize
-            if self.quantize:  # one byte a value, a float32 scale a row (zstd: at most this)
+            if self.quantize:  # one byte a value, a float32 scale a row: exact
                 nbytes = rows * (width + 4)
+            if self.compress:  # at most: the rows uncompressed plus zstd's framing
+                d = dtype or out_dtype
+                enc = Encoding(self.quantize, self.compress).layer_info(
+                    name, d, {"dtype": dtype_name(d), "row_shape": list(row_shape)}
+                )["encoding"]
+                row_bytes = width * (1 if self.quantize else itemsize)
+                nbytes, _ = stored_bytes_bound(enc, rows, row_bytes, shards_at_most)
+                nbytes += rows * 4 if self.quantize else 0
+                plan.upper_bound = True
             plan.layers.append(
                 LayerPlan(
                     name,
@@ -1172,6 +1191,9 @@ class CapturePlan:
     free: int | None = None
     stored: int = 0
     note: str | None = None
+    #: ``bytes`` is an upper bound, not an estimate: ``compress`` is set, and what it saves
+    #: depends on the values (the rows uncompressed, plus zstd's framing)
+    upper_bound: bool = False
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1184,8 +1206,13 @@ class CapturePlan:
         if self.fits or self.job.force:
             return
         where = _existing_dir(self.out)
+        size = (
+            f"at most {_human(self.bytes)} (before compression)"
+            if self.upper_bound
+            else f"about {_human(self.bytes)}"
+        )
         raise JobError(
-            f"the capture needs about {_human(self.bytes)} but {where} has "
+            f"the capture needs {size} but {where} has "
             f"{_human(self.free or 0)} free; capture less (`limit`, fewer `layers`, `dtype` "
             "float16) or another `out`, or `force=True` to start anyway"
         )
@@ -1202,13 +1229,19 @@ class CapturePlan:
         )
         return (
             f"plan: {self.examples:,} {self.unit} ({self.rows:,} rows kept, {how}) through "
-            f"{self.model_class} -> {len(self.layers)} layer(s), about {_human(self.bytes)} in "
-            f"~{self.shards} {where}"
+            f"{self.model_class} -> {len(self.layers)} layer(s), "
+            + (
+                f"at most {_human(self.bytes)} (the size before compression) in at most "
+                if self.upper_bound
+                else f"about {_human(self.bytes)} in ~"
+            )
+            + f"{self.shards} {where}"
         )
 
     def table(self) -> str:
         """Per layer: row shape, rows, dtype, MB (and the encoding of a compact store: with
-        ``compress`` the MB are the size before compression, an upper bound)."""
+        ``compress`` the MB are an upper bound, the size before compression plus zstd's
+        framing)."""
         rows = [
             [p.name, "x".join(map(str, p.row_shape)), f"{p.rows:,}", p.dtype, _mb(p.bytes)]
             for p in self.layers

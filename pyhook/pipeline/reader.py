@@ -329,8 +329,16 @@ class CaptureReader:
         verify: bool = False,
         cache_bytes: int = 4 << 30,
         prefetch: int = 2,
+        chunk_cache_bytes: int | None = None,
     ) -> None:
         self._remote_cache: ShardCache | None = None
+        if chunk_cache_bytes is not None:  # checked now, not at the first read of a layer
+            from .encoding import chunk_cache_bytes as _check
+
+            _check(chunk_cache_bytes)
+        #: the bound of each compressed layer's decoded-chunk cache (None: the default,
+        #: see :func:`pyhook.pipeline.encoding.chunk_cache_bytes`)
+        self.chunk_cache_bytes = chunk_cache_bytes
         if is_url(path):
             self._open_remote(str(path), verify, cache_bytes, prefetch)
             return
@@ -449,7 +457,9 @@ class CaptureReader:
             if "encoding" in info:  # a compact store's layer, decoded in the gather
                 from .encoding import EncodedLayerData
 
-                self._cache[name] = EncodedLayerData(name, shards, info, rows)  # type: ignore[assignment]
+                self._cache[name] = EncodedLayerData(  # type: ignore[assignment]
+                    name, shards, info, rows, cache_bytes=self.chunk_cache_bytes
+                )
                 return self._cache[name]
             self._cache[name] = LayerData(name, shards, info["row_shape"], dtype, rows=rows)
         return self._cache[name]
@@ -587,6 +597,7 @@ def open_capture(
     verify: bool = False,
     cache_bytes: int = 4 << 30,
     prefetch: int = 2,
+    chunk_cache_bytes: int | None = None,
 ) -> CaptureReader:
     """Open a capture directory, or a capture on object storage (any fsspec URL such as
     ``s3://bucket/prefix``), for reading (see :class:`CaptureReader`).
@@ -594,7 +605,9 @@ def open_capture(
     Every shard's size and header are checked against the index; ``verify=True`` also checks
     every shard's checksum (reads all the data once). For a URL, shards are downloaded when
     first read, ``prefetch`` ahead, into a local cache of at most ``cache_bytes``, each checked
-    against its checksum before use.
+    against its checksum before use. ``chunk_cache_bytes`` bounds the decoded-chunk cache of
+    each compressed layer of a compact store (default: ``PYHOOK_CHUNK_CACHE_BYTES``, else 128
+    MiB; docs/store-format.md).
 
     Example::
 
@@ -605,4 +618,10 @@ def open_capture(
         >>> store.open_capture(out, verify=True)["x"].shape
         torch.Size([3, 4])
     """
-    return CaptureReader(path, verify=verify, cache_bytes=cache_bytes, prefetch=prefetch)
+    return CaptureReader(
+        path,
+        verify=verify,
+        cache_bytes=cache_bytes,
+        prefetch=prefetch,
+        chunk_cache_bytes=chunk_cache_bytes,
+    )
