@@ -26,7 +26,7 @@ inline bool has_lazy_values(const at::Tensor& t) {
 // never leaves a half-written output behind), naming `op`, the index and its position. Returns
 // whether idx is one ascending run of rows (a sequential batch); `ascending`, when given, is
 // set to whether idx never decreases (its rows are already in file order). Shared by the row
-// gathers (cpu/dequant.cpp; cpu/gather.cpp's check_indices is the same check).
+// gathers (cpu/gather.cpp, cpu/dequant.cpp).
 inline bool check_row_indices(const int64_t* ix, int64_t n, int64_t total, const char* op,
                               bool* ascending = nullptr) {
   bool sequential = true;

@@ -483,21 +483,6 @@ void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int6
   }
 }
 
-// Checks every index against `total` rows, before anything is written (a bad index never
-// leaves a half-written output behind). `sequential`: idx is one ascending run of rows;
-// `ascending`: idx never decreases (its rows are already in file order).
-void check_indices(const int64_t* ix, int64_t n, int64_t total, bool& sequential,
-                   bool& ascending) {
-  sequential = ascending = true;
-  for (int64_t k = 0; k < n; ++k) {
-    TORCH_CHECK_INDEX(ix[k] >= 0 && ix[k] < total, "gather_rows: index ", ix[k],
-                      " (at position ", k, " of idx) is out of range for ", total,
-                      " rows; valid indices are 0..", total - 1);
-    sequential = sequential && ix[k] == ix[0] + k;
-    ascending = ascending && (k == 0 || ix[k] >= ix[k - 1]);
-  }
-}
-
 // Below this many rows a batch is copied in idx order (sorting costs more than it saves).
 constexpr int64_t kSortMinRows = 64;
 
@@ -647,8 +632,10 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   for (const Prepared& p : ps) {
     total = std::min(total, p.starts.back());
   }
-  bool sequential = true, ascending = true;
-  check_indices(ix, n, total, sequential, ascending);
+  // Every index is checked before anything is written (a bad index never leaves a
+  // half-written output behind); `ascending`: the rows are already in file order.
+  bool ascending = true;
+  const bool sequential = check_row_indices(ix, n, total, "gather_rows", &ascending);
   // A shuffled batch: read in ascending file order, written in idx order (see
   // copy_range_sorted). A batch already in file order needs no sort.
   int pbits = 0;
