@@ -20,11 +20,15 @@ How it works, for one batch of prompts (:func:`run_generate`):
   asked otherwise); the recorder's hooks see each step, i.e. each call of the model: the
   prompt (the first call, its padding masked out through :meth:`~pyhook.capture.Recorder.annotate`)
   and then one token per sequence per call;
-* the steps' rows are kept back from the store (``Recorder._hold``) until the generation ends;
+* the steps' rows are kept back from the store (``Recorder._hold``, a :class:`_Held`) until
+  the generation ends: each step's rows are copied into one buffer per layer with a slot per
+  sequence (its kept prompt rows, then ``max_new_tokens - 1`` new ones), and count against the
+  capture's host budget (``max_host_bytes``) with the rows waiting for the disk;
   then the final sequences are known, and the batch is written as **one** batch of the store:
-  rows ordered by (example, position) as a forward over the final sequences gives them, each
-  with its token id, ``row_index`` (example, absolute position in the unpadded sequence) and
-  a ``__generated__`` flag; rows of a sequence past its end (after EOS) are dropped;
+  rows ordered by (example, position) as a forward over the final sequences gives them (the
+  slots moved together), each with its token id, ``row_index`` (example, absolute position in
+  the unpadded sequence) and a ``__generated__`` flag; rows of a sequence past its end (after
+  EOS) are dropped;
 * statistics are those of the stored rows; the examples count once per prompt batch, so a
   killed capture resumes at the next prompt batch (a batch is never split across shards).
 
