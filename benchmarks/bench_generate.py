@@ -181,7 +181,7 @@ def main() -> None:
     over = peak["capture"] - peak["generate"]
     print(
         f"{'peak RSS MB':24}{peak['generate'] / 1e6:12.0f}{peak['capture'] / 1e6:12.0f}"
-        f"{over / 1e6:+10.0f}   <= {bound / 1e6:.0f} (max_host_bytes): "
+        f"{over / 1e6:+10.0f}   over <= {bound / 1e6:.0f} MB (max_host_bytes, 256 MiB): "
         + ("met" if over <= bound else "MISSED")
     )
     print(
