@@ -268,6 +268,27 @@ def test_a_prompt_batch_larger_than_the_budget_is_still_captured(tmp_path, monke
     assert max(counts) * per_row <= rec.peak_held_bytes <= max(run) * (per_row + 25) + 4096
 
 
+def test_steps_placed_one_step_late_give_the_same_rows(tmp_path, monkeypatch):
+    # On a GPU a step's host copy is still in flight when the step returns: it is placed in
+    # the batch's buffers at the next step. The same path, run on the CPU.
+    from pyhook.pipeline import generate
+
+    real = generate._Held.__init__
+
+    def late(self, *a, **k):
+        real(self, *a, **k)
+        self.sync = False
+
+    monkeypatch.setattr(generate._Held, "__init__", late)
+    model = _gpt()
+    eos = _eos_mid_batch(model, PROMPTS)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model, prompt_batches(PROMPTS, batch_size=4), rec, max_new_tokens=NEW, eos_token_id=eos
+        )
+    assert _check_rows(model, pyhook.open_capture(tmp_path), PROMPTS, eos, 4) >= 1
+
+
 def test_compiled_model_gives_the_rows_of_the_eager_one(tmp_path):
     model = _gpt()
     prompts = PROMPTS[:3]

@@ -233,7 +233,9 @@ class _Held:
     this batch alone, which must all be held until its sequences are final).
     """
 
-    def __init__(self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int) -> None:
+    def __init__(
+        self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int, sync: bool
+    ) -> None:
         self.rec = rec
         self.n_seq = int(prefill_keep.shape[0])
         self.max_new = max_new_tokens
@@ -249,7 +251,7 @@ class _Held:
         self.pending: list[tuple[int, dict[str, Any], Any]] = []  # (step, rows, wait)
         self.out: dict[str, torch.Tensor] | None = None
         self.charged = 0  # bytes counted in rec._held for this batch
-        self.sync = False  # copies land at once (CPU): place each step as it comes
+        self.sync = sync  # the model runs on the CPU: its copies are done, placed at once
 
     def append(self, item: tuple[dict[str, Any], int, dict[str, Any], Any]) -> None:
         """One call of the model (``Recorder._add`` while holding): its rows are placed."""
@@ -275,7 +277,6 @@ class _Held:
             for name, p in rows.items():
                 shape, dtype, dev = _shape_of(p)
                 self.out[name] = torch.empty((self.cap, *shape), dtype=dtype, device=dev)
-            self.sync = all(_shape_of(p)[2].type == "cpu" for p in rows.values())
         nbytes = sum(int(p.nbytes) for p in rows.values())
         self._charge(nbytes)
         self.steps += 1
@@ -345,9 +346,11 @@ class _Held:
 class _Steps:
     """What one prompt batch's generation holds back (:class:`_Held`) while it runs."""
 
-    def __init__(self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int) -> None:
+    def __init__(
+        self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int, sync: bool
+    ) -> None:
         self.rec = rec
-        self.held = _Held(rec, prefill_keep, max_new_tokens)
+        self.held = _Held(rec, prefill_keep, max_new_tokens, sync)
 
     def __enter__(self) -> _Steps:
         if self.rec._hold is not None:
@@ -478,7 +481,8 @@ def run_generate(
                 if seeded
                 else contextlib.nullcontext()
             )
-            with _Steps(rec, prefill_keep, max_new_tokens) as steps, fork, torch.no_grad():
+            on_cpu = torch.device(device).type == "cpu"
+            with _Steps(rec, prefill_keep, max_new_tokens, on_cpu) as steps, fork, torch.no_grad():
                 if seeded:
                     torch.manual_seed(seed * 1_000_003 + int(b.examples[0]))
                 # the first call's rows (the prompts): their tokens, no padding
