@@ -253,6 +253,13 @@ def _stored_stats(reader: Any) -> str:
         "  token ids and row index: "
         + ("kept (reader.tokens, reader.row_index)" if has_tokens else "not kept")
     ]
+    gen = reader.generated
+    if gen is not None:  # a capture during generate: which rows are generated tokens
+        n_gen = int(gen.sum())
+        lines.append(
+            f"  generated text: {n_gen:,} of {gen.numel():,} rows are generated tokens, "
+            f"{gen.numel() - n_gen:,} prompt tokens (reader.generated, reader.completion(e))"
+        )
     table = annotations.format_stats(reader)
     if table.strip():
         lines.append(

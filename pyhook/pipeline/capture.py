@@ -365,6 +365,8 @@ class Recorder:
         self._pool_limit_now = share  # the native pool's idle limit during a disk capture
         self._held = 0  # bytes of rows handed to the writer and not yet written
         self._held_cv = threading.Condition()
+        # the most bytes of rows held at once for the writer (and by a generation capture)
+        self.peak_held_bytes = 0
         _check_json("meta", meta)
         _check_json("settings", settings)
         self._rank, self._world = self._dist_info(rank, world_size)
@@ -764,6 +766,7 @@ class Recorder:
             self._wait_for_room(nbytes)
             with self._held_cv:
                 self._held += nbytes
+                self.peak_held_bytes = max(self.peak_held_bytes, self._held)
             try:
                 self._writer.add(batch, examples, wait=wait)
             except BaseException:

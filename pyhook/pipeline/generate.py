@@ -20,11 +20,15 @@ How it works, for one batch of prompts (:func:`run_generate`):
   asked otherwise); the recorder's hooks see each step, i.e. each call of the model: the
   prompt (the first call, its padding masked out through :meth:`~pyhook.capture.Recorder.annotate`)
   and then one token per sequence per call;
-* the steps' rows are kept back from the store (``Recorder._hold``) until the generation ends;
+* the steps' rows are kept back from the store (``Recorder._hold``, a :class:`_Held`) until
+  the generation ends: each step's rows are copied into one buffer per layer with a slot per
+  sequence (its kept prompt rows, then ``max_new_tokens - 1`` new ones), and count against the
+  capture's host budget (``max_host_bytes``) with the rows waiting for the disk;
   then the final sequences are known, and the batch is written as **one** batch of the store:
-  rows ordered by (example, position) as a forward over the final sequences gives them, each
-  with its token id, ``row_index`` (example, absolute position in the unpadded sequence) and
-  a ``__generated__`` flag; rows of a sequence past its end (after EOS) are dropped;
+  rows ordered by (example, position) as a forward over the final sequences gives them (the
+  slots moved together), each with its token id, ``row_index`` (example, absolute position in
+  the unpadded sequence) and a ``__generated__`` flag; rows of a sequence past its end (after
+  EOS) are dropped;
 * statistics are those of the stored rows; the examples count once per prompt batch, so a
   killed capture resumes at the next prompt batch (a batch is never split across shards).
 
@@ -37,7 +41,6 @@ next token is in the sequence. ``reader.text(e)`` is the prompt and its completi
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -217,12 +220,137 @@ def _generate_kwargs(
     return kw
 
 
-class _Steps:
-    """What one prompt batch's generation held back: its steps' rows, joined into one batch."""
+class _Held:
+    """The rows of one prompt batch's generation, placed as the steps come.
 
-    def __init__(self, rec: Any) -> None:
+    Each step's rows are copied at once (or, for copies still in flight to the host, at the
+    next step) into one buffer per layer, where each sequence has a slot of its kept prompt
+    rows plus ``max_new_tokens - 1`` generated rows, and the step's own buffers go back to the
+    pool: what a batch holds is its rows once (only the pages written are resident). For a
+    disk capture the rows held count against the capture's host budget
+    (``Recorder._held``, within ``max_host_bytes``): a step waits for the writer while the
+    rows it still holds of earlier batches and these would exceed it (never for the rows of
+    this batch alone, which must all be held until its sequences are final).
+    """
+
+    def __init__(
+        self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int, sync: bool
+    ) -> None:
         self.rec = rec
-        self.held: list[tuple[dict[str, Any], int, dict[str, Any], Any]] = []
+        self.n_seq = int(prefill_keep.shape[0])
+        self.max_new = max_new_tokens
+        self.pk = prefill_keep.sum(1).to(torch.long)  # kept prompt rows of each sequence
+        self.prefill_rows = int(self.pk.sum())
+        slot = self.pk + (max_new_tokens - 1)
+        self.base = torch.cumsum(slot, 0) - slot  # each sequence's first row in the buffers
+        self.cap = int(slot.sum())
+        r0, c0 = prefill_keep.nonzero(as_tuple=True)  # the prompt rows, in the step's order
+        within = torch.cumsum(prefill_keep.to(torch.long), 1) - 1
+        self.prefill_dest = self.base[r0] + within[r0, c0]
+        self.steps = 0  # calls of the model seen
+        self.pending: list[tuple[int, dict[str, Any], Any]] = []  # (step, rows, wait)
+        self.out: dict[str, torch.Tensor] | None = None
+        self.charged = 0  # bytes counted in rec._held for this batch
+        self.sync = sync  # the model runs on the CPU: its copies are done, placed at once
+
+    def append(self, item: tuple[dict[str, Any], int, dict[str, Any], Any]) -> None:
+        """One call of the model (``Recorder._add`` while holding): its rows are placed."""
+        rows, _, _, wait = item
+        step = self.steps
+        if step >= self.max_new:
+            raise RuntimeError(
+                f"generate ran the model more than max_new_tokens={self.max_new} time(s); "
+                "pyhook captures generate with its KV cache, one call per new token (no beam "
+                "search, assisted or speculative decoding)"
+            )
+        want = self.prefill_rows if step == 0 else self.n_seq
+        for name, p in rows.items():
+            got = int(p.shapes[0][0] if not isinstance(p, torch.Tensor) else p.shape[0])
+            if got != want:
+                raise GenerateError(
+                    f"layer {name!r} gave {got} row(s) in step {step} of generate, expected "
+                    f"{want} (one per token run): capture layers whose output has a "
+                    "token dimension, [batch, tokens, ...] (e.g. blocks, not the LM head)"
+                )
+        if self.out is None:
+            self.out = {}
+            for name, p in rows.items():
+                shape, dtype, dev = _shape_of(p)
+                self.out[name] = torch.empty((self.cap, *shape), dtype=dtype, device=dev)
+        nbytes = sum(int(p.nbytes) for p in rows.values())
+        self._charge(nbytes)
+        self.steps += 1
+        self.pending.append((step, rows, wait))
+        # Copies to the host still in flight are waited for one step later (not at once).
+        self.place(keep=0 if self.sync else 1)
+
+    def _charge(self, nbytes: int) -> None:
+        rec = self.rec
+        if rec.to != "disk" or rec._writer is None:
+            return
+        budget = rec._rows_budget
+        with rec._held_cv:
+            full = rec._held - self.charged > 0 and rec._held + nbytes > budget
+        if full:
+            rec._writer.flush()  # what it buffers becomes a shard, so that it can be released
+            with rec._held_cv:
+                while rec._held - self.charged > 0 and rec._held + nbytes > budget:
+                    rec._held_cv.wait(0.1)
+                    rec._writer._check_error()
+        with rec._held_cv:
+            rec._held += nbytes
+            self.charged += nbytes
+            rec.peak_held_bytes = max(rec.peak_held_bytes, rec._held)
+
+    def uncharge(self) -> None:
+        rec = self.rec
+        if self.charged:
+            with rec._held_cv:
+                rec._held -= self.charged
+                self.charged = 0
+                rec._held_cv.notify_all()
+
+    def place(self, keep: int = 0) -> None:
+        """Copy the pending steps (all but the last ``keep``) into the buffers."""
+        rec = self.rec
+        assert self.out is not None or not self.pending
+        while len(self.pending) > keep:
+            step, rows, wait = self.pending.pop(0)
+            if wait is not None:
+                wait()
+            parts = {name: _resolved(p) for name, p in rows.items()}
+            dest = self.prefill_dest if step == 0 else self.base + self.pk + (step - 1)
+            with torch.no_grad():
+                for name, part in parts.items():
+                    o = self.out[name]  # type: ignore[index]
+                    if part.shape[0]:
+                        o.index_copy_(0, dest.to(o.device), part.to(o.device))
+            if rec.to == "disk" and not rec._compiled:
+                rec._offloader.release(list(parts.values()))
+
+    def drop(self) -> None:
+        """Give back what a failed generation holds (nothing of it is stored)."""
+        rec = self.rec
+        for _, rows, wait in self.pending:
+            with contextlib.suppress(Exception):
+                if wait is not None:
+                    wait()
+                parts = [_resolved(p) for p in rows.values()]
+                if rec.to == "disk" and not rec._compiled:
+                    rec._offloader.release(parts)
+        self.pending.clear()
+        self.out = None
+        self.uncharge()
+
+
+class _Steps:
+    """What one prompt batch's generation holds back (:class:`_Held`) while it runs."""
+
+    def __init__(
+        self, rec: Any, prefill_keep: torch.Tensor, max_new_tokens: int, sync: bool
+    ) -> None:
+        self.rec = rec
+        self.held = _Held(rec, prefill_keep, max_new_tokens, sync)
 
     def __enter__(self) -> _Steps:
         if self.rec._hold is not None:
@@ -237,18 +365,7 @@ class _Steps:
         self.rec._hold = None
         self.rec._tokens = self.tokens
         if exc_type is not None:  # nothing of this batch is stored: give the buffers back
-            self.drop()
-
-    def drop(self) -> None:
-        rec = self.rec
-        for rows, _, _, wait in self.held:
-            with contextlib.suppress(Exception):
-                if wait is not None:
-                    wait()
-                parts = [_resolved(p) for p in rows.values()]
-                if rec.to == "disk" and not rec._compiled:
-                    rec._offloader.release(parts)
-        self.held.clear()
+            self.held.drop()
 
 
 def _resolved(p: Any) -> torch.Tensor:
@@ -270,6 +387,7 @@ def run_generate(
     stats: bool | None = None,
     device: Any = None,
     on_batch: Callable[[Any, float], None] | None = None,
+    on_generated: Callable[[int], None] | None = None,
     **generate_kwargs: Any,
 ) -> dict[str, float]:
     """Run ``model.generate`` over the prompt ``batches`` (:class:`pyhook.source.Batch`, e.g.
@@ -283,6 +401,8 @@ def run_generate(
     per batch from ``seed`` and the batch's first example, so a resumed capture samples the
     same), or ``"model"`` (the model's ``generation_config``, seeded the same way);
     ``generate_kwargs`` go to ``generate`` (``temperature=``, ``eos_token_id=``, ...).
+    ``on_batch(batch, seconds)`` is called after each prompt batch, right after
+    ``on_generated(new_tokens)`` (the tokens the batch generated, its EOS included).
     ``tokenizer`` decodes the completions into the stored texts. ``stats`` (default: the
     recorder's) stores the statistics of the kept rows. Returns timings like
     :func:`pyhook.runner.run` (``forward`` seconds, ``wait``, ``tokens`` run through the
@@ -361,7 +481,8 @@ def run_generate(
                 if seeded
                 else contextlib.nullcontext()
             )
-            with _Steps(rec) as steps, fork, torch.no_grad():
+            on_cpu = torch.device(device).type == "cpu"
+            with _Steps(rec, prefill_keep, max_new_tokens, on_cpu) as steps, fork, torch.no_grad():
                 if seeded:
                     torch.manual_seed(seed * 1_000_003 + int(b.examples[0]))
                 # the first call's rows (the prompts): their tokens, no padding
@@ -370,31 +491,29 @@ def run_generate(
                 if not isinstance(seqs, torch.Tensor):  # return_dict_in_generate=True
                     seqs = seqs.sequences
                 seqs = seqs.to("cpu")
-                held = list(steps.held)
-                steps.held.clear()
-                try:
-                    joined = _join(
-                        rec,
-                        b,
-                        held,
-                        seqs,
-                        ids.shape[1],
-                        lengths,
-                        prefill_keep,
-                        eos,
-                        generated_only=generated_only,
-                        stats=stats,
-                        tokenizer=tokenizer,
-                        tokens=steps.tokens,
-                    )
-                except BaseException:
-                    steps.held[:] = held
-                    raise
+                joined = _join(
+                    rec,
+                    b,
+                    steps.held,
+                    seqs,
+                    ids.shape[1],
+                    lengths,
+                    prefill_keep,
+                    eos,
+                    generated_only=generated_only,
+                    stats=stats,
+                    tokenizer=tokenizer,
+                    tokens=steps.tokens,
+                )
+            # the batch's rows are counted by the writer's budget from here on
+            steps.held.uncharge()
             rec._add(*joined[:3], wait=joined[3])
             dt = time.perf_counter() - t1
             forward += dt
             tokens += joined[4]
             new_tokens += joined[5]
+            if on_generated is not None:
+                on_generated(joined[5])
             if on_batch is not None:
                 on_batch(b, dt)
     finally:
@@ -407,7 +526,7 @@ def run_generate(
 def _join(
     rec: Any,
     b: Any,
-    held: list[tuple[dict[str, Any], int, dict[str, Any], Any]],
+    held: _Held,
     seqs: torch.Tensor,
     width: int,
     lengths: torch.Tensor,
@@ -419,14 +538,14 @@ def _join(
     tokenizer: Any,
     tokens: bool,
 ) -> tuple[dict[str, Any], int, dict[str, torch.Tensor], Any, int, int]:
-    """The held steps of one prompt batch as one store batch: ``(rows, examples, extra,
+    """The held rows of one prompt batch as one store batch: ``(rows, examples, extra,
     wait, tokens run, new tokens)``; rows ordered by (example, position), past-the-end rows
     dropped, token ids, row index, generated flags and texts from the final sequences."""
     n_seq = seqs.shape[0]
     steps = seqs.shape[1] - width  # new tokens = calls of the model
-    if steps < 1 or len(held) != steps:
+    if steps < 1 or held.steps != steps:
         raise RuntimeError(
-            f"generate ran the model {len(held)} time(s) for {steps} new token(s) a sequence; "
+            f"generate ran the model {held.steps} time(s) for {steps} new token(s) a sequence; "
             "pyhook captures generate with its KV cache, one call per new token (no beam "
             "search, assisted or speculative decoding)"
         )
@@ -443,15 +562,6 @@ def _join(
     slots = [r0] + [torch.arange(n_seq)] * (steps - 1)
     cols = [c0] + [torch.full((n_seq,), width + s - 1, dtype=torch.long) for s in range(1, steps)]
     counts = [int(r0.numel())] + [n_seq] * (steps - 1)
-    for s, (rows, _, _, _) in enumerate(held):
-        for name, p in rows.items():
-            got = int(p.shapes[0][0] if not isinstance(p, torch.Tensor) else p.shape[0])
-            if got != counts[s]:
-                raise GenerateError(
-                    f"layer {name!r} gave {got} row(s) in step {s} of generate, expected "
-                    f"{counts[s]} (one per token run): capture layers whose output has a "
-                    "token dimension, [batch, tokens, ...] (e.g. blocks, not the LM head)"
-                )
     slot = torch.cat(slots)
     col = torch.cat(cols)
     valid = col < last_col[slot]  # the final token is never run; nothing after it is kept
@@ -461,8 +571,6 @@ def _join(
     key = slot * (width + steps + 1) + col
     sel = valid.nonzero(as_tuple=True)[0]
     perm = sel[torch.argsort(key[sel])]
-    dest = torch.full((slot.numel(),), -1, dtype=torch.long)
-    dest[perm] = torch.arange(perm.numel())
     n_rows = int(perm.numel())
 
     examples_of = b.examples.to("cpu", torch.long).reshape(-1)
@@ -487,17 +595,22 @@ def _join(
         )
         extra[TEXT_PROMPT_BYTES] = torch.tensor(prompt_bytes, dtype=torch.long)
 
-    # The rows: one buffer per layer, filled from the steps' rows (on the writer thread for a
-    # disk capture, once their copies have landed).
-    layers = list(held[0][0])
-    bounds = [0, *itertools.accumulate(counts)]
-    waits = [w for _, _, _, w in held if w is not None]
-    parts_of = [rows for rows, _, _, _ in held]
-    first = {name: _shape_of(parts_of[0][name]) for name in layers}
-    out: dict[str, torch.Tensor] = {}
-    for name in layers:
-        shape, dtype, dev = first[name]
-        out[name] = torch.empty((n_rows, *shape), dtype=dtype, device=dev)
+    # The rows: the held buffers, each sequence's slot moved up behind the one before it
+    # (slots hold max_new_tokens - 1 generated rows; a sequence that ended sooner leaves a
+    # gap). On the writer thread for a disk capture.
+    held.place()
+    assert held.out is not None
+    kept = held.pk + ends - 1  # each sequence's rows: its kept prompt rows, then its new ones
+    offsets = torch.cumsum(kept, 0) - kept
+    if int(kept.sum()) != n_rows:  # pragma: no cover - the two layouts describe the same rows
+        raise RuntimeError(f"generate capture: {int(kept.sum())} rows placed, {n_rows} kept")
+    moves = [
+        (int(src), int(dst), int(k))
+        for src, dst, k in zip(held.base.tolist(), offsets.tolist(), kept.tolist())
+        if k and src != dst
+    ]
+    bufs = held.out
+    out = {name: buf[:n_rows] for name, buf in bufs.items()}
     fill_stats: Callable[[], None] | None = None
     with_stats = [n for n, t in out.items() if not t.is_complex()] if stats else []
     if with_stats and rec.to == "disk":  # disk rows are host rows: the writer thread does them
@@ -506,23 +619,11 @@ def _join(
             extra[f"__stats__.{name}"] = s
 
     def fill() -> None:
-        for w in waits:
-            w()
         with torch.no_grad():
-            for s, rows in enumerate(parts_of):
-                d = dest[bounds[s] : bounds[s + 1]]
-                m = d >= 0
-                if not bool(m.any()):
-                    continue
-                src_idx = m.nonzero(as_tuple=True)[0]
-                for name in layers:
-                    part = _resolved(rows[name])
-                    o = out[name]
-                    o.index_copy_(
-                        0, d[m].to(o.device), part.index_select(0, src_idx.to(part.device))
-                    )
-        if rec.to == "disk" and not rec._compiled:
-            rec._offloader.release([p for rows in parts_of for p in rows.values()])
+            for src, dst, k in moves:  # dst < src: each move reads rows not yet overwritten
+                for buf in bufs.values():
+                    part = buf[src : src + k]
+                    buf[dst : dst + k].copy_(part if src - dst >= k else part.clone())
         if fill_stats is not None:
             fill_stats()
 

@@ -991,6 +991,7 @@ class CaptureJob:
         unit = plan.unit.split(" ")[0]
         truncated = 0
         tokens = 0
+        generated = 0  # tokens generated (with `generate`); also counted in `tokens`
         t0 = time.perf_counter()
         with rec:
             src.skip = rec.examples_done
@@ -1012,6 +1013,11 @@ class CaptureJob:
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
+
+            def on_generated(n: int) -> None:
+                nonlocal tokens, generated
+                tokens += n
+                generated += n
 
             def on_batch(b: Any, _dt: float) -> None:
                 nonlocal truncated, tokens
@@ -1038,6 +1044,7 @@ class CaptureJob:
                         stats=self.stats,
                         device=device,
                         on_batch=on_batch,
+                        on_generated=on_generated,
                         **(self.generate_kwargs or {}),
                     )
                 else:
@@ -1046,7 +1053,9 @@ class CaptureJob:
                 bar.close()
         elapsed = time.perf_counter() - t0
         # The result is of the whole run: every rank's share.
-        tokens, truncated, nbytes = _sum_over_ranks([tokens, truncated, rec.bytes], device)
+        tokens, truncated, nbytes, generated = _sum_over_ranks(
+            [tokens, truncated, rec.bytes, generated], device
+        )
         result = CaptureResult(
             out=plan.out,
             unit=plan.unit,
@@ -1058,6 +1067,7 @@ class CaptureJob:
             bytes_written=nbytes,
             seconds=elapsed,
             forward_seconds=timing["forward"],
+            generated_tokens=generated,
         )
         if plan.rank != 0:  # rank 0 reads the merged store back
             return result
@@ -1293,6 +1303,7 @@ class CaptureResult:
     stored_bytes: int = 0
     layers: list[LayerPlan] = field(default_factory=list)
     note: str | None = None
+    generated_tokens: int = 0  # of ``tokens``: those ``generate`` added (capture with `generate`)
 
     @property
     def rows(self) -> dict[str, int]:
@@ -1310,12 +1321,16 @@ class CaptureResult:
             return _table(rows, ["layer", "rows", "row shape", "dtype", "stored as", "MB"])
         return _table(rows, ["layer", "rows", "row shape", "dtype", "MB"])
 
+    def _generated_part(self) -> str:
+        """``", 1,024 of them generated"`` for a capture during ``generate``."""
+        return f", {self.generated_tokens:,} of them generated" if self.generated_tokens else ""
+
     def report(self, flags: bool = False) -> str:
         if self.note is not None:
             return _spell(self.note, flags)
         text = (
             f"{self.table()}\n\n{self.examples:,} {self.unit.split(' ')[0]} ({self.tokens:,} "
-            f"tokens this run) from {os.path.basename(self.input)} -> {self.out}: "
+            f"tokens this run{self._generated_part()}) from {os.path.basename(self.input)} -> {self.out}: "
             f"{self.shards} shard(s), {_mb(self.stored_bytes)} MB; this run {self.seconds:.1f} s "
             f"(forward {self.forward_seconds:.1f} s), "
             f"{_mb(self.bytes_written / max(self.seconds, 1e-9))} MB/s"
