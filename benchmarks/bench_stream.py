@@ -123,12 +123,18 @@ def producer_bound(model, batches, layer, rounds):
     methods = {
         "bare forward loop (main thread)": lambda: bare(model, batches),
         "bare forward loop (a thread)": lambda: bare_in_thread(model, batches),
-        "pyhook.stream (step = 0)": lambda: streamed(
+        "pyhook.stream (step = 0), defaults": lambda: streamed(
             model, batches, layer, rows_per_forward, 4 * rows_per_forward
         ),
         "pyhook.stream, consumer's OpenMP team released (PYHOOK_STREAM_RELEASE_OMP=1)": (
             lambda: released(
                 lambda: streamed(model, batches, layer, rows_per_forward, 4 * rows_per_forward)
+            )
+        ),
+        "pyhook.stream, consumer's OpenMP team kept (PYHOOK_STREAM_RELEASE_OMP=0)": (
+            lambda: released(
+                lambda: streamed(model, batches, layer, rows_per_forward, 4 * rows_per_forward),
+                "0",
             )
         ),
     }
@@ -159,16 +165,32 @@ def producer_bound(model, batches, layer, rounds):
     )
     rel = [min(wall[n][i] for n in names[:2]) / wall[names[3]][i] for i in range(rounds)]
     rows.append(["stream (team released) / faster bare", f"{med(rel):.3f}x", "", ""])
+    kept = [min(wall[n][i] for n in names[:2]) / wall[names[4]][i] for i in range(rounds)]
+    rows.append(["stream (team kept) / faster bare", f"{med(kept):.3f}x", "", ""])
+    from pyhook.pipeline.stream import release_consumer_team
+
+    rows.append(
+        [
+            f"(the default released the team at load {os.getloadavg()[0]:.1f}: "
+            f"{'yes' if release_consumer_team() else 'no'})",
+            "",
+            "",
+            "",
+        ]
+    )
     return rows, med(ratios)
 
 
-def released(fn) -> None:
-    """``fn()`` with PYHOOK_STREAM_RELEASE_OMP=1 (pyhook._omp.release_thread_team)."""
-    os.environ["PYHOOK_STREAM_RELEASE_OMP"] = "1"
+def released(fn, value: str = "1") -> None:
+    """``fn()`` with PYHOOK_STREAM_RELEASE_OMP=value (pyhook._omp.release_thread_team)."""
+    saved = os.environ.get("PYHOOK_STREAM_RELEASE_OMP")
+    os.environ["PYHOOK_STREAM_RELEASE_OMP"] = value
     try:
         fn()
     finally:
         del os.environ["PYHOOK_STREAM_RELEASE_OMP"]
+        if saved is not None:
+            os.environ["PYHOOK_STREAM_RELEASE_OMP"] = saved
 
 
 # -- (b) -------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """pyhook._omp: the calling thread's OpenMP team released before a producer thread takes over
-torch's work (issue 24, the producer-bound stream), and pyhook.stream's opt-in to it."""
+torch's work (issue 24, the producer-bound stream), and when pyhook.stream does it."""
 
 from __future__ import annotations
 
@@ -52,8 +52,16 @@ def _source():
         )
 
 
-@pytest.mark.parametrize("env", [None, "1"])
-def test_stream_releases_the_consumer_team_only_on_request(monkeypatch, env):
+@pytest.mark.parametrize(
+    ("env", "load", "released"),
+    [
+        (None, 0.5, True),  # a core per runnable thread: released
+        (None, 50.0, False),  # oversubscribed: the throttled team is kept
+        ("0", 0.5, False),
+        ("1", 50.0, True),
+    ],
+)
+def test_stream_releases_the_consumer_team_by_load_or_request(monkeypatch, env, load, released):
     import transformers
 
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
@@ -62,6 +70,7 @@ def test_stream_releases_the_consumer_team_only_on_request(monkeypatch, env):
     monkeypatch.setattr(
         stream_mod, "release_thread_team", lambda: calls.append(threading.current_thread().name)
     )
+    monkeypatch.setattr(os, "getloadavg", lambda: (load * (os.cpu_count() or 1), 0.0, 0.0))
     if env is None:
         monkeypatch.delenv("PYHOOK_STREAM_RELEASE_OMP", raising=False)
     else:
@@ -70,4 +79,4 @@ def test_stream_releases_the_consumer_team_only_on_request(monkeypatch, env):
         len(b["tokens"]) for b in pyhook.stream(gpt, _source(), "h.0", batch_size=8, buffer_rows=16)
     )
     assert rows == 32
-    assert calls == ([] if env is None else [threading.current_thread().name])
+    assert calls == ([threading.current_thread().name] if released else [])

@@ -10,11 +10,15 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pyhook {
@@ -26,6 +30,62 @@ constexpr int64_t kDefaultLimit = int64_t{1} << 30;  // 1 GiB
 size_t round_size(size_t n) {
   const size_t q = n < (size_t{64} << 10) ? 64 : 4096;
   return (n + q - 1) / q * q;
+}
+
+// Buffers from 1 MiB up are mapped straight from the kernel, not taken from
+// malloc's heap. Taken from the heap, a capture buffer takes the chunk the
+// forward just freed, so the forward's next temporaries fault in fresh pages
+// (and a later malloc_trim gives back the forward's pages with the pool's);
+// mapped, the pool never moves the forward's heap. Mapped buffers are 2 MiB
+// aligned and advised MADV_HUGEPAGE (a 2 MiB page faults once, not 512
+// times; PYHOOK_POOL_HUGEPAGES=0 leaves that out), and prefaulted in one
+// call (MADV_POPULATE_WRITE) instead of one trap per page during the copy.
+constexpr size_t kMapMin = size_t{1} << 20;
+constexpr size_t kHuge = size_t{2} << 20;
+
+bool hugepages_from_env() {
+  const char* env = std::getenv("PYHOOK_POOL_HUGEPAGES");
+  return env == nullptr || std::string(env) != "0";
+}
+
+void* map_buffer(size_t capacity) {
+  if (capacity < kMapMin) {
+    return c10::alloc_cpu(capacity);
+  }
+  static const bool huge = hugepages_from_env();
+  const size_t span = capacity + (huge ? kHuge : 0);
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "pyhook: could not map a capture buffer of ", capacity,
+              " bytes (out of memory?)");
+  char* start = static_cast<char*>(raw);
+  if (huge) {
+    const auto addr = reinterpret_cast<uintptr_t>(raw);
+    char* aligned = start + ((kHuge - addr % kHuge) % kHuge);
+    const size_t head = static_cast<size_t>(aligned - start);
+    const size_t tail = span - head - capacity;
+    if (head > 0) {
+      munmap(start, head);
+    }
+    if (tail > 0) {
+      munmap(aligned + capacity, tail);
+    }
+    start = aligned;
+#ifdef MADV_HUGEPAGE
+    madvise(start, capacity, MADV_HUGEPAGE);  // advice only: ignored where THP is off
+#endif
+  }
+#ifdef MADV_POPULATE_WRITE
+  madvise(start, capacity, MADV_POPULATE_WRITE);  // best effort (Linux >= 5.14)
+#endif
+  return start;
+}
+
+void unmap_buffer(void* p, size_t capacity) {
+  if (capacity < kMapMin) {
+    c10::free_cpu(p);
+  } else {
+    munmap(p, capacity);
+  }
 }
 
 int64_t limit_from_env() {
@@ -66,11 +126,11 @@ class Pool {
       live_bytes_ += static_cast<int64_t>(capacity);
       ++live_buffers_;
     }
-    return c10::alloc_cpu(capacity);
+    return map_buffer(capacity);
   }
 
   void release(void* p, size_t capacity) {
-    std::vector<void*> evicted;
+    std::vector<std::pair<size_t, void*>> evicted;
     bool cached = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -83,7 +143,7 @@ class Pool {
         while (cached_bytes_ + cap > limit_ && !free_.empty()) {
           auto it = std::prev(free_.end());
           cached_bytes_ -= static_cast<int64_t>(it->first);
-          evicted.push_back(it->second);
+          evicted.emplace_back(it->first, it->second);
           free_.erase(it);
         }
         free_.emplace(capacity, p);
@@ -92,11 +152,11 @@ class Pool {
       }
     }
     // Free outside the lock: munmap of a large buffer is not cheap.
-    for (void* e : evicted) {
-      c10::free_cpu(e);
+    for (auto& e : evicted) {
+      unmap_buffer(e.second, e.first);
     }
     if (!cached) {
-      c10::free_cpu(p);
+      unmap_buffer(p, capacity);
     }
   }
 
@@ -121,7 +181,7 @@ class Pool {
       }
     }
     for (auto& kv : evicted) {
-      c10::free_cpu(kv.second);
+      unmap_buffer(kv.second, kv.first);
     }
   }
 
@@ -133,7 +193,7 @@ class Pool {
       cached_bytes_ = 0;
     }
     for (auto& kv : evicted) {
-      c10::free_cpu(kv.second);
+      unmap_buffer(kv.second, kv.first);
     }
   }
 

@@ -407,10 +407,9 @@ class Stream:
             target=self._produce, args=(out, stop, seed), name="pyhook-stream", daemon=True
         )
         self._active, self._stop = t, stop
-        if self.device.type == "cpu" and os.environ.get("PYHOOK_STREAM_RELEASE_OMP") == "1":
-            # Opt-in, to be measured on a quiet machine: the forward moves to the producer
-            # thread, and this thread's idle OpenMP workers go, so that the producer's team is
-            # not throttled as one of too many (pyhook._omp; under load it is slower).
+        if self.device.type == "cpu" and release_consumer_team():
+            # The forward moves to the producer thread: this thread's idle OpenMP workers go,
+            # so that the producer's team is not throttled as one of too many (pyhook._omp).
             release_thread_team()
         t.start()
         return self._consume(out, stop, t)
@@ -501,6 +500,35 @@ class Stream:
             f"<pyhook.Stream layers={len(self.layers)} batch_size={self.batch_size} "
             f"buffer_rows={self.buffer_rows} tee={self.tee!r}>"
         )
+
+
+def release_consumer_team() -> bool:
+    """Whether a CPU stream releases the consumer thread's idle OpenMP team before its
+    producer thread starts (:func:`pyhook._omp.release_thread_team`).
+
+    ``PYHOOK_STREAM_RELEASE_OMP=1`` always, ``=0`` never; unset, only when the machine is not
+    oversubscribed: the 1-minute load average is at most the number of cores plus one half.
+    On a machine with a core per runnable thread the producer's forward then runs as fast as
+    on the main thread; where other processes take the cores, GNU OpenMP's throttled teams
+    (kept when not released) lose less to spinning workers that are descheduled.
+
+    Example::
+
+        >>> import os
+        >>> from pyhook.pipeline.stream import release_consumer_team
+        >>> os.environ["PYHOOK_STREAM_RELEASE_OMP"] = "0"
+        >>> release_consumer_team()
+        False
+        >>> del os.environ["PYHOOK_STREAM_RELEASE_OMP"]
+    """
+    env = os.environ.get("PYHOOK_STREAM_RELEASE_OMP", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not POSIX: no load to judge by
+        return False
+    return load <= (os.cpu_count() or 1) + 0.5
 
 
 class _nullcontext:

@@ -529,6 +529,9 @@ class ShardWriter:
                         self._pending_bytes -= item[2]
                         self._room.notify_all()
                 self._queue.task_done()
+                # Drop the written shard's rows now, not when the next shard arrives: their
+                # pooled buffers go back to the pool for the batches being captured meanwhile.
+                item = None
 
     def _write_shard(
         self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]
