@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pyhook.dataset import CaptureDataset
 
 import pyhook
 from pyhook import _backend
 from pyhook._backend import gather_rows, gather_rows_into
-from pyhook.dataset import CaptureDataset
 from pyhook.store import ShardWriter
 
 
@@ -190,12 +190,10 @@ def test_dataset_batches_equal_plain_indexing_in_both_backends(capture, monkeypa
 def test_set_backend_reference_gives_identical_batches(capture):
     ds = CaptureDataset(capture, ["a", "b"], batch_size=512, tokens=True, seed=1)
     native = list(ds)
-    previous = _backend.get_backend()
-    pyhook.set_backend("reference")
-    try:
+    # use_backend puts back the choice itself ('auto'), not the backend it resolved to
+    with _backend.use_backend("reference"):
+        assert pyhook.get_backend() == "reference"
         reference = list(CaptureDataset(capture, ["a", "b"], batch_size=512, tokens=True, seed=1))
-    finally:
-        pyhook.set_backend(previous)
     assert len(native) == len(reference) == 3
     for x, y in zip(native, reference):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
