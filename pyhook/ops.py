@@ -9,6 +9,7 @@ reaches an op first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,16 +57,18 @@ def _gather_rows_into_fake(
     return None
 
 
+def _first_parts(parts: Sequence[torch.Tensor], counts: Sequence[int]) -> list[torch.Tensor]:
+    """The first part of each layer, where layer ``l`` is the next ``counts[l]`` parts."""
+    starts = itertools.accumulate(counts, initial=0)
+    return [parts[s] for s, _ in zip(starts, counts)]
+
+
 @torch.library.register_fake("pyhook::gather_rows_many")
 def _gather_rows_many_fake(
     parts: Sequence[torch.Tensor], counts: Sequence[int], idx: torch.Tensor
 ) -> list[torch.Tensor]:
     # One fresh tensor per layer: the first part of each layer gives its row shape and dtype.
-    firsts, at = [], 0
-    for c in counts:
-        firsts.append(parts[at])
-        at += c
-    return [p.new_empty((idx.shape[0], *p.shape[1:])) for p in firsts]
+    return [p.new_empty((idx.shape[0], *p.shape[1:])) for p in _first_parts(parts, counts)]
 
 
 @torch.library.register_fake("pyhook::gather_rows_many_into")
@@ -108,11 +111,9 @@ def _dequant_rows_many_fake(
     dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     # One fresh tensor per layer: the first part of each layer gives its row shape.
-    firsts, at = [], 0
-    for c in counts:
-        firsts.append(parts[at])
-        at += c
-    return [p.new_empty((idx.shape[0], *p.shape[1:]), dtype=dtype) for p in firsts]
+    return [
+        p.new_empty((idx.shape[0], *p.shape[1:]), dtype=dtype) for p in _first_parts(parts, counts)
+    ]
 
 
 @torch.library.register_fake("pyhook::dequant_rows_many_into")
