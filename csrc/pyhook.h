@@ -44,6 +44,20 @@ inline bool check_row_indices(const int64_t* ix, int64_t n, int64_t total, const
   return sequential;
 }
 
+// Checks the per-layer part counts of a batch op (`counts[l]` consecutive entries of
+// `parts` per layer): not empty, each at least 1, adding up to `nparts`; errors name `op`.
+inline void check_layer_counts(at::IntArrayRef counts, size_t nparts, const char* op) {
+  TORCH_CHECK(!counts.empty(), op, ": `counts` is empty; pass one count per layer");
+  int64_t sum = 0;
+  for (size_t l = 0; l < counts.size(); ++l) {
+    TORCH_CHECK(counts[l] >= 1, op, ": counts[", l, "] is ", counts[l],
+                "; every layer needs at least one part");
+    sum += counts[l];
+  }
+  TORCH_CHECK(sum == static_cast<int64_t>(nparts), op, ": `counts` adds up to ", sum,
+              " parts, but ", nparts, " were given");
+}
+
 // Where one input lands in the shared buffer and with which strides.
 struct SlicePlan {
   std::vector<int64_t> strides;  // the strides Tensor::clone() would give

@@ -503,17 +503,9 @@ void dequant_layer(const Plan& p, const int64_t* ix, int64_t n, void* out, at::S
 
 std::vector<Plan> prepare_many(at::TensorList parts, at::TensorList scales,
                                at::IntArrayRef counts, const at::Tensor& idx) {
-  TORCH_CHECK(!counts.empty(), "dequant_rows_many: `counts` is empty; pass one count per layer");
   TORCH_CHECK(parts.size() == scales.size(), "dequant_rows_many: ", parts.size(),
               " parts but ", scales.size(), " scale tensors; pass one scale tensor per part");
-  int64_t sum = 0;
-  for (size_t l = 0; l < counts.size(); ++l) {
-    TORCH_CHECK(counts[l] >= 1, "dequant_rows_many: counts[", l, "] is ", counts[l],
-                "; every layer needs at least one part");
-    sum += counts[l];
-  }
-  TORCH_CHECK(sum == static_cast<int64_t>(parts.size()), "dequant_rows_many: `counts` adds up to ",
-              sum, " parts, but ", parts.size(), " were given");
+  check_layer_counts(counts, parts.size(), "dequant_rows_many");
   std::vector<Plan> ps;
   ps.reserve(counts.size());
   int64_t at = 0;

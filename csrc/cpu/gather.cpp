@@ -693,15 +693,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
 // The parts of each layer: `counts[l]` consecutive entries of `parts` per layer.
 std::vector<Prepared> prepare_layers(at::TensorList parts, at::IntArrayRef counts,
                                      const at::Tensor& idx) {
-  TORCH_CHECK(!counts.empty(), "gather_rows_many: `counts` is empty; pass one count per layer");
-  int64_t sum = 0;
-  for (size_t l = 0; l < counts.size(); ++l) {
-    TORCH_CHECK(counts[l] >= 1, "gather_rows_many: counts[", l, "] is ", counts[l],
-                "; every layer needs at least one part");
-    sum += counts[l];
-  }
-  TORCH_CHECK(sum == static_cast<int64_t>(parts.size()), "gather_rows_many: `counts` adds up to ",
-              sum, " parts, but ", parts.size(), " were given");
+  check_layer_counts(counts, parts.size(), "gather_rows_many");
   std::vector<Prepared> ps;
   ps.reserve(counts.size());
   int64_t at = 0;
