@@ -188,6 +188,30 @@ def test_generated_only_and_last_token_of_each_step(tmp_path, generated_only, la
         assert bool(r.generated.all())
 
 
+def test_step_buffers_on_the_host_come_from_the_pool(tmp_path, monkeypatch):
+    """Each prompt batch's per-layer step buffers are taken through ``_backend.empty_host`` (the
+    native pool's reused, already-mapped memory), and the rows are still those of the reference."""
+    from pyhook import _backend
+
+    taken = []
+    real = _backend.empty_host
+
+    def spy(shape, dtype):
+        taken.append((tuple(shape), dtype))
+        return real(shape, dtype)
+
+    monkeypatch.setattr(_backend, "empty_host", spy)
+    model = _gpt()
+    eos = _eos_mid_batch(model, PROMPTS)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model, prompt_batches(PROMPTS, batch_size=4), rec, max_new_tokens=NEW, eos_token_id=eos
+        )
+    assert len(taken) == len(POINTS) * 2  # two prompt batches (4 + 2 prompts), one per layer
+    assert {shape[1:] for shape, _ in taken} == {(32,)} and {d for _, d in taken} == {torch.float32}
+    _check_rows(model, pyhook.open_capture(tmp_path), PROMPTS, eos, 4)
+
+
 def test_host_capture_gives_the_same_rows(tmp_path):
     model = _gpt()
     with pyhook.capture(model, POINTS, out=tmp_path) as disk:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import _backend
 from . import annotations
 from ._record import batch_stats, stats_later
 
@@ -276,7 +277,11 @@ class _Held:
             self.out = {}
             for name, p in rows.items():
                 shape, dtype, dev = _shape_of(p)
-                self.out[name] = torch.empty((self.cap, *shape), dtype=dtype, device=dev)
+                self.out[name] = (
+                    _backend.empty_host((self.cap, *shape), dtype)
+                    if dev.type == "cpu"
+                    else torch.empty((self.cap, *shape), dtype=dtype, device=dev)
+                )
         nbytes = sum(int(p.nbytes) for p in rows.values())
         self._charge(nbytes)
         self.steps += 1
