@@ -1,9 +1,9 @@
 """A gather of 1 MiB or more writes its output with non-temporal stores (csrc/cpu/gather.cpp,
-``copy_streaming``): a memcpy of the row's first bytes up to a 16-byte boundary of the
-destination, 64-byte blocks of streaming stores, then a memcpy of the rest. The result must be
+``copy_streaming``, with AVX2): a memcpy of the row's first bytes up to a 32-byte boundary of the
+destination, 128-byte blocks of streaming stores, then a memcpy of the rest. The result must be
 exactly the rows of ``idx`` whatever the row size (below, at and above 256 bytes, not a
-multiple of 16), the destination's alignment (``gather_rows_into`` into a view that starts 2,
-4 or 12 bytes past a boundary), runs of consecutive rows (one copy for the run), several
+multiple of 32), the destination's alignment (``gather_rows_into`` into a view that starts 4,
+12 or 20 bytes past a 64-byte boundary), runs of consecutive rows (one copy for the run), several
 layers in one call, and either side of the 1 MiB threshold. Checked against an independent
 spec (``torch.cat(parts)[idx]``), the reference backend, and the kernel with the streaming
 stores turned off (``PYHOOK_GATHER_STREAM=0``)."""
@@ -68,7 +68,7 @@ def stream(request, monkeypatch):
         (torch.float32, (768,)),
     ],
 )
-@pytest.mark.parametrize("skew", [0, 4, 12])
+@pytest.mark.parametrize("skew", [0, 4, 12, 20])
 def test_large_gathers_match_the_spec_whatever_the_alignment(
     native, stream, dtype, row_shape, skew
 ):

@@ -37,7 +37,7 @@
 #endif
 #include <cstdio>
 #if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>  // SSE2 (every x86-64 CPU): _mm_stream_si128, _mm_sfence
+#include <immintrin.h>  // SSE2 (every x86-64 CPU): _mm_stream_si128, _mm_sfence; AVX2 by target
 #define PYHOOK_STREAM_STORES 1
 #endif
 
@@ -263,6 +263,14 @@ void prefetch_if_cold(const Prepared&, const int64_t*, int64_t, bool, int64_t) {
 void read_ahead_next(const Prepared&, int64_t, int64_t) {}
 #endif
 
+// Makes this thread's non-temporal stores visible to other threads before what follows (a
+// no-op where copy_streaming uses none).
+inline void store_fence() {
+#if defined(PYHOOK_STREAM_STORES)
+  _mm_sfence();
+#endif
+}
+
 // Threads that help the calling thread copy, "caller runs" style: the caller publishes a job
 // of pieces and claims pieces itself; helpers claim what is left when they get a core. Unlike
 // a fork-join region (at::parallel_for), the caller never waits for a helper that has not
@@ -273,14 +281,23 @@ void read_ahead_next(const Prepared&, int64_t, int64_t) {}
 struct Job {
   std::function<void(int64_t)> fn;  // called only for claimed pieces, while the caller waits
   int64_t pieces = 0;
+  bool fence = false;  // the pieces write with non-temporal stores: store_fence() before done
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Runs pieces until none is left to claim.
+  // Runs pieces until none is left to claim, then reports them done (one fence per thread,
+  // not one per piece: a store fence waits for the write-combining buffers to drain).
   void work() {
+    int64_t mine = 0;
     for (int64_t q = next.fetch_add(1); q < pieces; q = next.fetch_add(1)) {
       fn(q);
-      done.fetch_add(1, std::memory_order_release);
+      ++mine;
+    }
+    if (mine > 0) {
+      if (fence) {
+        store_fence();
+      }
+      done.fetch_add(mine, std::memory_order_release);
     }
   }
 };
@@ -418,7 +435,7 @@ bool backoff_wanted() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn) {
+void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
   int threads = std::max(1, at::get_num_threads());
   const bool backoff = backoff_wanted();
   if (threads > 1 && backoff && steady_us() < solo_until_us.load(std::memory_order_relaxed)) {
@@ -430,6 +447,7 @@ void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn) {
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->pieces = pieces;
+  job->fence = fence;
   if (threads == 1 || pieces == 1) {
     job->work();
     return;
@@ -484,51 +502,68 @@ inline void prefetch_row(const Prepared& p, int64_t row) {
 // before the whole batch is written.
 constexpr int64_t kStreamMinBytes = int64_t{1} << 20;
 
-// Whether large gathers use non-temporal stores: PYHOOK_GATHER_STREAM=0 turns them off. Read
-// per call, so that bench_read.py compares both in one process.
+// memcpy with non-temporal (streaming) stores for the 32-byte-aligned middle of dst (AVX2;
+// plain memcpy without it). A plain store to a line not in the cache first reads the line
+// (read for ownership) and then evicts something else: for a batch output of megabytes that
+// is a second stream of reads the gather does not need. Streaming stores write whole lines
+// straight to memory. Measured, one thread, 4096 random rows of 3 KB from a warm 1.5 GB file
+// mapping, CPU caches flushed between rounds, load 5-7 (paired rounds of pyhook.gather_rows,
+// PYHOOK_GATHER_STREAM=1 against 0): 32-byte stores 0.87x and 0.90x the CPU time (81 rounds
+// each; 0.86x with two threads); 16-byte SSE2 stores 0.95-1.02x, no win, so not used. In a C
+// model of the same loop the output read back afterwards (the consumer's side) still cost
+// less in total (0.92x). Every thread that wrote so calls store_fence() before its pieces are
+// reported done (Job::work).
+#if defined(PYHOOK_STREAM_STORES) && defined(__GNUC__)
+#define PYHOOK_STREAM_AVX2 1
+// 32-byte streaming stores (one instruction per half line); the caller checks for AVX2.
+__attribute__((target("avx2"))) void copy_streaming_avx2(char* dst, const char* src, int64_t n) {
+  const auto head = static_cast<int64_t>((32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32);
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 128; n -= 128, dst += 128, src += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+  std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
+bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+#endif
+
+// Whether large gathers use non-temporal stores: with AVX2, unless PYHOOK_GATHER_STREAM=0
+// (read per call, so that bench_read.py compares both in one process).
 bool streaming_wanted() {
-#if defined(PYHOOK_STREAM_STORES)
+#if defined(PYHOOK_STREAM_AVX2)
   const char* v = std::getenv("PYHOOK_GATHER_STREAM");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return has_avx2() && (v == nullptr || std::strcmp(v, "0") != 0);
 #else
   return false;
 #endif
 }
 
-// memcpy with non-temporal (streaming) stores for the 16-byte-aligned middle of dst. A plain
-// store to a line not in the cache first reads the line (read for ownership) and then evicts
-// something else: for a batch output of megabytes that is a second stream of reads the
-// gather does not need. Streaming stores write whole lines straight to memory. Measured in a
-// C model of the shuffled gather (one thread, 4096 random rows of 3 KB from a warm 1.5 GB
-// file mapping, CPU caches flushed, paired rounds at load 10-13): 0.76-0.94x the CPU time of
-// memcpy per row, and still 0.92x with a pass reading the whole output back afterwards (the
-// consumer's side); a consecutive 12 MB copy: 0.70x. The caller issues _mm_sfence before the
-// output is handed on (end of copy_range).
 inline void copy_streaming(char* dst, const char* src, int64_t n) {
-#if defined(PYHOOK_STREAM_STORES)
+#if defined(PYHOOK_STREAM_AVX2)
   if (n >= 256) {
-    const auto head = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
-    std::memcpy(dst, src, static_cast<size_t>(head));
-    dst += head;
-    src += head;
-    n -= head;
-    for (; n >= 64; n -= 64, dst += 64, src += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-    }
+    copy_streaming_avx2(dst, src, n);
+    return;
   }
 #endif
   std::memcpy(dst, src, static_cast<size_t>(n));
 }
 
 // Copies rows ix[begin..end) of the parts to out + k * row_bytes (k in that range); with
-// `stream`, by non-temporal stores (copy_streaming).
+// `stream`, by non-temporal stores (copy_streaming; the caller fences, see Job::work).
 void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int64_t begin,
                 int64_t end, int64_t ahead_bytes = kPrefetchBytesAhead, bool stream = false) {
   const int64_t row_bytes = p.row_bytes;
@@ -570,11 +605,6 @@ void copy_range(const Prepared& p, const int64_t* ix, int64_t n, char* out, int6
     }
     pos += run;
   }
-#if defined(PYHOOK_STREAM_STORES)
-  if (stream) {
-    _mm_sfence();  // the streaming stores are visible before the piece is reported done
-  }
-#endif
 }
 
 // Below this many rows a batch is copied in idx order (sorting costs more than it saves).
@@ -769,12 +799,18 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
         copy(ps[l], outs[l], 0, n);
       }
     }
+    if (stream) {
+      store_fence();
+    }
   } else {
-    run_pieces(first_piece.back(), [&](int64_t q) {
-      const auto l = part_of_row(first_piece, q);
-      const int64_t b = (q - first_piece[l]) * piece_rows[l];
-      copy(ps[l], outs[l], b, std::min(n, b + piece_rows[l]));
-    });
+    run_pieces(
+        first_piece.back(),
+        [&](int64_t q) {
+          const auto l = part_of_row(first_piece, q);
+          const int64_t b = (q - first_piece[l]) * piece_rows[l];
+          copy(ps[l], outs[l], b, std::min(n, b + piece_rows[l]));
+        },
+        stream);
   }
   if (sequential && n > 1) {
     for (const Prepared& p : ps) {
