@@ -509,7 +509,7 @@ constexpr int64_t kStreamMinBytes = int64_t{1} << 20;
 // straight to memory. Measured, one thread, 4096 random rows of 3 KB from a warm 1.5 GB file
 // mapping, CPU caches flushed between rounds, load 5-7 (paired rounds of pyhook.gather_rows,
 // PYHOOK_GATHER_STREAM=1 against 0): 32-byte stores 0.87x and 0.90x the CPU time (81 rounds
-// each; 0.86x with two threads); 16-byte SSE2 stores 0.95-1.02x, no win, so not used. In a C
+// each; 0.86x with two threads); 16-byte SSE2 stores 0.91-1.01x, no clear win, not used. In a C
 // model of the same loop the output read back afterwards (the consumer's side) still cost
 // less in total (0.92x). Every thread that wrote so calls store_fence() before its pieces are
 // reported done (Job::work).
