@@ -28,8 +28,10 @@ file, the best of them is named in the table):
     order kept); ``torch.index_select`` into a preallocated buffer (torch's intra-op threads, and
     one thread). Limit: ``copy_`` of the same number of *consecutive* bytes into a preallocated
     buffer (memory bandwidth). Targets: pyhook >= 1.0x the best hand-written reader and >= 80%
-    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and two variants of its copy
-    (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes; a deeper prefetch).
+    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and three variants of its copy
+    (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes;
+    ``PYHOOK_GATHER_STREAM=0``: plain stores instead of the non-temporal ones;
+    ``PYHOOK_GATHER_BACKOFF=0``: helper threads even after a call waited for a preempted one).
 (b) the same batch as the first read after the files left the page cache (``posix_fadvise
     (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
     Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
@@ -421,14 +423,20 @@ def case_warm_shuffled(
         "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
         # Variants of the kernel's copy (environment knobs read per call): the rows read in
-        # ascending file order and written to their slots, and a deeper prefetch.
+        # ascending file order and written to their slots, and plain stores instead of the
+        # non-temporal ones a batch of 1 MiB or more is written with (the default before).
         "pyhook batch, sorted read + scattered write": with_env(
             "PYHOOK_GATHER_ORDER", "sorted", lambda r: ds.batch(idxs[r])
         ),
-        "pyhook batch, prefetch 192 KiB ahead": with_env(
-            "PYHOOK_GATHER_AHEAD_KB", "192", lambda r: ds.batch(idxs[r])
+        "pyhook batch, plain stores (PYHOOK_GATHER_STREAM=0)": with_env(
+            "PYHOOK_GATHER_STREAM", "0", lambda r: ds.batch(idxs[r])
         ),
         "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
+        # Without the rule that runs the calls of the next second on one thread after a call
+        # waited for a preempted helper (the default before).
+        "pyhook batch, no helper back-off (PYHOOK_GATHER_BACKOFF=0)": with_env(
+            "PYHOOK_GATHER_BACKOFF", "0", lambda r: ds.batch(idxs[r])
+        ),
     }
     t = paired(fns, rounds, spinner)
     for state, ts in t.items():

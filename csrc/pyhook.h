@@ -6,6 +6,8 @@
 // free function (at::empty, ...) include its own <ATen/ops/...> header.
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -42,6 +44,17 @@ inline bool check_row_indices(const int64_t* ix, int64_t n, int64_t total, const
     *ascending = up;
   }
   return sequential;
+}
+
+// The part holding global row `row`, where `starts` holds each part's first global row, then
+// the total (ascending, starts[0] == 0, row in [0, total)): the last part whose first row is
+// <= row, so a part without rows (its start equal to the next one's) is never picked. The
+// row's index inside that part is row - starts[part]. A binary search: a capture has a few
+// parts (one per shard file) per layer. Shared by the row copies of cpu/gather.cpp and
+// cpu/dequant.cpp (and gather.cpp's piece -> layer lookup, same layout).
+inline size_t part_of_row(const std::vector<int64_t>& starts, int64_t row) {
+  return static_cast<size_t>(std::upper_bound(starts.begin() + 1, starts.end(), row) -
+                             starts.begin() - 1);
 }
 
 // Checks the per-layer part counts of a batch op (`counts[l]` consecutive entries of

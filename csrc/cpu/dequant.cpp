@@ -240,8 +240,7 @@ void dequant_into(const Plan& p, const at::Tensor& idx_in, T* out) {
   }
   for (int64_t k = 0; k < n; ++k) {
     const int64_t row = ix[k];
-    const auto part = static_cast<size_t>(
-        std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+    const auto part = part_of_row(p.starts, row);
     const Part& s = p.parts[part];
     const int64_t local = row - p.starts[part];
     const uint8_t* src = s.base + local * s.row_step;
@@ -446,8 +445,7 @@ void scalar_rest_any(const Plan& p, const uint8_t* src, float scale, void* dst,
 }
 
 inline void prefetch_qrow(const Plan& p, int64_t row, int64_t row_bytes) {
-  const auto part = static_cast<size_t>(
-      std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+  const auto part = part_of_row(p.starts, row);
   const Part& s = p.parts[part];
   const int64_t local = row - p.starts[part];
   const char* a = reinterpret_cast<const char*>(s.base + local * s.row_step);
@@ -480,8 +478,7 @@ void dequant_layer(const Plan& p, const int64_t* ix, int64_t n, void* out, at::S
       prefetch_qrow(p, ix[k + ahead], d);
     }
     const int64_t row = ix[k];
-    const auto part = static_cast<size_t>(
-        std::upper_bound(p.starts.begin() + 1, p.starts.end(), row) - p.starts.begin() - 1);
+    const auto part = part_of_row(p.starts, row);
     const Part& s = p.parts[part];
     const int64_t local = row - p.starts[part];
     const uint8_t* src = s.base + local * s.row_step;
