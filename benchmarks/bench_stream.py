@@ -8,8 +8,12 @@ One run prints one table per question, each from paired rounds in this process (
 (a) producer-bound (trainer step = 0): tokens/s of ``for b in pyhook.stream(...)`` against the
     bare forward loop (``model(input_ids=, attention_mask=)`` under ``no_grad``) over the same
     pre-tokenised batches of a GPT-2-small-shaped model (d=768, 12 heads, random weights from a
-    ``transformers`` config; --quick: 4 of its 12 blocks); wall and process CPU time per round,
-    the two methods in alternating order (target: >= 0.95x);
+    ``transformers`` config; --quick: 4 of its 12 blocks), and the same loop on a thread kept
+    for the whole run (the stronger of the two in each round is the baseline); many short
+    rounds (--quick: 12 of 6 forwards; else 16 of 8), the methods in rotating order; the
+    per-round ratios, their median and middle half, in wall and in process CPU time (target:
+    >= 0.95x); (a') what each piece of a batch costs (forward on either thread, hook copy,
+    mixing buffer, queue handoff) against the forward's CPU time;
 (b) consumer-bound: a trainer step longer than a forward (a sleep of 1.5x the measured forward
     time per batch, and a real SAE step: a 768 -> 6144 ReLU autoencoder with Adam, timed alone
     first); the trainer's time waiting for the next batch after the first, as a share of its
@@ -87,8 +91,8 @@ def make_batches(
 
 
 def cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+    """Process CPU time, user + system, all threads (ns resolution; os.times() has 10 ms)."""
+    return time.process_time()
 
 
 def bare(model, batches) -> None:
@@ -106,46 +110,66 @@ def streamed(model, batches, layer, batch_size, buffer_rows, step=None) -> pyhoo
 
 
 # -- (a) -------------------------------------------------------------------------------------------
-def bare_in_thread(model, batches) -> None:
-    import threading
+class KeptThread:
+    """A thread kept for the whole benchmark that runs what it is given: the strongest
+    threaded baseline (no thread start, arena or OpenMP team set-up per round)."""
 
-    t = threading.Thread(target=bare, args=(model, batches))
-    t.start()
-    t.join()
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._loop, daemon=True)
+        self.t.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self.jobs.get()
+            if fn is None:
+                return
+            self.done.put(fn())
+
+    def __call__(self, fn):
+        self.jobs.put(fn)
+        return self.done.get()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.t.join()
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[1], q[2]
 
 
 def producer_bound(model, batches, layer, rounds):
-    """Both bare loops are baselines: on a loaded machine a forward in a second thread can run
-    faster than in the main one (OpenMP's thread team), so the stream is compared with the
-    faster of the two in each round."""
+    """Short paired rounds, in alternating order: the bare loop on the main thread, the bare
+    loop on a kept thread (both baselines: under load a forward in a second thread can run
+    faster, OpenMP's thread teams), and the stream. Per round: the faster bare loop's wall time
+    over the stream's, and the same for process CPU time; medians and the middle half."""
     rows_per_forward = batches[0].input_ids.numel()
     tokens = rows_per_forward * len(batches)
+    kept = KeptThread()
     methods = {
         "bare forward loop (main thread)": lambda: bare(model, batches),
-        "bare forward loop (a thread)": lambda: bare_in_thread(model, batches),
-        "pyhook.stream (step = 0), defaults": lambda: streamed(
+        "bare forward loop (a kept thread)": lambda: kept(lambda: bare(model, batches)),
+        "pyhook.stream (step = 0)": lambda: streamed(
             model, batches, layer, rows_per_forward, 4 * rows_per_forward
         ),
-        "pyhook.stream, consumer's OpenMP team released (PYHOOK_STREAM_RELEASE_OMP=1)": (
-            lambda: released(
-                lambda: streamed(model, batches, layer, rows_per_forward, 4 * rows_per_forward)
-            )
-        ),
-        "pyhook.stream, consumer's OpenMP team kept (PYHOOK_STREAM_RELEASE_OMP=0)": (
-            lambda: released(
-                lambda: streamed(model, batches, layer, rows_per_forward, 4 * rows_per_forward),
-                "0",
-            )
-        ),
     }
+    names = list(methods)
     streamed(model, batches[:2], layer, rows_per_forward, rows_per_forward)  # warm-up
     bare(model, batches[:2])
+    kept(lambda: bare(model, batches[:2]))
     wall: dict[str, list[float]] = {n: [] for n in methods}
     cpus: dict[str, list[float]] = {n: [] for n in methods}
-    ratios, cratios = [], []
-    names = list(methods)
+    ratios, cratios, loads = [], [], []
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
+        if r % 2:
+            order.reverse()
         res = {}
         for name in order:
             c0, t0 = cpu(), time.perf_counter()
@@ -155,42 +179,114 @@ def producer_bound(model, batches, layer, rounds):
             cpus[name].append(res[name][1])
         best = min(names[:2], key=lambda n: res[n][0])
         ratios.append(res[best][0] / res[names[2]][0])
-        cratios.append(res[best][1] / res[names[2]][1])
+        cratios.append(min(res[n][1] for n in names[:2]) / res[names[2]][1])
+        loads.append(os.getloadavg()[0])
+    kept.close()
     rows = [
-        [n, f"{tokens / med(wall[n]):,.0f}", f"{med(wall[n]):.2f} s", f"{med(cpus[n]):.2f} s"]
+        [
+            n,
+            f"{tokens / med(wall[n]):,.0f}",
+            f"{med(wall[n]):.3f} s",
+            f"{med(cpus[n]):.3f} s",
+            f"{1e6 * med(cpus[n]) / tokens:.0f} us",
+        ]
         for n in names
     ]
-    rows.append(
-        ["stream / faster bare (per round)", f"{med(ratios):.3f}x", "", f"{med(cratios):.3f}x"]
-    )
-    rel = [min(wall[n][i] for n in names[:2]) / wall[names[3]][i] for i in range(rounds)]
-    rows.append(["stream (team released) / faster bare", f"{med(rel):.3f}x", "", ""])
-    kept = [min(wall[n][i] for n in names[:2]) / wall[names[4]][i] for i in range(rounds)]
-    rows.append(["stream (team kept) / faster bare", f"{med(kept):.3f}x", "", ""])
-    from pyhook.pipeline.stream import release_consumer_team
-
+    q1, q2, q3 = quartiles(ratios)
+    c1, c2, c3 = quartiles(cratios)
     rows.append(
         [
-            f"(the default released the team at load {os.getloadavg()[0]:.1f}: "
-            f"{'yes' if release_consumer_team() else 'no'})",
-            "",
-            "",
+            f"stream / faster bare, per round ({rounds} rounds)",
+            f"{q2:.3f}x",
+            f"middle half {q1:.3f}-{q3:.3f}",
+            f"CPU {c2:.3f}x ({c1:.3f}-{c3:.3f})",
             "",
         ]
     )
-    return rows, med(ratios)
+    per_round = " ".join(f"{x:.2f}" for x in ratios)
+    return rows, q2, c2, per_round, (min(loads), max(loads))
 
 
-def released(fn, value: str = "1") -> None:
-    """``fn()`` with PYHOOK_STREAM_RELEASE_OMP=value (pyhook._omp.release_thread_team)."""
-    saved = os.environ.get("PYHOOK_STREAM_RELEASE_OMP")
-    os.environ["PYHOOK_STREAM_RELEASE_OMP"] = value
-    try:
-        fn()
-    finally:
-        del os.environ["PYHOOK_STREAM_RELEASE_OMP"]
-        if saved is not None:
-            os.environ["PYHOOK_STREAM_RELEASE_OMP"] = saved
+def pieces(model, batches, layer, reps):
+    """What a batch costs, piece by piece (medians of ``reps``): the forward on the main thread
+    and on a kept thread (wall, process CPU), and the stream's own work per forward's rows:
+    the hook's copy of the rows, the mixing buffer's insert and batch gather (``Mixer.add``),
+    and a batch handed over through the queue between two threads."""
+    import queue
+    import threading
+
+    b0 = batches[0]
+    n = b0.input_ids.numel()
+    x = torch.randn(n, 768)
+
+    def fwd():
+        with torch.no_grad():
+            model(input_ids=b0.input_ids, attention_mask=b0.attention_mask)
+
+    def timed(fn, k=reps):
+        ws, cs = [], []
+        for _ in range(k):
+            c0, t0 = cpu(), time.perf_counter()
+            fn()
+            ws.append(time.perf_counter() - t0)
+            cs.append(cpu() - c0)
+        return med(ws), med(cs)
+
+    kept = KeptThread()
+    fwd()
+    kept(fwd)
+    out = {}
+    main_w, main_c = [], []
+    th_w, th_c = [], []
+    for _ in range(reps):  # alternating
+        w, c = timed(fwd, 1)
+        main_w.append(w)
+        main_c.append(c)
+        w, c = kept(lambda: timed(fwd, 1))
+        th_w.append(w)
+        th_c.append(c)
+    out["forward, main thread"] = (med(main_w), med(main_c))
+    out["forward, a kept thread"] = (med(th_w), med(th_c))
+    # the stream's own work runs on the producer thread, right after its forward: timed there
+    out["hook copy of one forward's rows (clone), producer thread"] = kept(
+        lambda: timed(lambda: x.clone(), 20)
+    )
+    m = Mixer(4 * n, n, 0)
+    rows = {
+        layer: x,
+        "tokens": torch.zeros(n, dtype=torch.long),
+        "row_index": torch.zeros(n, 2, dtype=torch.long),
+    }
+    for _ in range(4):
+        list(m.add(rows))
+    out["mixer insert + batch gather (Mixer.add, full buffer), producer thread"] = kept(
+        lambda: timed(lambda: list(m.add(rows)), 20)
+    )
+    kept.close()
+    q: queue.Queue = queue.Queue(maxsize=2)
+    back: queue.Queue = queue.Queue(maxsize=2)
+
+    def echo():
+        while (item := q.get()) is not None:
+            back.put(item)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+
+    def handoff():
+        q.put(rows)
+        back.get()
+
+    timed(handoff, 5)
+    w, c = timed(handoff, 50)
+    q.put(None)
+    t.join()
+    out["queue handoff, there and back (2 handoffs)"] = (w, c)
+    fc = out["forward, main thread"][1]
+    return [
+        [name, f"{1e3 * w:.2f} ms", f"{1e3 * c:.2f} ms", f"{100 * c / fc:.2f}%"]
+        for name, (w, c) in out.items()
+    ]
 
 
 # -- (b) -------------------------------------------------------------------------------------------
@@ -459,6 +555,7 @@ def main() -> None:
     builtins.print = functools.partial(builtins.print, flush=True)  # a log file shows progress
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4 blocks, fewer rounds")
+    ap.add_argument("--only-a", action="store_true", help="section (a) and its pieces only")
     args = ap.parse_args()
     quick = args.quick
     n_layer = 4 if quick else 12
@@ -467,7 +564,8 @@ def main() -> None:
     model = gpt2_small(n_layer)
     ctx, per = 64, 4  # 256 tokens per forward
     forwards = 6 if quick else 16
-    rounds = 3 if quick else 5
+    rounds_a = 12 if quick else 16
+    per_round_forwards = 6 if quick else 8
     batches = make_batches(forwards, per, ctx)
     print(
         f"bench_stream: torch {torch.__version__}, python {platform.python_version()}, "
@@ -478,11 +576,33 @@ def main() -> None:
     summary = []
 
     print("\n(a) producer-bound: tokens/s, bare forward loop vs stream (trainer step = 0)")
-    rows, ratio = producer_bound(model, batches, layer, rounds)
-    print(table(rows, ["method", "tokens/s", "wall (median)", "CPU time (median)"]))
+    rows, ratio, cratio, per_round, (lo, hi) = producer_bound(
+        model, batches[:per_round_forwards], layer, rounds_a
+    )
+    print(table(rows, ["method", "tokens/s", "wall (median)", "CPU time (median)", "CPU/token"]))
+    print(f"per-round wall ratios (stream / faster bare), load {lo:.1f}-{hi:.1f}: {per_round}")
     summary.append(
         ["(a) stream / bare forward, tokens/s", f"{ratio:.3f}x", ">= 0.95x", ratio >= 0.95]
     )
+    summary.append(
+        ["(a) the same in process CPU time", f"{cratio:.3f}x", "(>= 0.95x)", cratio >= 0.95]
+    )
+    print("\n(a') the pieces of a batch: per forward of 4x64 tokens, share of its CPU time")
+    print(
+        table(
+            pieces(model, batches, layer, 6 if quick else 10),
+            ["piece", "wall", "CPU", "of forward CPU"],
+        )
+    )
+
+    if args.only_a:
+        print(
+            table(
+                [[a, b, c, "yes" if d else "NO"] for a, b, c, d in summary],
+                ["check", "measured", "target", "met"],
+            )
+        )
+        return
 
     print("\n(b) consumer-bound: the trainer's wait for the next batch, share of its step time")
     rows, shares = consumer_bound(model, batches, layer, 2 if quick else 3)

@@ -33,11 +33,12 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from .. import _omp
 from .._omp import release_thread_team
 from .._queues import put_unless_stopped
 
@@ -287,7 +288,7 @@ class Stream:
         self.dropped_rows = 0
         self._keep = keep
         self._passes = 0
-        self._active: threading.Thread | None = None
+        self._active: _Producer | None = None
         self._stop: threading.Event | None = None
         self.rows = self.batches = self.examples = self.examples_done = 0
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
@@ -315,7 +316,7 @@ class Stream:
                 return
             yield b
 
-    def _produce(self, out: queue.Queue[Any], stop: threading.Event, seed: int) -> None:
+    def _produce(self, out: queue.Queue[Any], stop: threading.Event, seed: int) -> bool:
         from .runner import run
 
         rec = self.recorder
@@ -391,7 +392,9 @@ class Stream:
             last = _Failed(e)
         finally:
             rec._sink = None  # before the consumer learns the pass is over (and starts another)
+        normal = last is _DONE and not stop.is_set()
         put(last)
+        return normal
 
     # -- the consumer ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -403,19 +406,16 @@ class Stream:
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
         out: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        t = threading.Thread(
-            target=self._produce, args=(out, stop, seed), name="pyhook-stream", daemon=True
-        )
-        self._active, self._stop = t, stop
         if self.device.type == "cpu" and release_consumer_team():
             # The forward moves to the producer thread: this thread's idle OpenMP workers go,
             # so that the producer's team is not throttled as one of too many (pyhook._omp).
             release_thread_team()
-        t.start()
+        t = _Producer.start(lambda: self._produce(out, stop, seed))
+        self._active, self._stop = t, stop
         return self._consume(out, stop, t)
 
     def _consume(
-        self, out: queue.Queue[Any], stop: threading.Event, t: threading.Thread
+        self, out: queue.Queue[Any], stop: threading.Event, t: _Producer
     ) -> Iterator[dict[str, torch.Tensor]]:
         current = (
             torch.cuda.current_stream(self.device)
@@ -468,7 +468,7 @@ class Stream:
         torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=self._even_group)
         return bool(have.item())
 
-    def _shutdown(self, stop: threading.Event, t: threading.Thread, out: queue.Queue[Any]) -> None:
+    def _shutdown(self, stop: threading.Event, t: _Producer, out: queue.Queue[Any]) -> None:
         stop.set()
         while t.is_alive():
             try:  # unblock a producer waiting for room
@@ -529,6 +529,76 @@ def release_consumer_team() -> bool:
     except (AttributeError, OSError):  # not POSIX: no load to judge by
         return False
     return load <= (os.cpu_count() or 1) + 0.5
+
+
+class _Producer:
+    """One pass's producer: a job on a thread of its own, kept between passes.
+
+    A fresh thread per pass paid for its start every pass: glibc gives a new thread's
+    allocations an arena whose pages the forward then faults in again (~15,000 minor faults, 60
+    MB, per pass of a GPT-2-small-width forward on 2 cores, ~4% of a 6-forward pass's CPU time;
+    benchmarks/bench_stream.py (a)), and OpenMP starts it a new team. So a thread whose pass
+    ended normally waits, named ``pyhook-stream (idle)``, up to :data:`_IDLE_SECONDS` for the
+    next pass (of any stream) before it exits; its OpenMP workers are released after each pass
+    (pyhook._omp), so that between passes the process has the one team it had before. A pass
+    that stopped early (``break``, an exception, Ctrl-C, ``close()``) or failed lets its
+    thread end, as before. ``is_alive``/``join`` are the job's, not the thread's.
+    """
+
+    _idle: ClassVar[list[_Producer]] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._done.set()
+        self.thread = threading.Thread(target=self._loop, name="pyhook-stream", daemon=True)
+
+    @classmethod
+    def start(cls, job: Any) -> _Producer:
+        with cls._lock:
+            p = cls._idle.pop() if cls._idle else None
+        fresh = p is None
+        if p is None:
+            p = cls()
+        p._done.clear()
+        p.thread.name = "pyhook-stream"
+        p._jobs.put(job)
+        if fresh:
+            p.thread.start()
+        return p
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with _Producer._lock:
+                    if self in _Producer._idle:
+                        _Producer._idle.remove(self)
+                        return
+                continue  # taken for a pass just now: its job is coming
+            keep = False
+            try:
+                keep = job() is True  # the pass ended normally
+            finally:
+                _omp.release_thread_team()
+                if keep:
+                    self.thread.name = "pyhook-stream (idle)"
+                    with _Producer._lock:
+                        _Producer._idle.append(self)
+                self._done.set()
+            if not keep:
+                return
+
+
+_IDLE_SECONDS = 30.0
 
 
 class _nullcontext:
