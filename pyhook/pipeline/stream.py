@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .. import _omp
 from .._omp import release_thread_team
 from .._queues import put_unless_stopped
 
@@ -568,6 +567,15 @@ class _Producer:
             p.thread.start()
         return p
 
+    @classmethod
+    def retire_idle(cls) -> None:
+        """End the kept threads that wait for a pass now (they exit at once)."""
+        with cls._lock:
+            idle, cls._idle[:] = list(cls._idle), []
+        for p in idle:
+            p._jobs.put(None)
+            p.thread.join()
+
     def is_alive(self) -> bool:
         return not self._done.is_set()
 
@@ -584,11 +592,13 @@ class _Producer:
                         _Producer._idle.remove(self)
                         return
                 continue  # taken for a pass just now: its job is coming
+            if job is None:  # retire_idle
+                return
             keep = False
             try:
                 keep = job() is True  # the pass ended normally
             finally:
-                _omp.release_thread_team()
+                _release_producer_team()
                 if keep:
                     self.thread.name = "pyhook-stream (idle)"
                     with _Producer._lock:
@@ -599,6 +609,7 @@ class _Producer:
 
 
 _IDLE_SECONDS = 30.0
+_release_producer_team = release_thread_team  # the producer's own call (tests watch it apart)
 
 
 class _nullcontext:
