@@ -4,6 +4,7 @@ ends it, an idle one ends by itself, and the rows are the same as on a fresh thr
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -172,3 +173,37 @@ def test_two_streams_at_once_each_get_a_producer(gpt, monkeypatch):
     order = torch.argsort(idx[:, 0] * 100 + idx[:, 1])
     assert torch.equal(x[order], ref) and n_b == 64
     assert len(stream_mod._Producer._idle) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_streams_on_a_producer_of_its_own(gpt, monkeypatch):
+    monkeypatch.setattr(stream_mod, "_IDLE_SECONDS", 30.0)
+    list(pyhook.stream(gpt, _source(), "h.1", batch_size=8, buffer_rows=16))
+    assert len(stream_mod._Producer._idle) == 1  # the parent keeps one; the child has no thread
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a stream must not wait for the parent's thread
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP team is not the child's (libgomp)
+            os.environ["PYHOOK_STREAM_RELEASE_OMP"] = "0"
+            n = sum(len(b["tokens"]) for b in pyhook.stream(gpt, _source(), "h.1", batch_size=8))
+            os.write(w, str(n).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's stream hung")
+    got = os.read(r, 100)
+    os.close(r)
+    assert status == 0 and got == b"64"

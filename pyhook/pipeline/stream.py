@@ -557,6 +557,8 @@ class _Producer:
     def start(cls, job: Any) -> _Producer:
         with cls._lock:
             p = cls._idle.pop() if cls._idle else None
+        if p is not None and not p.thread.is_alive():
+            p = None  # gone (e.g. in a forked child, which has no copy of the thread)
         fresh = p is None
         if p is None:
             p = cls()
@@ -609,6 +611,16 @@ class _Producer:
 
 
 _IDLE_SECONDS = 30.0
+
+
+def _forget_producers_in_child() -> None:
+    """A forked child has none of the parent's threads: it starts with no kept producer."""
+    _Producer._idle = []
+    _Producer._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_producers_in_child)
 _release_producer_team = release_thread_team  # the producer's own call (tests watch it apart)
 
 
