@@ -207,3 +207,17 @@ def test_a_forked_child_streams_on_a_producer_of_its_own(gpt, monkeypatch):
     got = os.read(r, 100)
     os.close(r)
     assert status == 0 and got == b"64"
+
+
+def test_an_idle_producer_keeps_no_stream_alive(gpt, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(stream_mod, "_IDLE_SECONDS", 30.0)
+    s = pyhook.stream(gpt, _source(), "h.1", batch_size=8, buffer_rows=16)
+    list(s)
+    assert len(stream_mod._Producer._idle) == 1
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None

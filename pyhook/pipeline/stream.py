@@ -534,9 +534,10 @@ class _Producer:
     """One pass's producer: a job on a thread of its own, kept between passes.
 
     A fresh thread per pass paid for its start every pass: glibc gives a new thread's
-    allocations an arena whose pages the forward then faults in again (~15,000 minor faults, 60
-    MB, per pass of a GPT-2-small-width forward on 2 cores, ~4% of a 6-forward pass's CPU time;
-    benchmarks/bench_stream.py (a)), and OpenMP starts it a new team. So a thread whose pass
+    allocations an arena whose pages the forward then faults in again (15,000-28,000 minor
+    faults per 6-forward pass at GPT-2-small width, against ~700 on a kept thread; in one paired
+    measurement at load 7, 1.71 s against 1.55 s of CPU per pass; benchmarks/RESULTS.md,
+    "stream, issue 24, 2026-11-25"), and OpenMP starts it a new team. So a thread whose pass
     ended normally waits, named ``pyhook-stream (idle)``, up to :data:`_IDLE_SECONDS` for the
     next pass (of any stream) before it exits; its OpenMP workers are released after each pass
     (pyhook._omp), so that between passes the process has the one team it had before. A pass
@@ -600,6 +601,7 @@ class _Producer:
             try:
                 keep = job() is True  # the pass ended normally
             finally:
+                job = None  # an idle thread holds no stream (nor its model) alive
                 _release_producer_team()
                 if keep:
                     self.thread.name = "pyhook-stream (idle)"
