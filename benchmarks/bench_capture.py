@@ -699,6 +699,10 @@ def bench_job(args: argparse.Namespace) -> None:
                 fns["pyhook defaults, buffered writes (PYHOOK_DIRECT_IO=0)"] = pyhook_run(
                     env={"PYHOOK_DIRECT_IO": "0"}
                 )
+                # the write path and statistics kernel of the main before direct I/O
+                fns["pyhook defaults, buffered + baseline stats kernel (as before)"] = pyhook_run(
+                    env={"PYHOOK_DIRECT_IO": "0", "PYHOOK_STATS_SIMD": "0"}
+                )
         if hasattr(sys.modules["pyhook.capture"], "write_inline"):  # a pyhook that chooses it
             fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
