@@ -594,7 +594,12 @@ def bench_job(args: argparse.Namespace) -> None:
         import nnsight
     except ImportError:
         nnsight = None
+    try:
+        from pyhook.pipeline import _directio as directio
+    except ImportError:  # a pyhook without direct I/O
+        directio = None
     load = os.getloadavg()
+    print(f"\nuptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     print(
         f"\n(d) the main job, a dataset on disk: GPT-2 n_layer={L} d_model={D} (random weights), "
         f"{steps} batches of {B}x{T} tokens per loop, torch threads={torch.get_num_threads()}, "
@@ -611,20 +616,26 @@ def bench_job(args: argparse.Namespace) -> None:
         mb = 0.0
         out = os.path.join(base, f"job-{n}")
 
-        def pyhook_run(inline: str = "", **opts) -> Callable[[], None]:
+        def pyhook_run(
+            inline: str = "", env: dict[str, str] | None = None, **opts
+        ) -> Callable[[], None]:
+            env = dict(env or {})
+            if inline:
+                env["PYHOOK_WRITE_INLINE"] = inline
+
             def run() -> None:
-                saved = os.environ.get("PYHOOK_WRITE_INLINE")
-                if inline:
-                    os.environ["PYHOOK_WRITE_INLINE"] = inline
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
                 try:
                     with capture(model, layers, out=out, **opts) as rec:
                         for ids in batches:
                             model(ids)
                 finally:
-                    if inline:
-                        os.environ.pop("PYHOOK_WRITE_INLINE")
-                        if saved is not None:
-                            os.environ["PYHOOK_WRITE_INLINE"] = saved
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
                 assert rec.batches == len(batches)
 
             return run
@@ -678,6 +689,20 @@ def bench_job(args: argparse.Namespace) -> None:
         fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
             stats=False, tokens=False, fsync=False
         )
+        # Where the defaults' cost goes: each option off alone, and the shard files written
+        # through the page cache (buffered) instead of with O_DIRECT.
+        if not args.job_no_split:
+            fns["pyhook defaults, stats=False"] = pyhook_run(stats=False)
+            fns["pyhook defaults, tokens=False"] = pyhook_run(tokens=False)
+            fns["pyhook defaults, fsync=False"] = pyhook_run(fsync=False)
+            if directio is not None:
+                fns["pyhook defaults, buffered writes (PYHOOK_DIRECT_IO=0)"] = pyhook_run(
+                    env={"PYHOOK_DIRECT_IO": "0"}
+                )
+                # the write path and statistics kernel of the main before direct I/O
+                fns["pyhook defaults, buffered + baseline stats kernel (as before)"] = pyhook_run(
+                    env={"PYHOOK_DIRECT_IO": "0", "PYHOOK_STATS_SIMD": "0"}
+                )
         if hasattr(sys.modules["pyhook.capture"], "write_inline"):  # a pyhook that chooses it
             fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
@@ -736,6 +761,14 @@ def bench_job(args: argparse.Namespace) -> None:
             f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
             f"after {os.getloadavg()[0]:.2f}"
         )
+        if directio is not None:
+            c = directio.counters
+            print(
+                f"direct I/O ({directio.ENV}={directio.mode()}): {c['files']} shard files so far, "
+                f"{c['direct_bytes'] / 1e6:,.0f} MB written from the buffers themselves, "
+                f"{c['staged_bytes'] / 1e6:,.0f} MB through the staging buffer, "
+                f"{c['fallbacks']} refusals"
+            )
         print(
             table(
                 rows,
@@ -856,6 +889,10 @@ def main() -> None:
         help="torch threads for (d) (default 0: torch's default, every core, as a user runs it)",
     )
     p.add_argument("--job-rounds", type=int, default=0, help="paired rounds of (d)")
+    p.add_argument(
+        "--job-no-split", action="store_true",
+        help="(d) without the variants that turn stats, tokens, fsync or direct I/O off one by one",
+    )
     p.add_argument(
         "--job-modules", type=int, nargs="*", default=[12, 48], choices=[12, 48],
         help="hooked modules of (d)",

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from . import _directio
+
 #: Version of the index layout. 2 added the index's own checksum (``index_checksum``) and the
 #: per-rank journal (``index-rNNN.journal``); stores of version 1 still open.
 FORMAT_VERSION = 2
@@ -186,15 +188,21 @@ def parse_dtype(name: str | torch.dtype | None, what: str = "dtype") -> torch.dt
 
 # -- safetensors, written piecewise --------------------------------------------------------------
 def _as_bytes(t: torch.Tensor) -> memoryview:
+    return _as_bytes_at(t)[0]
+
+
+def _as_bytes_at(t: torch.Tensor) -> tuple[memoryview, int | None]:
+    """The tensor's bytes and their address in memory (``None`` when empty)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
-        return memoryview(b"")
+        return memoryview(b""), None
     if t.stride(0) != 1:  # e.g. a [1, 1, 1] view with stride 2 counts as contiguous
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    u = t.view(torch.uint8)
+    return memoryview(u.numpy()).cast("B"), u.data_ptr()  # type: ignore[arg-type]
 
 
 def write_safetensors(
@@ -264,9 +272,14 @@ def _write_file(
     # in 3 of 4 positions at an unaligned start, against 2 of 4 aligned).
     align = _PAGE if offset >= 1 << 20 else 8
     raw += b" " * (-(8 + len(raw)) % align)
+    head = struct.pack("<Q", len(raw)) + raw
+    if _directio.wanted(path, len(head) + offset):  # past the page cache (_directio.py)
+        try:
+            return _write_direct(path, head, order, fsync=fsync)
+        except _directio.Refused:
+            _directio.refused(path)  # tmpfs, some overlay file systems: written buffered
     with open(path, "wb") as f:
         _fault("shard.open")
-        head = struct.pack("<Q", len(raw)) + raw
         f.write(head)
         value = crc(head)
         _fault("shard.header")
@@ -282,6 +295,35 @@ def _write_file(
             os.fsync(f.fileno())
     _fault("shard.fsynced")
     return 8 + len(raw) + offset, f"{CHECKSUM}:{value & 0xFFFFFFFF:08x}"
+
+
+def _write_direct(
+    path: str, head: bytes, order: list[tuple[str, Sequence[torch.Tensor]]], *, fsync: bool
+) -> tuple[int, str]:
+    """:func:`_write_file`'s body with ``O_DIRECT`` (:class:`._directio.DirectFile`): the same
+    bytes, checksum, fault points and fsync; :class:`._directio.Refused` when the file system
+    refuses direct I/O (nothing of the file is kept then: the caller rewrites it buffered)."""
+    crc = _CHECKSUM_FUNCS[CHECKSUM]
+    f = _directio.DirectFile(path)
+    try:
+        _fault("shard.open")
+        value = crc(head)
+        f.write(memoryview(head), None)
+        _fault("shard.header")
+        for _name, pieces in order:
+            for p in pieces:
+                data, address = _as_bytes_at(p)
+                value = crc(data, value)  # first: the copy to the staging buffer then hits cache
+                f.write(data, address)
+                _fault("shard.data")
+        f.finish()
+        _fault("shard.written")
+        if fsync:
+            os.fsync(f.fileno())
+    finally:
+        f.close()
+    _fault("shard.fsynced")
+    return f.size, f"{CHECKSUM}:{value & 0xFFFFFFFF:08x}"
 
 
 def _open_regular(path: str, *, missing: type[Exception] | None = None) -> Any:

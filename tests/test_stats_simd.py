@@ -1,0 +1,78 @@
+"""The statistics kernel's AVX2 build (csrc/cpu/stats.cpp) gives the same bits as its baseline
+build (PYHOOK_STATS_SIMD=0) over dtypes, odd widths, strided views, inf and nan, one or two
+threads; and both agree with the float64 torch reference (batch_stats' torch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyhook import _backend, annotations
+
+pytestmark = pytest.mark.skipif(not _backend.native_available(), reason="needs the native kernel")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int8]
+SHAPES = [(1, 1), (5, 3), (9, 7), (33, 8), (17, 9), (100, 63), (100, 65), (300, 257), (1024, 768)]
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.contiguous().view(torch.int64).reshape(-1).tolist()
+
+
+def _both(rows: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    monkeypatch.delenv("PYHOOK_STATS_SIMD", raising=False)
+    fast = torch.ops.pyhook.row_stats(rows)
+    monkeypatch.setenv("PYHOOK_STATS_SIMD", "0")
+    base = torch.ops.pyhook.row_stats(rows)
+    monkeypatch.delenv("PYHOOK_STATS_SIMD")
+    return fast, base
+
+
+def _rows(shape: tuple[int, int], dtype: torch.dtype, special: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 100
+    if dtype in (torch.int32, torch.int8):
+        return (x - 100).round().clamp(-100, 100).to(dtype)
+    x = x.to(dtype)
+    if special:
+        flat = x.view(-1)
+        n = flat.numel()
+        flat[n // 2] = float("inf")
+        flat[n // 3] = float("nan")
+        flat[n - 1] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf-nan"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_simd_build_gives_the_baseline_bits(shape, dtype, special, threads, monkeypatch):
+    if special and not dtype.is_floating_point:
+        pytest.skip("integers have no inf or nan")
+    rows = _rows(shape, dtype, special)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fast, base = _both(rows, monkeypatch)
+        assert _bits(fast) == _bits(base)
+        view = rows[:, 1::2]  # a strided view: read as its values
+        if view.shape[1]:
+            fv, bv = _both(view, monkeypatch)
+            assert _bits(fv) == _bits(bv)
+    finally:
+        torch.set_num_threads(before)
+    if not special:  # and both are the float64 statistics of the rows
+        x = rows.double()
+        var, mean = torch.var_mean(x, dim=0, correction=0)
+        got = annotations.merge_stats(fast)
+        torch.testing.assert_close(got["mean"], mean, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got["var"], var, rtol=1e-9, atol=1e-7)
+        norms = torch.linalg.vector_norm(x, dim=1).mean()
+        torch.testing.assert_close(got["norm_mean"], norms, rtol=1e-9, atol=1e-9)
+
+
+def test_bool_rows(monkeypatch):
+    rows = torch.rand(257, 131, generator=torch.Generator().manual_seed(1)) > 0.5
+    fast, base = _both(rows, monkeypatch)
+    assert _bits(fast) == _bits(base)
