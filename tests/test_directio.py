@@ -125,7 +125,7 @@ def test_direct_bytes_equal_buffered(direct_dir, monkeypatch, case):
 def test_capture_writes_past_the_page_cache(direct_dir, monkeypatch):
     """A capture's shard of 1 MiB or more is written with O_DIRECT (auto): none of its pages
     are left in the page cache, and its rows are the hooked layer's outputs."""
-    monkeypatch.delenv("PYHOOK_DIRECT_IO", raising=False)
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "auto")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 1024))
     xs = [torch.randn(512, 64) for _ in range(3)]
@@ -146,8 +146,19 @@ def test_capture_writes_past_the_page_cache(direct_dir, monkeypatch):
     assert torch.equal(got, torch.cat(want))
 
 
-def test_auto_keeps_small_files_buffered(direct_dir, monkeypatch):
+def test_default_writes_buffered(direct_dir, monkeypatch):
+    """Unset, the switch means buffered writes (direct I/O is opt-in)."""
     monkeypatch.delenv("PYHOOK_DIRECT_IO", raising=False)
+    before = _directio.counters["files"]
+    fmt._write_file(str(direct_dir / "big"), {"a": [_aligned(2 << 20, 0)]})
+    assert _directio.counters["files"] == before
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "auto")
+    fmt._write_file(str(direct_dir / "big2"), {"a": [_aligned(2 << 20, 0)]})
+    assert _directio.counters["files"] == before + 1
+
+
+def test_auto_keeps_small_files_buffered(direct_dir, monkeypatch):
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "auto")
     before = _directio.counters["files"]
     fmt._write_file(str(direct_dir / "small"), {"a": [torch.ones(3, 4)]})
     assert _directio.counters["files"] == before

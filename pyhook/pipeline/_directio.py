@@ -11,11 +11,13 @@ staging buffer (a user-space ``memcpy``, far cheaper than the kernel's path). Th
 block is written padded with zeros and the file then truncated to its exact size, so the file's
 bytes are exactly those a buffered write gives.
 
-``PYHOOK_DIRECT_IO``: unset or ``auto`` (default): shards of 1 MiB or more, when the file system
-takes ``O_DIRECT``; ``0``: never (buffered writes, as before); ``1``: every shard, small ones too,
-when the file system takes it. A file system that refuses it (``EINVAL`` at the open or at a
-write: tmpfs, some overlay file systems) gets buffered writes, for that shard and the later
-ones on the same device.
+``PYHOOK_DIRECT_IO``: unset or ``0`` (default): never (buffered writes); ``auto``: shards of
+1 MiB or more, when the file system takes ``O_DIRECT``; ``1``: every shard, small ones too, when
+the file system takes it. A file system that refuses it (``EINVAL`` at the open or at a write:
+tmpfs, some overlay file systems) gets buffered writes, for that shard and the later ones on the
+same device. Not the default: each direct write waits for the disk, and in ``bench_compact.py``
+the writes of small and encoded stores (staged, 4 MiB a wait) took longer than buffered ones,
+while a GPT-2-small capture's wall time did not resolve the CPU saved.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import threading
 
 BLOCK = 4096
-#: Shards below this many bytes are written buffered unless ``PYHOOK_DIRECT_IO=1``.
+#: With ``PYHOOK_DIRECT_IO=auto``, shards below this many bytes are written buffered.
 MIN_BYTES = 1 << 20
 #: The staging buffer's size (one per writing thread, reused).
 STAGE_BYTES = 4 << 20
@@ -45,8 +47,9 @@ counters = {"files": 0, "direct_bytes": 0, "staged_bytes": 0, "fallbacks": 0}
 
 
 def mode() -> str:
-    """``"auto"``, ``"0"`` or ``"1"`` from ``PYHOOK_DIRECT_IO`` (anything else is an error)."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    """``"0"`` (unset: the default), ``"auto"`` or ``"1"`` from ``PYHOOK_DIRECT_IO`` (anything else
+    is an error)."""
+    value = os.environ.get(ENV, "").strip().lower() or "0"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"{ENV} must be 0, 1 or auto, got {os.environ.get(ENV)!r}")
     return value
