@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import _backend
 from .format import CaptureDamagedError
 
 _PAGE = mmap.PAGESIZE
@@ -38,17 +39,6 @@ def _mincore() -> Any:
         except (OSError, AttributeError):
             _libc = False
     return _libc
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A fresh tensor over a pooled buffer when the native core is built: the previous batch's
-    memory, already mapped (a new 12 MB allocation costs a page fault per 4 KiB, measured as
-    most of the CPU time this path spent over ``readinto``)."""
-    from .. import _backend
-
-    if _backend.native_available():
-        return torch.ops.pyhook.empty_pooled(list(shape), dtype)
-    return torch.empty(shape, dtype=dtype)
 
 
 class _Span:
@@ -137,7 +127,7 @@ class SequentialReader:
         """Rows ``[start, stop)`` of every layer, as fresh tensors the caller owns."""
         out = {}
         for name, (spans, row_shape, dtype) in self._layers.items():
-            t = _empty((stop - start, *row_shape), dtype)
+            t = _backend.empty_host((stop - start, *row_shape), dtype)
             if t.numel():
                 buf = memoryview(t.view(-1).view(torch.uint8).numpy())
                 at = 0

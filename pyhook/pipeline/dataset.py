@@ -155,7 +155,7 @@ class _Fused:
             )
         else:  # layers read in different dtypes: outputs made here, one call still
             rows = [
-                torch.ops.pyhook.empty_pooled([idx.numel(), *shape], dtype)
+                _backend.empty_host((idx.numel(), *shape), dtype)
                 for shape, dtype in zip(self.shapes, self.dtypes)
             ]
             _backend._dequant_many_direct_into(self.q, self.scales, self.counts, idx, rows)
