@@ -100,6 +100,10 @@ class ShardWriter:
     background thread still fsyncs, renames and lists each shard, so a crash at any point leaves
     the same states as the default.
 
+    The thread's CPU priority follows ``PYHOOK_WRITER_PRIORITY`` (``normal`` by default;
+    ``idle``: ``SCHED_IDLE``, ``nice``: nice 19); :attr:`priority` says what the thread applied
+    once it started, and ``thread_cpu_seconds`` its CPU time (user + system) once it ended.
+
     ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
     settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
     ``overwrite=True``, which deletes the previous capture's files).
