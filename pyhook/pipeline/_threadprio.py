@@ -14,13 +14,12 @@ the budget's back-pressure stops the main thread and the writer then has a core 
 ``PYHOOK_WRITER_PRIORITY``: ``idle`` (``SCHED_IDLE``), ``nice`` (nice 19, the lowest ordinary
 priority), or ``normal`` / ``0`` (unset: the thread keeps the priority it was started with).
 Where the platform has neither (not Linux), nothing changes. Opt-in, not the default: in paired
-rounds of ``benchmarks/bench_capture.py`` (d) on the 2-core VM (GPT-2 small, torch's 2 threads,
-loaded by other work) the lowered writer did not make the capture cheaper (see
-``benchmarks/RESULTS.md``, "cap, issue 23 item 1, 2026-11-25 (day)"): the writer's own CPU is
-~1.5% of the capture's, and a starved writer keeps more rows waiting, which the close-time heap
-trim then gives back, so the next forward faulted them in again. On a machine where other
-processes keep every core busy, ``idle`` would also let them starve the writer (``close``
-waits for it).
+rounds of ``benchmarks/bench_capture.py`` (d) on the 2-core VM (GPT-2 small, torch's 2 threads)
+the lowered writer made the capture dearer (12 hooked modules, load 1.7-2.1: 1.21x the bare
+forward against 1.10x, process CPU 1.18x against 1.08x; ``benchmarks/RESULTS.md``, "cap, issue
+23 item 1, 2026-11-25 (day)"), while the writer's own CPU is ~2% of the capture's. On a machine
+whose other processes keep every core busy, ``idle`` would also let them starve the writer
+(``close`` waits for it).
 """
 
 from __future__ import annotations
