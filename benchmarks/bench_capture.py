@@ -223,7 +223,7 @@ def bench_per_layer(args: argparse.Namespace) -> None:
             "pyhook capture(to='host', copy=False)": pyhook_ref,
             "nethook-style hooks + clone": hooks,
         }
-        if nnsight is not None:
+        if nnsight is not None and not args.job_priority_only:
             nn_model = nnsight.NNsight(model)
 
             def run_nnsight() -> None:
@@ -686,12 +686,13 @@ def bench_job(args: argparse.Namespace) -> None:
 
             fns[f"nnsight {nnsight.__version__} trace + save + save_file"] = run_nnsight
         fns["pyhook capture(out=dir), defaults"] = pyhook_run()
-        fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
-            stats=False, tokens=False, fsync=False
-        )
+        if not args.job_priority_only:
+            fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
+                stats=False, tokens=False, fsync=False
+            )
         # Where the defaults' cost goes: each option off alone, and the shard files written with
         # O_DIRECT (opt-in) instead of through the page cache.
-        if not args.job_no_split:
+        if not (args.job_no_split or args.job_priority_only):
             fns["pyhook defaults, stats=False"] = pyhook_run(stats=False)
             fns["pyhook defaults, tokens=False"] = pyhook_run(tokens=False)
             fns["pyhook defaults, fsync=False"] = pyhook_run(fsync=False)
@@ -703,7 +704,23 @@ def bench_job(args: argparse.Namespace) -> None:
                 fns["pyhook defaults, buffered + baseline stats kernel (as before)"] = pyhook_run(
                     env={"PYHOOK_DIRECT_IO": "0", "PYHOOK_STATS_SIMD": "0"}
                 )
-        if hasattr(sys.modules["pyhook.capture"], "write_inline"):  # a pyhook that chooses it
+        try:  # a pyhook whose writer thread runs at the lowest priority (issue 23 item 1)
+            from pyhook.pipeline import _threadprio as threadprio
+        except ImportError:
+            threadprio = None
+        if threadprio is not None:
+            # the writer thread at the other priorities, side by side with the default
+            for prio, what in (
+                ("normal", "normal priority"),
+                ("idle", "SCHED_IDLE"),
+                ("nice", "nice 19"),
+            ):
+                if prio != threadprio.DEFAULT:
+                    fns[f"pyhook defaults, writer thread at {what} ({threadprio.ENV}={prio})"] = (
+                        pyhook_run(env={threadprio.ENV: prio})
+                    )
+        # a pyhook that chooses it
+        if hasattr(sys.modules["pyhook.capture"], "write_inline") and not args.job_priority_only:
             fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
         cpu: dict[str, list[float]] = {k: [] for k in fns}
@@ -755,7 +772,7 @@ def bench_job(args: argparse.Namespace) -> None:
                     f"{med(faults[name]):,.0f}",
                 ]
             )
-        if nnsight is None:
+        if nnsight is None and not args.job_priority_only:
             rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-", "-"])
         print(
             f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
@@ -892,6 +909,11 @@ def main() -> None:
     p.add_argument(
         "--job-no-split", action="store_true",
         help="(d) without the variants that turn stats, tokens, fsync or direct I/O off one by one",
+    )
+    p.add_argument(
+        "--job-priority-only", action="store_true",
+        help="(d) with only the bare forward, the hand-written loop, the defaults and the writer "
+        "thread at each priority (PYHOOK_WRITER_PRIORITY), side by side",
     )
     p.add_argument(
         "--job-modules", type=int, nargs="*", default=[12, 48], choices=[12, 48],

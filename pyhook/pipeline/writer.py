@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from . import _threadprio
 from .encoding import ENCODED_FORMAT_VERSION
 from .format import (
     _DTYPE_TO_ST,
@@ -99,6 +100,10 @@ class ShardWriter:
     background thread still fsyncs, renames and lists each shard, so a crash at any point leaves
     the same states as the default.
 
+    The thread's CPU priority follows ``PYHOOK_WRITER_PRIORITY`` (``normal`` by default;
+    ``idle``: ``SCHED_IDLE``, ``nice``: nice 19); :attr:`priority` says what the thread applied
+    once it started, and ``thread_cpu_seconds`` its CPU time (user + system) once it ended.
+
     ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
     settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
     ``overwrite=True``, which deletes the previous capture's files).
@@ -136,6 +141,11 @@ class ShardWriter:
                 f"overwrite must be a bool (True replaces the previous capture), got "
                 f"{type(overwrite).__name__}: {overwrite!r}"
             )
+        # The writer thread's CPU priority (_threadprio.py), read here so that a bad
+        # PYHOOK_WRITER_PRIORITY is refused before any file is written; what the thread
+        # applied is in `priority` once it started.
+        self._priority_wanted = _threadprio.mode()
+        self.priority: str | None = None
         # Compact stores (pipeline/encoding.py): quantised / compressed layers, or None.
         self.encoding = encoding if encoding else None
         self.settings = _json_arg("settings", settings or {})  # normalise (tuples -> lists)
@@ -192,6 +202,7 @@ class ShardWriter:
         self._closed = False
         self.bytes_written = 0
         self.write_seconds = 0.0
+        self.thread_cpu_seconds = 0.0  # set when the writer thread ends
         self._thread = threading.Thread(
             target=self._run, name=f"pyhook-writer-r{rank}", daemon=True
         )
@@ -510,6 +521,13 @@ class ShardWriter:
 
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
+        self.priority = _threadprio.lower_this_thread(self._priority_wanted)
+        try:
+            self._loop()
+        finally:
+            self.thread_cpu_seconds = time.thread_time()  # the writer thread's CPU, user + sys
+
+    def _loop(self) -> None:
         while True:
             item = self._queue.get()
             try:
