@@ -110,8 +110,9 @@ def trim_host_memory(*, above: int | None = None) -> None:
 
     Freed capture buffers otherwise stay in the process (pooled for reuse, or kept by glibc's
     heap), so its resident size would stay at the capture's peak. :class:`~pyhook.capture.
-    Recorder` calls this when a disk capture closes and after :meth:`~pyhook.capture.Recorder.
-    results` joined a host capture's batches.
+    Recorder` calls this after :meth:`~pyhook.capture.Recorder.results` joined a host
+    capture's batches, and when a disk capture closes whose heap-sized buffers could account
+    for what the process grew by (docs/store-format.md, "Host memory").
 
     Example::
 

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+import pyhook
 from pyhook.store import ShardWriter, open_capture, writer
 
 MB = 1 << 20
@@ -165,3 +166,65 @@ def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path,
     assert calls == []
     offload.trim_host_memory()
     assert calls == [0]
+
+
+class _Grows(torch.nn.Module):
+    """A Linear whose forward also keeps 36 MB of its own a call (the process grows during the
+    capture by memory that is the model's, not pyhook's; above glibc's largest mmap threshold,
+    32 MB, so it is always new memory whatever the heap holds)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.kept.append(torch.ones(36 * MB // 4))
+        return self.lin(x)
+
+
+def _trim_calls(tmp_path, monkeypatch, rows: int, **opts):
+    from pyhook import offload
+    from pyhook.capture import capture
+
+    calls: list[int] = []
+
+    class Libc:
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(pad)
+            return 0
+
+    monkeypatch.setattr(offload, "_libc", Libc())
+    net = _Grows(256)
+    x = torch.randn(rows, 256)
+    with torch.no_grad(), capture(net, "lin", out=tmp_path, **opts) as rec:
+        for _ in range(4):
+            net(x)
+    assert torch.equal(open_capture(tmp_path)["lin"][: rows], net.lin(x).detach())
+    assert rec.rows["lin"] == 4 * rows
+    return calls
+
+
+@pytest.mark.skipif(not pyhook.native_available(), reason="the native pool maps the rows")
+def test_close_leaves_the_forwards_heap_alone_when_the_rows_were_mapped(tmp_path, monkeypatch):
+    # Issue 23 item 1 ("no slower forward after the capture"): the process grew by the model's
+    # own 144 MB, and every row buffer (2 MiB a batch) was one of the pool's mappings, unmapped
+    # at close. A malloc_trim would only have unmapped the forward's free heap pages, which the
+    # next forward faults back in (GPT-2 small: ~57,000 faults after each close); before, close
+    # trimmed here.
+    calls = _trim_calls(tmp_path, monkeypatch, 2048)
+    assert calls == []
+    assert pyhook.pool_stats()["cached_bytes"] == 0  # the pool's idle buffers went back
+
+
+def test_close_still_trims_when_the_heap_held_the_rows(tmp_path, monkeypatch):
+    # Rows under 1 MiB come from malloc's heap: once they add up to more than the slack, a
+    # capture that left the process bigger trims, as before. The reference backend takes every
+    # buffer from the heap.
+    from pyhook.pipeline import capture as capmod
+
+    monkeypatch.setattr(capmod, "_TRIM_SLACK", 64 << 10)  # 4 batches of 32 KiB rows exceed it
+    assert _trim_calls(tmp_path / "small", monkeypatch, 32) == [0]
+    monkeypatch.setattr(capmod, "_TRIM_SLACK", 32 << 20)
+    with pyhook.use_backend("reference"):
+        assert _trim_calls(tmp_path / "ref", monkeypatch, 2048) == [0]
