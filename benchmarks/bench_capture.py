@@ -726,6 +726,7 @@ def bench_job(args: argparse.Namespace) -> None:
         cpu: dict[str, list[float]] = {k: [] for k in fns}
         after: dict[str, list[float]] = {k: [] for k in fns}
         faults: dict[str, list[float]] = {k: [] for k in fns}
+        after_faults: dict[str, list[float]] = {k: [] for k in fns}
         rng = random.Random(n)
         order = list(fns)
         with torch.inference_mode():
@@ -752,6 +753,8 @@ def bench_job(args: argparse.Namespace) -> None:
                     t0 = time.perf_counter()
                     model(batches[0])  # the plain forward right after: did the variant slow it?
                     after[name].append(time.perf_counter() - t0)
+                    f2 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    after_faults[name].append(f2 - f1)  # (a heap trimmed at close faults here)
         shutil.rmtree(out, ignore_errors=True)
         med = statistics.median
         b = "bare forward"
@@ -770,10 +773,11 @@ def bench_job(args: argparse.Namespace) -> None:
                     f"{med(c):.3f}x",
                     f"{med(a):.3f}x",
                     f"{med(faults[name]):,.0f}",
+                    f"{med(after_faults[name]):,.0f}",
                 ]
             )
         if nnsight is None and not args.job_priority_only:
-            rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-", "-"])
+            rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-", "-", "-"])
         print(
             f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
             f"after {os.getloadavg()[0]:.2f}"
@@ -797,6 +801,7 @@ def bench_job(args: argparse.Namespace) -> None:
                     "process CPU / bare",
                     "next forward / bare's",
                     "minor faults / batch",
+                    "next forward's faults",
                 ],
             )
         )
