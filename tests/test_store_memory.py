@@ -142,12 +142,9 @@ def test_disk_capture_host_memory_stays_within_the_default_budget(tmp_path, opts
     assert got["left"] <= 64 * MB, f"left +{got['left'] / MB:.0f} MB after close"
 
 
-def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path, monkeypatch):
-    # malloc_trim also unmaps the free pages the model's forward reuses batch after batch, so
-    # the forward after a capture faulted them in again: a disk capture that leaves the process
-    # at its size before does not trim; an explicit trim_host_memory() still does.
+def _fake_malloc_trim(monkeypatch) -> list[int]:
+    """Replace glibc's malloc_trim for pyhook.offload by a recorder: the pads it was called with."""
     from pyhook import offload
-    from pyhook.capture import capture
 
     calls: list[int] = []
 
@@ -157,6 +154,17 @@ def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path,
             return 0
 
     monkeypatch.setattr(offload, "_libc", Libc())
+    return calls
+
+
+def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path, monkeypatch):
+    # malloc_trim also unmaps the free pages the model's forward reuses batch after batch, so
+    # the forward after a capture faulted them in again: a disk capture that leaves the process
+    # at its size before does not trim; an explicit trim_host_memory() still does.
+    from pyhook import offload
+    from pyhook.capture import capture
+
+    calls = _fake_malloc_trim(monkeypatch)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with torch.no_grad(), capture(net, "0", out=tmp_path):
         for _ in range(3):
@@ -184,17 +192,9 @@ class _Grows(torch.nn.Module):
 
 
 def _trim_calls(tmp_path, monkeypatch, rows: int, **opts):
-    from pyhook import offload
     from pyhook.capture import capture
 
-    calls: list[int] = []
-
-    class Libc:
-        def malloc_trim(self, pad: int) -> int:
-            calls.append(pad)
-            return 0
-
-    monkeypatch.setattr(offload, "_libc", Libc())
+    calls = _fake_malloc_trim(monkeypatch)
     net = _Grows(256)
     x = torch.randn(rows, 256)
     with torch.no_grad(), capture(net, "lin", out=tmp_path, **opts) as rec:
