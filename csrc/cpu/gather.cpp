@@ -485,20 +485,25 @@ void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn, bool fen
 constexpr int64_t kPrefetchBytesAhead = int64_t{48} << 10;
 constexpr int64_t kPrefetchPagesPerRow = 4;
 
-inline size_t row_part(const Prepared& p, int64_t row) {
-  return part_of_row_branchless(p.starts, row);
+// Where row `row` of the parts starts in memory.
+inline const char* row_address(const Prepared& p, int64_t row) {
+  const auto part = part_of_row_branchless(p.starts, row);
+  const Source& s = p.sources[part];
+  return s.base + (row - p.starts[part]) * s.row_step;
 }
 
-inline void prefetch_row(const Prepared& p, int64_t row) {
-  const auto part = row_part(p, row);
-  const Source& s = p.sources[part];
-  const char* a = s.base + (row - p.starts[part]) * s.row_step;
+// Asks for the first line of each of the row's first pages (at most kPrefetchPagesPerRow).
+inline void prefetch_address(const char* a, int64_t row_bytes) {
   __builtin_prefetch(a);
-  const auto end = reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(p.row_bytes);
+  const auto end = reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(row_bytes);
   uintptr_t page = (reinterpret_cast<uintptr_t>(a) | (kPage - 1)) + 1;
   for (int64_t k = 1; k < kPrefetchPagesPerRow && page < end; ++k, page += kPage) {
     __builtin_prefetch(reinterpret_cast<const char*>(page));
   }
+}
+
+inline void prefetch_row(const Prepared& p, int64_t row) {
+  prefetch_address(row_address(p, row), p.row_bytes);
 }
 
 // A gather of at least this many bytes (all layers of the call) writes its output with
@@ -575,21 +580,9 @@ inline void copy_streaming(char* dst, const char* src, int64_t n) {
 std::vector<const char*> row_addresses(const Prepared& p, const int64_t* ix, int64_t n) {
   std::vector<const char*> src(static_cast<size_t>(n));
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t row = ix[k];
-    const auto part = row_part(p, row);
-    const Source& s = p.sources[part];
-    src[static_cast<size_t>(k)] = s.base + (row - p.starts[part]) * s.row_step;
+    src[static_cast<size_t>(k)] = row_address(p, ix[k]);
   }
   return src;
-}
-
-inline void prefetch_address(const char* a, int64_t row_bytes) {
-  __builtin_prefetch(a);
-  const auto end = reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(row_bytes);
-  uintptr_t page = (reinterpret_cast<uintptr_t>(a) | (kPage - 1)) + 1;
-  for (int64_t k = 1; k < kPrefetchPagesPerRow && page < end; ++k, page += kPage) {
-    __builtin_prefetch(reinterpret_cast<const char*>(page));
-  }
 }
 
 // Copies the rows at src[begin..end) (from row_addresses) to out + k * row_bytes (k in that
