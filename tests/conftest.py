@@ -69,6 +69,24 @@ def native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_backend, "NATIVE_MIN_BYTES", 0)
 
 
+@pytest.fixture
+def host_allocations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The ``(shape, dtype)`` of every tensor taken through ``pyhook._backend.empty_host`` (the
+    one place the pipeline takes host memory from) while the test runs; the calls still go
+    through."""
+    from pyhook import _backend
+
+    taken: list[tuple[tuple[int, ...], torch.dtype]] = []
+    real = _backend.empty_host
+
+    def spy(shape, dtype):
+        taken.append((tuple(shape), dtype))
+        return real(shape, dtype)
+
+    monkeypatch.setattr(_backend, "empty_host", spy)
+    return taken
+
+
 def run_python(code: str, env: dict[str, str] | None = None, cwd: str = NEUTRAL_CWD):
     """Run ``code`` in a fresh interpreter (for import-time behaviour)."""
     full_env = {**os.environ, **(env or {})}

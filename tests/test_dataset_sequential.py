@@ -152,19 +152,10 @@ def test_batches_after_a_cold_one_stay_on_preadv_even_when_resident(capture, mon
     assert torch.equal(torch.cat([b["a"] for b in ds]), got) and reads == []
 
 
-def test_cold_batches_take_their_memory_from_the_host_pool(capture, monkeypatch):
+def test_cold_batches_take_their_memory_from_the_host_pool(capture, monkeypatch, host_allocations):
     """The preadv path allocates its batch tensors through ``_backend.empty_host`` (the one
     place host memory for reads comes from), and the rows still equal the capture's."""
-    from pyhook import _backend
-
-    shapes = []
-    real = _backend.empty_host
-
-    def empty_host(shape, dtype):
-        shapes.append((tuple(shape), dtype))
-        return real(shape, dtype)
-
-    monkeypatch.setattr(_backend, "empty_host", empty_host)
+    shapes = host_allocations
     monkeypatch.setattr(_seqread.SequentialReader, "resident", lambda self, a, b: False)
     ds = CaptureDataset(capture, ["a", "b"], batch_size=25, shuffle=False)
     batches = list(ds)

@@ -188,19 +188,10 @@ def test_generated_only_and_last_token_of_each_step(tmp_path, generated_only, la
         assert bool(r.generated.all())
 
 
-def test_step_buffers_on_the_host_come_from_the_pool(tmp_path, monkeypatch):
+def test_step_buffers_on_the_host_come_from_the_pool(tmp_path, host_allocations):
     """Each prompt batch's per-layer step buffers are taken through ``_backend.empty_host`` (the
     native pool's reused, already-mapped memory), and the rows are still those of the reference."""
-    from pyhook import _backend
-
-    taken = []
-    real = _backend.empty_host
-
-    def spy(shape, dtype):
-        taken.append((tuple(shape), dtype))
-        return real(shape, dtype)
-
-    monkeypatch.setattr(_backend, "empty_host", spy)
+    taken = host_allocations
     model = _gpt()
     eos = _eos_mid_batch(model, PROMPTS)
     with pyhook.capture(model, POINTS, out=tmp_path) as rec:
