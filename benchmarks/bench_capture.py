@@ -660,10 +660,37 @@ def bench_job(args: argparse.Namespace) -> None:
                 for h in handles:
                     h.remove()
 
+        copy_floor_bufs: dict[str, torch.Tensor] = {}
+
+        def copy_floor() -> None:
+            """The bytes copied once into memory that is never freed, nothing written: the least
+            any capture that keeps the rows pays (no capture can skip the copy unless the model
+            never reuses or changes an output)."""
+
+            def keep(name: str) -> Callable[..., None]:
+                def hook(_m: torch.nn.Module, _a: object, o: object) -> None:
+                    t = o[0] if isinstance(o, tuple) else o
+                    buf = copy_floor_bufs.get(name)
+                    if buf is None or buf.shape != t.shape:
+                        buf = copy_floor_bufs[name] = torch.empty_like(t)
+                    buf.copy_(t)
+
+                return hook
+
+            handles = [m.register_forward_hook(keep(name)) for name, m in modules]
+            try:
+                for ids in batches:
+                    model(ids)
+            finally:
+                for h in handles:
+                    h.remove()
+
         fns: dict[str, Callable[[], None]] = {
             "bare forward": bare,
             "hand-written hooks + clone + save_file per batch": handwritten,
         }
+        if args.job_core:
+            fns["floor: hooks copy_ into kept buffers, nothing written"] = copy_floor
         if nnsight is not None:
             nn_model = nnsight.NNsight(model)
             run_order = nnsight_order([name for name, _ in modules])
@@ -686,20 +713,23 @@ def bench_job(args: argparse.Namespace) -> None:
 
             fns[f"nnsight {nnsight.__version__} trace + save + save_file"] = run_nnsight
         fns["pyhook capture(out=dir), defaults"] = pyhook_run()
-        if not args.job_priority_only:
+        if directio is not None and hasattr(directio, "direct_share"):
+            # the write path of the defaults before direct I/O became the default
+            fns["pyhook defaults, buffered writes (PYHOOK_DIRECT_IO=0, the previous default)"] = (
+                pyhook_run(env={"PYHOOK_DIRECT_IO": "0"})
+            )
+        if args.job_core:
+            pass
+        elif not args.job_priority_only:
             fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
                 stats=False, tokens=False, fsync=False
             )
-        # Where the defaults' cost goes: each option off alone, and the shard files written with
-        # O_DIRECT (opt-in) instead of through the page cache.
-        if not (args.job_no_split or args.job_priority_only):
+        # Where the defaults' cost goes: each option off alone.
+        if not (args.job_no_split or args.job_priority_only or args.job_core):
             fns["pyhook defaults, stats=False"] = pyhook_run(stats=False)
             fns["pyhook defaults, tokens=False"] = pyhook_run(tokens=False)
             fns["pyhook defaults, fsync=False"] = pyhook_run(fsync=False)
             if directio is not None:
-                fns["pyhook defaults, direct I/O (PYHOOK_DIRECT_IO=auto)"] = pyhook_run(
-                    env={"PYHOOK_DIRECT_IO": "auto"}
-                )
                 # the write path and statistics kernel of the main before direct I/O
                 fns["pyhook defaults, buffered + baseline stats kernel (as before)"] = pyhook_run(
                     env={"PYHOOK_DIRECT_IO": "0", "PYHOOK_STATS_SIMD": "0"}
@@ -708,7 +738,7 @@ def bench_job(args: argparse.Namespace) -> None:
             from pyhook.pipeline import _threadprio as threadprio
         except ImportError:
             threadprio = None
-        if threadprio is not None:
+        if threadprio is not None and not args.job_core:
             # the writer thread at the other priorities, side by side with the default
             for prio, what in (
                 ("normal", "normal priority"),
@@ -720,7 +750,11 @@ def bench_job(args: argparse.Namespace) -> None:
                         pyhook_run(env={threadprio.ENV: prio})
                     )
         # a pyhook that chooses it
-        if hasattr(sys.modules["pyhook.capture"], "write_inline") and not args.job_priority_only:
+        if (
+            hasattr(sys.modules["pyhook.capture"], "write_inline")
+            and not args.job_priority_only
+            and not args.job_core
+        ):
             fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
         cpu: dict[str, list[float]] = {k: [] for k in fns}
@@ -919,6 +953,11 @@ def main() -> None:
         "--job-priority-only", action="store_true",
         help="(d) with only the bare forward, the hand-written loop, the defaults and the writer "
         "thread at each priority (PYHOOK_WRITER_PRIORITY), side by side",
+    )
+    p.add_argument(
+        "--job-core", action="store_true",
+        help="(d) with only the bare forward, the hand-written loop, nnsight, the defaults and "
+        "the defaults with buffered writes (the previous default), side by side",
     )
     p.add_argument(
         "--job-modules", type=int, nargs="*", default=[12, 48], choices=[12, 48],

@@ -220,6 +220,13 @@ def info() -> dict[str, str]:
         if loaded
         else "none (native core not loaded)"
     )
+    from . import _malloc
+
+    out["malloc"] = (
+        _malloc.state[1]
+        if _malloc.state is not None
+        else "glibc's heap thresholds are set when a capture starts (PYHOOK_MALLOC=0: never)"
+    )
     if rec is not None:
         out["compiler"] = str(rec.get("compiler", "-"))
         flags = " ".join(rec.get("cxx_flags") or []) or "-"

@@ -146,15 +146,72 @@ def test_capture_writes_past_the_page_cache(direct_dir, monkeypatch):
     assert torch.equal(got, torch.cat(want))
 
 
-def test_default_writes_buffered(direct_dir, monkeypatch):
-    """Unset, the switch means buffered writes (direct I/O is opt-in)."""
+def test_default_is_auto_for_pieces_that_line_up(direct_dir, monkeypatch):
+    """Unset, the switch means ``auto``: a shard whose rows lie page-aligned in memory (as the
+    pool's capture buffers do) goes past the page cache; one whose rows would all be copied
+    through the staging buffer (torch's own allocations: cast, encoded rows) is written buffered,
+    and so is everything with ``0``."""
     monkeypatch.delenv("PYHOOK_DIRECT_IO", raising=False)
+    assert _directio.mode() == "auto"
     before = _directio.counters["files"]
     fmt._write_file(str(direct_dir / "big"), {"a": [_aligned(2 << 20, 0)]})
-    assert _directio.counters["files"] == before
-    monkeypatch.setenv("PYHOOK_DIRECT_IO", "auto")
-    fmt._write_file(str(direct_dir / "big2"), {"a": [_aligned(2 << 20, 0)]})
     assert _directio.counters["files"] == before + 1
+    fmt._write_file(str(direct_dir / "unaligned"), {"a": [_aligned(2 << 20, 64)]})
+    assert _directio.counters["files"] == before + 1
+    # 80% of the bytes line up: under the 90% rule, buffered
+    mixed = {"a": [_aligned(4 << 20, 0)], "b": [_aligned(1 << 20, 64)]}
+    fmt._write_file(str(direct_dir / "mixed"), mixed)
+    assert _directio.counters["files"] == before + 1
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "1")  # forced: the same shard goes direct
+    fmt._write_file(str(direct_dir / "mixed1"), mixed)
+    assert _directio.counters["files"] == before + 2
+    assert (direct_dir / "mixed").read_bytes() == (direct_dir / "mixed1").read_bytes()
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "0")
+    fmt._write_file(str(direct_dir / "big0"), {"a": [_aligned(2 << 20, 0)]})
+    assert _directio.counters["files"] == before + 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_direct_share_is_what_the_writer_writes_directly(direct_dir, monkeypatch, seed):
+    """``direct_share`` (the ``auto`` rule's estimate, made before the file is opened) equals the
+    share of bytes the writer then really writes from the pieces' own memory, over random
+    layouts of aligned, unaligned, small and odd-sized pieces."""
+    monkeypatch.setenv("PYHOOK_DIRECT_IO", "1")
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for i in range(int(torch.randint(1, 6, (1,), generator=g))):
+        pieces = []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            size = int(torch.randint(1, 3 << 20, (1,), generator=g)) // 4 * 4 + 4
+            offset = [0, 0, 64, 4096 - 16][int(torch.randint(0, 4, (1,), generator=g))]
+            pieces.append(_aligned(size, offset))
+        tensors[f"t{i}"] = pieces
+    before = dict(_directio.counters)
+    n, _ = fmt._write_file(str(direct_dir / "x"), tensors)
+    data_bytes = sum(p.nbytes for ps in tensors.values() for p in ps)
+    head = n - data_bytes  # the header's bytes come first
+    layout = [(p.nbytes, p.data_ptr()) for ps in tensors.values() for p in ps]
+    share = _directio.direct_share(head, layout)
+    assert _directio.counters["direct_bytes"] - before["direct_bytes"] == round(share * data_bytes)
+
+
+def test_capture_defaults_write_direct_and_encoded_stores_buffered(direct_dir, monkeypatch):
+    """With the switch unset a capture's shards go past the page cache, while a compressed
+    store (rows that are encoded first, so copied) is written through it."""
+    monkeypatch.delenv("PYHOOK_DIRECT_IO", raising=False)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 1024))
+    xs = [torch.randn(512, 64) for _ in range(3)]
+    want = torch.cat([net(x).detach() for x in xs])
+    for opts, direct in (({}, True), ({"compress": "zstd"}, False)):
+        before = dict(_directio.counters)
+        out = str(direct_dir / f"cap-{bool(opts)}")
+        with torch.no_grad(), pyhook.capture(net, "0", out=out, **opts):
+            for x in xs:
+                net(x)
+        assert (_directio.counters["files"] > before["files"]) is direct, opts
+        got = pyhook.store.open_capture(out).layer("0")[:]
+        assert torch.equal(got, want)
 
 
 def test_auto_keeps_small_files_buffered(direct_dir, monkeypatch):

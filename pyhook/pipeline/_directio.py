@@ -11,13 +11,21 @@ staging buffer (a user-space ``memcpy``, far cheaper than the kernel's path). Th
 block is written padded with zeros and the file then truncated to its exact size, so the file's
 bytes are exactly those a buffered write gives.
 
-``PYHOOK_DIRECT_IO``: unset or ``0`` (default): never (buffered writes); ``auto``: shards of
-1 MiB or more, when the file system takes ``O_DIRECT``; ``1``: every shard, small ones too, when
+``PYHOOK_DIRECT_IO``: unset or ``auto`` (the default): a shard of 1 MiB or more whose data lies
+in memory the way direct I/O needs it (at least 90% of its bytes written straight from the
+pieces' own memory: a capture's rows in the pool's buffers), when the file system takes
+``O_DIRECT``; ``0``: never (buffered writes); ``1``: every shard, small and staged ones too, when
 the file system takes it. A file system that refuses it (``EINVAL`` at the open or at a write:
 tmpfs, some overlay file systems) gets buffered writes, for that shard and the later ones on the
-same device. Not the default: each direct write waits for the disk, and in ``bench_compact.py``
-the writes of small and encoded stores (staged, 4 MiB a wait) took longer than buffered ones,
-while a GPT-2-small capture's wall time did not resolve the CPU saved.
+same device.
+
+Why the rule: a background writer that writes straight from the capture's buffers saves the
+kernel's copy into the page cache and its write-back, which on a machine whose cores the forward
+uses take their time from the forward (GPT-2 small, 2 cores, 7 paired rounds: 12 hooked blocks
+1.074x the bare forward buffered, 1.037x direct; 48 modules 1.202x against 1.103x). A shard
+whose bytes must be copied first (encoded, quantized or cast rows in torch's own allocations)
+would go through the staging buffer one 4 MiB write and wait at a time, and in
+``bench_compact.py`` such writes took longer than buffered ones: those stay buffered.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 
 BLOCK = 4096
 #: With ``PYHOOK_DIRECT_IO=auto``, shards below this many bytes are written buffered.
@@ -35,6 +44,8 @@ STAGE_BYTES = 4 << 20
 #: A piece is written from its own memory only when at least this much of it lines up;
 #: shorter ones are copied (one write call instead of three).
 _DIRECT_MIN = 64 << 10
+#: With ``auto``, the share of a shard's bytes that must go from the pieces' own memory.
+AUTO_SHARE = 0.9
 
 ENV = "PYHOOK_DIRECT_IO"
 
@@ -47,20 +58,56 @@ counters = {"files": 0, "direct_bytes": 0, "staged_bytes": 0, "fallbacks": 0}
 
 
 def mode() -> str:
-    """``"0"`` (unset: the default), ``"auto"`` or ``"1"`` from ``PYHOOK_DIRECT_IO`` (anything else
+    """``"auto"`` (unset: the default), ``"0"`` or ``"1"`` from ``PYHOOK_DIRECT_IO`` (anything else
     is an error)."""
-    value = os.environ.get(ENV, "").strip().lower() or "0"
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"{ENV} must be 0, 1 or auto, got {os.environ.get(ENV)!r}")
     return value
 
 
-def wanted(path: str, nbytes: int) -> bool:
-    """Whether a file of ``nbytes`` at ``path`` is to be written with ``O_DIRECT``."""
+def _lined_up(cur: int, n: int, address: int | None) -> tuple[int, int] | None:
+    """``(head, body)`` of a piece of ``n`` bytes at ``address`` appended at file offset ``cur``:
+    its first ``head`` bytes complete the current block and the next ``body`` bytes (whole
+    blocks) go to the disk from the piece's own memory; ``None`` when it is to be copied."""
+    if address is None or n < _DIRECT_MIN:
+        return None
+    head = -cur % BLOCK
+    body = (n - head) - (n - head) % BLOCK
+    if (address + head) % BLOCK or body < _DIRECT_MIN:
+        return None
+    return head, body
+
+
+def direct_share(start: int, pieces: Iterable[tuple[int, int | None]]) -> float:
+    """The share of the bytes of ``pieces`` (``(nbytes, address or None)``, appended from file
+    offset ``start``) that :class:`DirectFile` would write from their own memory."""
+    cur = start
+    total = direct = 0
+    for n, address in pieces:
+        split = _lined_up(cur, n, address)
+        if split is not None:
+            direct += split[1]
+        total += n
+        cur += n
+    return direct / total if total else 0.0
+
+
+def wanted(
+    path: str,
+    nbytes: int,
+    start: int = 0,
+    pieces: Iterable[tuple[int, int | None]] | None = None,
+) -> bool:
+    """Whether a file of ``nbytes`` at ``path`` is to be written with ``O_DIRECT``: with
+    ``auto``, ``pieces`` (``(nbytes, address)`` of the data appended from offset ``start``) must
+    line up for at least :data:`AUTO_SHARE` of their bytes."""
     if not hasattr(os, "O_DIRECT"):
         return False
     m = mode()
     if m == "0" or (m == "auto" and nbytes < MIN_BYTES):
+        return False
+    if m == "auto" and (pieces is None or direct_share(start, pieces) < AUTO_SHARE):
         return False
     try:
         dev = os.stat(os.path.dirname(os.path.abspath(path))).st_dev
@@ -160,19 +207,17 @@ class DirectFile:
         if not n:
             return
         self.size += n
-        if address is not None and n >= _DIRECT_MIN:
-            cur = self.pos + self.fill
-            head = -cur % BLOCK  # bytes that complete the current block
-            body = (n - head) - (n - head) % BLOCK
-            if (address + head) % BLOCK == 0 and body >= _DIRECT_MIN:
-                self._copy(data[:head])
-                self._flush()  # the staging buffer now ends at a block boundary: empty
-                self._pwrite(data[head : head + body], self.pos)
-                counters["direct_bytes"] += body
-                self.pos += body
-                self._copy(data[head + body :])
-                return
-        self._copy(data)
+        split = _lined_up(self.pos + self.fill, n, address)
+        if split is None:
+            self._copy(data)
+            return
+        head, body = split
+        self._copy(data[:head])
+        self._flush()  # the staging buffer now ends at a block boundary: empty
+        self._pwrite(data[head : head + body], self.pos)
+        counters["direct_bytes"] += body
+        self.pos += body
+        self._copy(data[head + body :])
 
     def finish(self) -> None:
         """Write the last partial block (padded with zeros) and truncate to the exact size."""

@@ -191,6 +191,14 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return _as_bytes_at(t)[0]
 
 
+def _address(t: torch.Tensor) -> int | None:
+    """Where a piece's bytes lie in host memory, when :func:`_as_bytes_at` would write them from
+    there (a dense CPU tensor); ``None`` when they would be copied first."""
+    if t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
+        return None
+    return t.data_ptr() if t.numel() == 1 or t.reshape(-1).stride(0) == 1 else None
+
+
 def _as_bytes_at(t: torch.Tensor) -> tuple[memoryview, int | None]:
     """The tensor's bytes and their address in memory (``None`` when empty)."""
     t = t.detach()
@@ -273,7 +281,12 @@ def _write_file(
     align = _PAGE if offset >= 1 << 20 else 8
     raw += b" " * (-(8 + len(raw)) % align)
     head = struct.pack("<Q", len(raw)) + raw
-    if _directio.wanted(path, len(head) + offset):  # past the page cache (_directio.py)
+    if _directio.wanted(  # past the page cache (_directio.py)
+        path,
+        len(head) + offset,
+        len(head),
+        ((p.numel() * p.element_size(), _address(p)) for _name, pieces in order for p in pieces),
+    ):
         try:
             return _write_direct(path, head, order, fsync=fsync)
         except _directio.Refused:
