@@ -103,8 +103,10 @@ def test_bad_switch_value_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("PYHOOK_MALLOC", "yes")
     monkeypatch.setattr(_malloc, "state", None)
     net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="PYHOOK_MALLOC must be auto or 0"):
-        with pyhook.capture(net, "0"):
-            pass
+    with (
+        pytest.raises(ValueError, match="PYHOOK_MALLOC must be auto or 0"),
+        pyhook.capture(net, "0"),
+    ):
+        pass
     for m in net.modules():  # nothing left registered
         assert not m._forward_hooks and not m._forward_pre_hooks
