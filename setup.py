@@ -61,6 +61,23 @@ def compiler_version(cmd: str) -> str:
         return f"{cmd}: not runnable ({type(e).__name__})"
 
 
+def shared_libstdcxx_flags() -> list[str]:
+    """Link flags that make ``_C`` use the shared libstdc++ (the one torch itself uses).
+
+    A compiler driver set up to link libstdc++ statically (``-static-libstdc++``, as the
+    ``g++`` of some CUDA images is) puts a second C++ runtime inside ``_C``; calls bind partly
+    to it and partly to the process's ``libstdc++.so.6``, and where the two are different
+    versions their locale facets do not match: formatting a number in an error message
+    crashed the interpreter (a SIGSEGV in ``std::ostream::_M_insert<unsigned long>``, seen
+    with g++ 13 linking statically beside GCC 14's ``libstdc++.so.6`` on an H200 image).
+    Naming the shared library before the driver's own libraries leaves its static archive
+    nothing to add. Linux only (elsewhere the C++ runtime is not libstdc++ or not optional).
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    return ["-Wl,--push-state,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+
+
 def cuda_arch_list(torch) -> str | None:
     """``TORCH_CUDA_ARCH_LIST`` for a build on a machine without a visible GPU.
 
@@ -142,10 +159,12 @@ def native_extensions() -> tuple[list, dict]:
     # registrations), so torch's cpp_extension compiles it against the stable ABI
     # (it adds -DPy_LIMITED_API itself) and one .so fits every CPython it supports.
     cxx = ["-O3", "-DPYHOOK_PYTHON_MODULE", *openmp_flags(torch)]
-    kwargs: dict = {"py_limited_api": True}
+    link = shared_libstdcxx_flags()
+    kwargs: dict = {"py_limited_api": True, "extra_link_args": link}
     record.update(
         compiler=compiler_version(os.environ.get("CXX", "c++")),
         cxx_flags=cxx,
+        link_flags=link,
         openmp="-fopenmp" in cxx,
         cuda_reason=why_not,
     )

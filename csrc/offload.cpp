@@ -226,13 +226,19 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
   // then wait for the oldest copies until the new ones fit the budget (a
   // single submission larger than the budget proceeds once nothing else is in
   // flight). The bytes are reserved under the same lock, so that concurrent
-  // submitters cannot all pass the check and overshoot the budget together.
+  // submitters cannot all pass the check and overshoot the budget together;
+  // bytes reserved by a submitter that has not enqueued its job yet count too
+  // (there is no job to wait on then: wait until it is enqueued or given back).
   if (async_bytes > 0) {
     std::unique_lock<std::mutex> lock(mu_);
     retire_finished_locked();
-    while (!jobs_.empty() && inflight_bytes_ + async_bytes > max_inflight_bytes_) {
-      std::shared_ptr<Job> oldest = jobs_.front();
+    while (inflight_bytes_ > 0 && inflight_bytes_ + async_bytes > max_inflight_bytes_) {
       ++stalls_;
+      if (jobs_.empty()) {
+        changed_.wait(lock);
+        continue;
+      }
+      std::shared_ptr<Job> oldest = jobs_.front();
       lock.unlock();
       oldest->wait();
       lock.lock();
@@ -335,6 +341,7 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
         pool_.put(buffer);
       }
     }
+    changed_.notify_all();
     throw;
   }
 
@@ -344,6 +351,7 @@ std::tuple<int64_t, std::vector<at::Tensor>> Offloader::submit(std::vector<at::T
   if (job) {
     job->ticket = ticket;  // the reserved bytes are now the job's
     jobs_.push_back(std::move(job));
+    changed_.notify_all();
   }
   return {ticket, std::move(host)};
 }

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>  // torch::CustomClassHolder (registration.cpp binds the class)
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -117,11 +118,14 @@ class Offloader : public torch::CustomClassHolder {
   void drop_locked(std::deque<std::shared_ptr<Job>>::iterator it);
 
   std::mutex mu_;
+  // Signalled when a reservation becomes a job or is given back: a submitter that finds the
+  // budget taken by reservations still being enqueued (no job to wait on yet) waits on it.
+  std::condition_variable changed_;
   std::deque<std::shared_ptr<Job>> jobs_;  // in submission order
   HostBufferPool pool_;
   bool pin_;
   int64_t max_inflight_bytes_;
-  int64_t inflight_bytes_ = 0;
+  int64_t inflight_bytes_ = 0;  // bytes of jobs in flight and of reservations being enqueued
   int64_t next_ticket_ = 1;
   int64_t bytes_submitted_ = 0;
   int64_t stalls_ = 0;

@@ -232,6 +232,8 @@ def info() -> dict[str, str]:
         flags = " ".join(rec.get("cxx_flags") or []) or "-"
         if rec.get("nvcc_flags"):
             flags += f"; nvcc: {' '.join(rec['nvcc_flags'])}"
+        if rec.get("link_flags"):
+            flags += f"; link: {' '.join(rec['link_flags'])}"
         out["build flags"] = flags
         out["build switches"] = (
             f"PYHOOK_BUILD_NATIVE={rec.get('build_native_env') or '(unset)'}, "

@@ -319,6 +319,8 @@ class ReferenceOffloader:
         self._streams: dict[torch.device, Any] = {}
         self._jobs: collections.deque[_Job] = collections.deque()
         self._lock = threading.Lock()
+        # notified when a reservation becomes a job or is given back (see submit)
+        self._changed = threading.Condition(self._lock)
         self._inflight_bytes = 0
         self._next_ticket = 1
         self._bytes_submitted = 0
@@ -359,16 +361,21 @@ class ReferenceOffloader:
             with self._lock:
                 while self._jobs and self._jobs[0].event.query():
                     self._retired_locked(self._jobs.popleft())
+            # Bytes reserved by a submitter that has not enqueued its job yet count too: with
+            # no job to wait on, wait until it is enqueued or given back.
             while True:
                 with self._lock:
                     if (
-                        not self._jobs
+                        self._inflight_bytes == 0
                         or self._inflight_bytes + async_bytes <= self.max_inflight_bytes
                     ):
                         self._inflight_bytes += async_bytes
                         break
-                    oldest = self._jobs[0]
                     self._stalls += 1
+                    if not self._jobs:
+                        self._changed.wait()
+                        continue
+                    oldest = self._jobs[0]
                 oldest.event.synchronize()
                 self._erase(oldest)
 
@@ -385,6 +392,7 @@ class ReferenceOffloader:
                 self._erase(job)
             with self._lock:
                 self._inflight_bytes -= async_bytes - sum(j.nbytes for j in jobs)
+                self._changed.notify_all()
             for buf in lent:
                 self.pool.put(buf)
             raise
@@ -452,6 +460,7 @@ class ReferenceOffloader:
             job = _Job(ticket, event, srcs + dsts, sum(s.nbytes for s in srcs))
             with self._lock:
                 self._jobs.append(job)  # its bytes were reserved before
+                self._changed.notify_all()
             jobs.append(job)
         return ticket, host
 

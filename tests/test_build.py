@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from test_linkage import INSERT, defines, needed, static_driver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +25,10 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 def test_cmake_build_loads_and_runs(tmp_path):
     build = tmp_path / "build"
+    # On Linux, through a compiler driver that links libstdc++ statically (as some CUDA
+    # images' g++ does): the library must still use the shared one (tests/test_linkage.py).
+    linkage = sys.platform.startswith("linux") and shutil.which("readelf") and shutil.which("nm")
+    compiler = [f"-DCMAKE_CXX_COMPILER={static_driver(tmp_path)}"] if linkage else []
     configure = subprocess.run(
         [
             "cmake",
@@ -33,6 +38,7 @@ def test_cmake_build_loads_and_runs(tmp_path):
             str(build),
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            *compiler,
         ],
         capture_output=True,
         text=True,
@@ -45,6 +51,9 @@ def test_cmake_build_loads_and_runs(tmp_path):
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     libs = [p for p in build.iterdir() if p.name.startswith("libpyhook_ops")]
     assert libs, list(build.iterdir())
+    if linkage:
+        assert "libstdc++.so.6" in needed(str(libs[0]))
+        assert not defines(str(libs[0]), INSERT)
 
     code = textwrap.dedent(
         f"""
