@@ -683,7 +683,7 @@ class CaptureDataset(IterableDataset):
         sequential = self.shuffle is False and ring is None and get_worker_info() is None
         # Once a batch of a cold capture was read with preadv, the batches that follow it are
         # read so too: the kernel's read-ahead on the descriptor (up to read_ahead_kb, 8 MiB on
-        # some disks, doubled by POSIX_FADV_SEQUENTIAL) has often read all of the next batch
+        # some disks) has often read all of the next batch
         # by then, and a resident batch went through the memory maps: measured in
         # bench_read.py (c2), 9 of 32 cold batches took the mapped path, each with page-table
         # work and a MADV_WILLNEED of the batch after it, where readinto simply reads on.
