@@ -690,6 +690,7 @@ def bench_job(args: argparse.Namespace) -> None:
 
         def write_floor(
             modules: list[tuple[str, torch.nn.Module]] = modules,
+            out: str = out,
             ring: list[dict[str, torch.Tensor]] = [{}, {}],  # noqa: B006 - kept across calls
         ) -> None:
             """The copy floor plus the same bytes written to one file with ``O_DIRECT`` by a

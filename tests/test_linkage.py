@@ -30,7 +30,9 @@ binutils = pytest.mark.skipif(
 def needed(path: str) -> list[str]:
     """The DT_NEEDED entries of an ELF shared object."""
     out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True)
-    return [line.split("[", 1)[1].rstrip("]") for line in out.stdout.splitlines() if "(NEEDED)" in line]
+    return [
+        line.split("[", 1)[1].rstrip("]") for line in out.stdout.splitlines() if "(NEEDED)" in line
+    ]
 
 
 def defines(path: str, symbol: str) -> bool:
@@ -77,8 +79,8 @@ def test_link_flags_keep_libstdcxx_shared_under_a_static_driver(tmp_path):
     src = tmp_path / "f.cpp"
     # An unsigned long into a stream: the libstdc++ function the H200 crash was in.
     src.write_text(
-        '#include <sstream>\n#include <string>\n'
-        'std::string f(unsigned long n) { std::ostringstream s; s << n; return s.str(); }\n'
+        "#include <sstream>\n#include <string>\n"
+        "std::string f(unsigned long n) { std::ostringstream s; s << n; return s.str(); }\n"
     )
 
     def link(name: str, flags: list[str]) -> str:
