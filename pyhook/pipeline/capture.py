@@ -862,6 +862,9 @@ class Recorder:
         if not self._compiled:  # compiled batches hold no pooled buffers
             self._offloader.release(list(batch.values()))
         nbytes = sum(t.nbytes for t in batch.values())
+        # The writer holds no other reference to these rows (ShardWriter._release_all): once
+        # the dict lets go, they are back in their pool before the producer hears of it.
+        batch.clear()
         with self._held_cv:
             self._held -= nbytes
             self._held_cv.notify_all()

@@ -91,7 +91,9 @@ class ShardWriter:
     writer holds: the rows buffered, waiting for the disk and being written; ``add`` waits for
     the disk beyond it (raise it for speed on a fast disk). ``max_pending`` bounds
     the number of shards waiting for the disk (back-pressure). ``on_release(batch)`` is called
-    once a batch has been written (used to give pooled buffers back).
+    once a batch has been written (used to give pooled buffers back), after the writer dropped
+    every reference of its own to the batch's rows: the dict it is given holds the last ones
+    the writer knows of, so a callback that clears it frees them before it returns.
 
     ``write_inline=True`` moves the CPU work of writing a shard (the copy into the page cache and
     its checksum) onto the thread that calls :meth:`flush` (or fills a shard with :meth:`add`):
@@ -498,7 +500,9 @@ class ShardWriter:
                 self._error = e
                 raise
             finally:
-                self._release_all(batches)  # the bytes are in the file (or it failed)
+                dicts = [batch for batch, *_ in batches]
+                del batches  # (the tuples' `wait` closures hold the rows too)
+                self._release_all(dicts)  # the bytes are in the file (or it failed)
             self._check_error()
             item = (index, [], 0, written)
         else:
@@ -513,11 +517,17 @@ class ShardWriter:
             except queue.Full:
                 continue
 
-    def _release_all(self, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]) -> None:
-        if self.on_release is not None:
-            for batch, *_ in batches:
+    def _release_all(self, dicts: list[dict[str, torch.Tensor]]) -> None:
+        """Hand each written batch to ``on_release``, its dict emptied of the writer's hold:
+        by then the caller has dropped every other reference the writer had (the shard's
+        tuples, whose ``wait`` closures hold the rows too), so the bytes the callback counts
+        as released are free once it lets go of them, not when this thread next runs."""
+        while dicts:
+            batch = dicts.pop(0)
+            if self.on_release is not None:
                 with contextlib.suppress(Exception):
                     self.on_release(batch)
+            del batch
 
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -542,14 +552,19 @@ class ShardWriter:
                 self._error = e
             finally:
                 if item is not None:
-                    self._release_all(item[1])
+                    # Drop the written shard's rows now, not when the next shard arrives: their
+                    # pooled buffers go back to the pool for the batches being captured
+                    # meanwhile, before the producer is told the bytes are free (a writer
+                    # preempted between the two would otherwise let a shard's worth of rows
+                    # stay allocated beyond the budget).
+                    dicts = [batch for batch, *_ in item[1]]
+                    nbytes = item[2]
+                    item = None
+                    self._release_all(dicts)
                     with self._room:
-                        self._pending_bytes -= item[2]
+                        self._pending_bytes -= nbytes
                         self._room.notify_all()
                 self._queue.task_done()
-                # Drop the written shard's rows now, not when the next shard arrives: their
-                # pooled buffers go back to the pool for the batches being captured meanwhile.
-                item = None
 
     def _write_shard(
         self, index: int, batches: list[tuple[dict[str, torch.Tensor], int, Any, bool]]
