@@ -17,7 +17,10 @@ Steps, each in a subprocess with its own time limit inside one overall budget (`
    "h.*", out=dir)`` with the defaults, checked row for row against a hand-written forward hook,
    then timed (5 rounds, medians, each run into a fresh directory removed outside the timing)
    against the bare forward and the strongest hand-written loop (a pinned ring, copies on a side
-   stream, a writer thread, fsync), with the disk's own O_DIRECT speed beside them.
+   stream, a writer thread, fsync), with the disk's own O_DIRECT speed beside them; captures to
+   host memory beside a hand-written loop of pinned non-blocking copies, joined and not;
+6. the CUDA graphs capture test (``mode="reduce-overhead"``, open since the first GPU run) with
+   dynamo's logs of graph breaks and recompilations.
 
 The report (``--out``) has the device, the versions, a table of the steps, and each step's
 output. Without CUDA the script says so and exits 0 (nothing to check). ``--skip-build``
@@ -130,6 +133,28 @@ def handwritten():
         os.close(fd)
     torch.cuda.synchronize()
 
+# The strongest hand-written loop to host memory: each block's output copied into pinned memory
+# (torch's caching host allocator) without blocking, the batches joined per layer at the end.
+def handwritten_host(join=True):
+    parts = {i: [] for i in range(L)}
+    def mk(i):
+        def hook(m, a, out):
+            o = out[0] if isinstance(out, tuple) else out
+            buf = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
+            buf.copy_(o, non_blocking=True)
+            parts[i].append(buf)
+        return hook
+    hs = [b.register_forward_hook(mk(i)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+    finally:
+        for h in hs:
+            h.remove()
+    torch.cuda.synchronize()
+    return {i: torch.cat(p) for i, p in parts.items()} if join else parts
+
 d = fresh()
 captured(d)
 r = pyhook.open_capture(d)
@@ -148,6 +173,8 @@ variants = {
     "capture 'h.*' to disk, stats=False": lambda: captured(fresh(), stats=False),
     "capture 'h.*' to host memory (results joined)": lambda: captured(),
     "capture 'h.*' to host memory, stats=False": lambda: captured(stats=False),
+    "hand-written to host: pinned copies without blocking, joined": handwritten_host,
+    "hand-written to host, not joined (the join's cost)": lambda: handwritten_host(False),
 }
 times = {k: [] for k in variants}
 for f in variants.values():
@@ -162,7 +189,7 @@ for _ in range(5):
 mb = sum(t.numel() * 4 for v in ref.values() for t in v) / 1e6
 b = statistics.median(times["bare forward"])
 h = statistics.median(times["hand-written (pinned ring, side stream, writer thread, fsync)"])
-print(f"| loop: 12 x {B}x{T} tokens, GPT-2 small, {mb:.0f} MB of rows (5 rounds) | median ms | vs bare | vs hand-written |")
+print(f"| loop: 12 x {B}x{T} tokens, GPT-2 small, {mb:.0f} MB of rows (5 rounds) | median ms | vs bare | vs hand-written (disk) |")
 print("|---|---|---|---|")
 for k, v in times.items():
     m = statistics.median(v)
@@ -252,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     py = sys.executable
-    env = {**os.environ, "PYHOOK_BUILD_CUDA": "1", "MAX_JOBS": str(os.cpu_count() or 4)}
+    env = {
+        **os.environ,
+        "PYHOOK_BUILD_CUDA": "1",
+        "MAX_JOBS": str(os.cpu_count() or 4),
+        "TORCH_LOGS": "graph_breaks,recompiles",  # read by the CUDA graphs step alone
+    }
     # (name, command, at most seconds)
     steps: list[tuple[str, list[str], float]] = []
     if not args.skip_build:
@@ -304,6 +336,28 @@ def main(argv: list[str] | None = None) -> int:
             120,
         ),
         ("capture loop, GPT-2 small", [py, "-I", "-c", CAPTURE_LOOP], 120),
+        (
+            # Open since the first GPU run (docs/compile.md, CUDA graphs): the capture of a
+            # model compiled with mode="reduce-overhead" recorded no rows. With dynamo's logs of
+            # graph breaks and recompilations, to tell whether the hooks reach the compiled code.
+            "CUDA graphs capture, with dynamo logs",
+            [
+                py,
+                "-I",
+                "-m",
+                "pytest",
+                "tests/test_compiled.py",
+                "-k",
+                "cuda_graphs",
+                "-n",
+                "0",
+                "-q",
+                "-s",
+                "-p",
+                "no:cacheprovider",
+            ],
+            90,
+        ),
     ]
     results = []
     for name, cmd, cap in steps:
