@@ -75,7 +75,9 @@ def shared_libstdcxx_flags() -> list[str]:
     """
     if not sys.platform.startswith("linux"):
         return []
-    return ["-Wl,--push-state,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+    # -Bdynamic rather than --push-state/--pop-state: every GNU-compatible linker (ld, gold,
+    # lld) takes it, and dynamic is the mode the driver's own libraries expect to start from.
+    return ["-Wl,-Bdynamic", "-lstdc++"]
 
 
 def cuda_arch_list(torch) -> str | None:
