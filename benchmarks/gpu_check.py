@@ -53,19 +53,30 @@ blocks = list(model.h)
 B, T, D, L = 8, 128, 768, 12
 batches = [torch.randint(0, cfg.vocab_size, (B, T), device=dev) for _ in range(12)]
 
+def block_output(out):
+    return out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
+
+# The batches' forwards with the hook make_hook(i) on block i (removed after), calling
+# after_batch() after each forward: the hand-written loops below.
+def hooked_loop(make_hook, after_batch=None):
+    hs = [b.register_forward_hook(make_hook(i)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+                if after_batch is not None:
+                    after_batch()
+    finally:
+        for h in hs:
+            h.remove()
+
 # the reference: a hand-written forward hook per block, outputs copied to the host
 ref = {i: [] for i in range(L)}
 def keep(i):
     def hook(m, a, out):
-        out = out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
-        ref[i].append(out.detach().to("cpu"))
+        ref[i].append(block_output(out).detach().to("cpu"))
     return hook
-hooks = [blocks[i].register_forward_hook(keep(i)) for i in range(L)]
-with torch.no_grad():
-    for x in batches:
-        model(x)
-for h in hooks:
-    h.remove()
+hooked_loop(keep)
 
 root = tempfile.mkdtemp()  # each timed run writes a fresh directory, removed outside the timing
 runs = iter(range(10**6))
@@ -110,23 +121,18 @@ def handwritten():
     slot = [0]
     def mk(i):
         def hook(m, a, out):
-            o = out[0] if isinstance(out, tuple) else out
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                pins[slot[0]][i].copy_(o.reshape(-1), non_blocking=True)
+                pins[slot[0]][i].copy_(block_output(out).reshape(-1), non_blocking=True)
         return hook
-    hs = [b.register_forward_hook(mk(i)) for i, b in enumerate(blocks)]
+    def hand_over():
+        ev = torch.cuda.Event()
+        ev.record(side)
+        q.put((ev, slot[0]))
+        slot[0] = (slot[0] + 1) % RING
     try:
-        with torch.no_grad():
-            for x in batches:
-                model(x)
-                ev = torch.cuda.Event()
-                ev.record(side)
-                q.put((ev, slot[0]))
-                slot[0] = (slot[0] + 1) % RING
+        hooked_loop(mk, hand_over)
     finally:
-        for h in hs:
-            h.remove()
         q.put(None)
         th.join()
         os.fsync(fd)
@@ -139,19 +145,12 @@ def handwritten_host(join=True):
     parts = {i: [] for i in range(L)}
     def mk(i):
         def hook(m, a, out):
-            o = out[0] if isinstance(out, tuple) else out
+            o = block_output(out)
             buf = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
             buf.copy_(o, non_blocking=True)
             parts[i].append(buf)
         return hook
-    hs = [b.register_forward_hook(mk(i)) for i, b in enumerate(blocks)]
-    try:
-        with torch.no_grad():
-            for x in batches:
-                model(x)
-    finally:
-        for h in hs:
-            h.remove()
+    hooked_loop(mk)
     torch.cuda.synchronize()
     return {i: torch.cat(p) for i, p in parts.items()} if join else parts
 

@@ -27,10 +27,15 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     assert not report.exists()
 
 
-def test_a_step_past_its_limit_is_ended_with_its_children():
+def _load():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_a_step_past_its_limit_is_ended_with_its_children():
+    gpu_check = _load()
     # a step that starts a grandchild and waits: both go at the limit
     code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])"
     t0 = time.monotonic()
@@ -39,3 +44,9 @@ def test_a_step_past_its_limit_is_ended_with_its_children():
     ok, out, _ = gpu_check.run_step([sys.executable, "-c", "print('hi')"], 60.0)
     assert ok == "ok" and out.strip() == "hi"
     assert gpu_check.run_step([sys.executable, "-c", "pass"], 0.5)[0].startswith("skipped")
+
+
+def test_the_capture_loop_script_compiles():
+    # step 5 runs CAPTURE_LOOP in a fresh interpreter on a GPU machine only: a syntax error in
+    # it would first show there, at the cost of the device time
+    compile(_load().CAPTURE_LOOP, "<gpu_check capture loop>", "exec")
