@@ -28,20 +28,23 @@ file, the best of them is named in the table):
     order kept); ``torch.index_select`` into a preallocated buffer (torch's intra-op threads, and
     one thread). Limit: ``copy_`` of the same number of *consecutive* bytes into a preallocated
     buffer (memory bandwidth). Targets: pyhook >= 1.0x the best hand-written reader and >= 80%
-    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and three variants of its copy
+    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and variants of its copy
     (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes;
     ``PYHOOK_GATHER_STREAM=0``: plain stores instead of the non-temporal ones;
-    ``PYHOOK_GATHER_BACKOFF=0``: helper threads even after a call waited for a preempted one).
+    ``PYHOOK_GATHER_BACKOFF=0``: helper threads even after a call waited for a preempted one;
+    ``PYHOOK_GATHER_PREWAKE=0``: helpers woken only when the work is published).
 (b) the same batch as the first read after the files left the page cache (``posix_fadvise
     (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
     Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
     ``np.take`` into a preallocated buffer; sorted ``os.preadv`` of each row from 8 threads.
     Target: >= 1.0x the WILLNEED reader (and the best is named).
-(c) sequential batches against one ``readinto`` a batch of the raw file: warm, and cold (the
+(c) sequential batches against one ``readinto`` a batch of the raw file: warm (c1: the
+    ``shuffle=False`` iterator, each batch's pages touched for the first time in the process,
+    and ``batch`` of consecutive rows from the other half of the capture), and cold (c2: the
     first 16/32 batches after the files left the page cache; also ``readinto`` after
-    ``POSIX_FADV_SEQUENTIAL``, which pyhook's cold sequential path advises, and the better of the
-    two is the reference). pyhook's cold sequential batches are read with ``preadv`` (see
-    ``pyhook/pipeline/_seqread.py``). Target cold: >= 0.9x readinto.
+    ``POSIX_FADV_SEQUENTIAL``, and the better of the two is the reference). pyhook's cold
+    sequential batches are read with ``preadv`` (see ``pyhook/pipeline/_seqread.py``). Target
+    cold: >= 0.9x readinto.
 (d) ``DataLoader(ds, batch_size=None, num_workers=2)`` (reused shared-memory slots) against the
     dataset iterated in the main process, warm, feeding nothing and feeding a training step (a
     768 -> 64 -> 768 autoencoder, forward, backward, Adam, on as many rows as make a step about
@@ -70,16 +73,16 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from pyhook.dataset import CaptureDataset, shuffle_quality
 from torch.utils.data import DataLoader
 
 import pyhook
 from pyhook import _backend
-from pyhook.dataset import CaptureDataset, shuffle_quality
 from pyhook.store import ShardWriter
 
 D = 768
@@ -437,6 +440,10 @@ def case_warm_shuffled(
         "pyhook batch, no helper back-off (PYHOOK_GATHER_BACKOFF=0)": with_env(
             "PYHOOK_GATHER_BACKOFF", "0", lambda r: ds.batch(idxs[r])
         ),
+        # The helpers woken only when the work is published, not before the index checks.
+        "pyhook batch, no early wake (PYHOOK_GATHER_PREWAKE=0)": with_env(
+            "PYHOOK_GATHER_PREWAKE", "0", lambda r: ds.batch(idxs[r])
+        ),
     }
     t = paired(fns, rounds, spinner)
     for state, ts in t.items():
@@ -595,11 +602,25 @@ def case_sequential(
             f.seek((r % nb) * BATCH * ROW)
             f.readinto(view)
 
+    # What a shuffle=False user runs: the dataset's iterator, one batch a round (each batch's
+    # pages touched for the first time in this process), and a batch of consecutive rows asked
+    # for by index (`batch`: the memory-mapped gather, no sequential read path), from the
+    # other half of the capture (pages the iterator has not mapped either).
+    its: list[Iterator[dict[str, torch.Tensor]]] = [iter(seq)]
+
+    def ds_iter(r: int) -> object:
+        try:
+            return next(its[0])
+        except StopIteration:
+            its[0] = iter(seq)
+            return next(its[0])
+
     t = paired(
         {
             "raw file readinto": raw_seq,
-            "pyhook CaptureDataset (shuffle=False)": lambda r: seq.batch(
-                torch.arange((r % nb) * BATCH, (r % nb + 1) * BATCH)
+            "pyhook CaptureDataset (shuffle=False)": ds_iter,
+            "pyhook CaptureDataset.batch of consecutive rows": lambda r: seq.batch(
+                torch.arange(((r + nb // 2) % nb) * BATCH, ((r + nb // 2) % nb + 1) * BATCH)
             ),
         },
         rounds * 2,

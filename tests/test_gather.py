@@ -390,3 +390,46 @@ def test_many_opcheck(native, dtype):
     torch.library.opcheck(
         torch.ops.pyhook.gather_rows_many_into.default, ([*a, *b], [2, 1], idx, outs)
     )
+
+
+@pytest.mark.parametrize("late", ["helper", "caller"])
+def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(native, monkeypatch, late):
+    # A large gather splits its pieces into one range per thread: each thread copies its own
+    # range front to back, then takes what is left of the other's from the back. A helper (or
+    # the caller) made to start 300 ms late (a test hook in csrc/cpu/gather.cpp) finds its range
+    # done by the other thread; the output is exact either way, and the caller never waits for
+    # a helper that has not claimed a piece.
+    if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two torch threads on two CPUs")
+    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")  # no one-thread period from an earlier test
+    parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=4)
+    idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(4))
+    want = spec(parts, idx)
+    gather_rows(parts, idx)  # helpers started
+    monkeypatch.setenv(f"PYHOOK_GATHER_TEST_{late.upper()}_DELAY_US", "300000")
+    t0 = time.perf_counter()
+    got = gather_rows(parts, idx)
+    took = time.perf_counter() - t0
+    monkeypatch.delenv(f"PYHOOK_GATHER_TEST_{late.upper()}_DELAY_US")
+    assert torch.equal(got, want)
+    if late == "helper":
+        assert took < 0.25, f"the caller waited {took:.3f} s for a helper that had not started"
+    else:
+        assert took >= 0.3  # the delay ran: the helper copied every piece meanwhile
+    out = torch.full_like(want, 7)
+    assert torch.equal(gather_rows_into(parts, idx, out), want)
+
+
+def test_a_large_call_that_fails_its_index_check_leaves_the_helpers_usable(native):
+    # A large gather wakes the helpers before it checks the indices (so that they are running
+    # when the work is published); a call that then fails its check publishes no work. The
+    # helpers must go back to sleep and serve the next calls, now and after they slept.
+    parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=5)
+    good = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(5))
+    bad = good.clone()
+    bad[-1] = 2003
+    for _ in range(3):
+        with pytest.raises(IndexError, match="2003"):
+            gather_rows(parts, bad)
+        assert torch.equal(gather_rows(parts, good), spec(parts, good))
+        time.sleep(0.01)  # past the helpers' spin: asleep again

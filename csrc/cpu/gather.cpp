@@ -282,16 +282,45 @@ struct Job {
   std::function<void(int64_t)> fn;  // called only for claimed pieces, while the caller waits
   int64_t pieces = 0;
   bool fence = false;  // the pieces write with non-temporal stores: store_fence() before done
-  std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+
+  // The pieces are split into one contiguous range per thread (slot 0: the caller, slot i:
+  // helper i), each packed as (front << 32) | back. A thread claims its own range's pieces
+  // front to back, then takes what is left of the others' from their backs. Each thread thus
+  // copies a run of consecutive pieces, and its prefetch, which runs ahead of the copy into
+  // the next piece, asks for rows it will copy itself. With one shared counter the threads'
+  // pieces interleaved: every piece started with rows nobody had prefetched and each thread
+  // prefetched rows the other copied. Measured (4096 random rows of 3 KB from a warm 1.5 GB
+  // mapping, two threads, back-to-back calls, medians of 60, two pairs of alternating
+  // processes): 0.58 and 0.58 ms a batch with the shared counter, 0.54 and 0.53 ms this way.
+  void split(int slots) {
+    // Pieces of 64 KiB: 2^32 of them would be a batch of 256 TiB.
+    TORCH_INTERNAL_ASSERT(pieces >= 0 && pieces < (int64_t{1} << 32));
+    slots_ = std::max(1, slots);
+    ranges_.reset(new std::atomic<uint64_t>[static_cast<size_t>(slots_)]);
+    for (int s = 0; s < slots_; ++s) {
+      const auto lo = static_cast<uint64_t>(pieces * s / slots_);
+      const auto hi = static_cast<uint64_t>(pieces * (s + 1) / slots_);
+      ranges_[static_cast<size_t>(s)].store((lo << 32) | hi, std::memory_order_relaxed);
+    }
+  }
 
   // Runs pieces until none is left to claim, then reports them done (one fence per thread,
   // not one per piece: a store fence waits for the write-combining buffers to drain).
-  void work() {
+  void work(int slot) {
     int64_t mine = 0;
-    for (int64_t q = next.fetch_add(1); q < pieces; q = next.fetch_add(1)) {
+    int64_t q = 0;
+    slot %= slots_;
+    while (claim(slot, /*front=*/true, q)) {
       fn(q);
       ++mine;
+    }
+    for (int k = 1; k < slots_; ++k) {
+      const int other = (slot + k) % slots_;
+      while (claim(other, /*front=*/false, q)) {
+        fn(q);
+        ++mine;
+      }
     }
     if (mine > 0) {
       if (fence) {
@@ -300,13 +329,43 @@ struct Job {
       done.fetch_add(mine, std::memory_order_release);
     }
   }
+
+ private:
+  bool claim(int slot, bool front, int64_t& q) {
+    std::atomic<uint64_t>& r = ranges_[static_cast<size_t>(slot)];
+    uint64_t v = r.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = v >> 32, b = v & 0xffffffffu;
+      if (f >= b) {
+        return false;
+      }
+      const uint64_t next = front ? (((f + 1) << 32) | b) : ((f << 32) | (b - 1));
+      if (r.compare_exchange_weak(v, next, std::memory_order_acq_rel,
+                                  std::memory_order_relaxed)) {
+        q = static_cast<int64_t>(front ? f : b - 1);
+        return true;
+      }
+    }
+  }
+
+  int slots_ = 1;
+  std::unique_ptr<std::atomic<uint64_t>[]> ranges_;
 };
+
+// For tests only: sleeps the number of microseconds in environment variable `var`, if set, so
+// that a test can make the caller or a helper start late and check that the other thread
+// takes the late one's pieces (tests/test_gather.py).
+void test_delay(const char* var) {
+  if (const char* v = std::getenv(var)) {
+    std::this_thread::sleep_for(std::chrono::microseconds(std::strtol(v, nullptr, 10)));
+  }
+}
 
 class Helpers {
  public:
   explicit Helpers(int n) {
     for (int i = 0; i < n; ++i) {
-      std::thread([this] { loop(); }).detach();
+      std::thread([this, i] { loop(i + 1); }).detach();
     }
   }
 
@@ -317,11 +376,12 @@ class Helpers {
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
+    test_delay("PYHOOK_GATHER_TEST_CALLER_DELAY_US");
     const auto t0 = std::chrono::steady_clock::now();
-    job->work();
+    job->work(0);
     const auto t1 = std::chrono::steady_clock::now();
     // Only pieces a helper has claimed remain, and that helper is running them.
     while (job->done.load(std::memory_order_acquire) < job->pieces) {
@@ -337,19 +397,61 @@ class Helpers {
     return t2 - t1 > std::chrono::microseconds(100) && (t2 - t1) * 4 > t1 - t0;
   }
 
+  // Wakes the helpers ahead of a job the caller is about to publish (it is still checking the
+  // indices and looking up the rows' addresses): a helper that wakes without a job spins for
+  // it up to kPrewakeSpinUs, then sleeps again (a call whose index check fails publishes
+  // none). A helper woken with the job claimed its first piece 30-60 us after it was published
+  // (a virtual CPU that had halted, or one a spinning OpenMP worker held), a tenth of a
+  // 4096-row gather, during which the caller copied alone. Measured (4096 random rows of 3 KB,
+  // warm, 96 MB of CPU caches overwritten before each call, 60 shuffled rounds, other core
+  // idle), seven runs, with the early wake against without: 0.57/0.65, 0.58/0.58, 0.76/0.84,
+  // 0.59/0.66, 0.86/0.88, 0.68/0.70, 0.73/0.77 ms.
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++wakes_;
+    }
+    cv_.notify_all();
+  }
+
  private:
-  void loop() {
+  static constexpr int64_t kPrewakeSpinUs = 200;
+
+  void loop(int slot) {
     uint64_t seen = 0;
+    uint64_t wakes_seen = 0;
     for (;;) {
       std::shared_ptr<Job> job;
+      bool early = false;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        cv_.wait(lock, [&] { return generation_.load() != seen || wakes_ != wakes_seen; });
+        wakes_seen = wakes_;
+        if (generation_.load() != seen) {
+          seen = generation_.load();
+          job = job_;
+        } else {
+          early = true;
+        }
+      }
+      if (early) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kPrewakeSpinUs);
+        while (generation_.load(std::memory_order_acquire) == seen &&
+               std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(_M_X64)
+          _mm_pause();
+#endif
+        }
+        if (generation_.load(std::memory_order_acquire) == seen) {
+          continue;  // no job came: sleep again
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        seen = generation_.load();
         job = job_;
       }
       if (job) {
-        job->work();  // a finished job has no piece left to claim: returns at once
+        test_delay("PYHOOK_GATHER_TEST_HELPER_DELAY_US");
+        job->work(slot);  // a finished job has no piece left to claim: returns at once
       }
     }
   }
@@ -357,71 +459,41 @@ class Helpers {
   std::mutex mu_;
   std::condition_variable cv_;
   std::shared_ptr<Job> job_;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  uint64_t wakes_ = 0;
 };
 
-// How many threads can expect a core right now: the number of CPUs this process may run on,
-// less the runnable threads of the whole machine other than the caller (/proc/loadavg's 4th
-// field, an instantaneous count, not the load average). On an oversubscribed machine a
-// helper is often preempted in the middle of a piece and the caller waits a time slice for
-// it (measured under load 6 on 2 cores: 4096 x 3 KB rows in 4.0 ms with a helper, 1.7 ms
-// without); a trainer or a second process busy on the other core of a 2-core machine makes
-// the one helper a loss. The 1-minute load average used before lagged by a minute: a process
-// that started spinning on the other core kept the helper in use. Sampled at most every 20 ms.
-int free_cores(int threads) {
-  static std::atomic<int64_t> checked_us{-1};
-  static std::atomic<int> spare{1};
-  const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
-                          std::chrono::steady_clock::now().time_since_epoch())
-                          .count();
-  const int64_t last = checked_us.load(std::memory_order_relaxed);
-  if (last >= 0 && now - last < 20000) {
-    return spare.load(std::memory_order_relaxed);
-  }
-  checked_us.store(now, std::memory_order_relaxed);
-  int cpus = threads;
-#if defined(__linux__)
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    cpus = std::max(1, CPU_COUNT(&set));
-  }
-  int running = -1;
-  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
-    double a = 0, b = 0, c = 0;
-    int total = 0;
-    if (std::fscanf(f, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) != 5) {
-      running = -1;
-    }
-    std::fclose(f);
-  }
-  int result;
-  if (running >= 1) {
-    result = cpus - (running - 1);  // the caller is one of the running threads
-  } else {
-    double load = 0;
-    result = getloadavg(&load, 1) == 1 ? cpus - static_cast<int>(load) + 1 : cpus;
-  }
-#else
-  double load = 0;
-  int result = getloadavg(&load, 1) == 1 ? cpus - static_cast<int>(load) + 1 : cpus;
-#endif
-  result = std::max(1, std::min(threads, result));
-  spare.store(result, std::memory_order_relaxed);
-  return result;
-}
-
 // Calls fn(q) for q in [0, pieces) on the calling thread and up to at::get_num_threads() - 1
-// helpers. Helpers are created on first use in each process (a fork leaves none behind) and,
-// like the buffer pool, deliberately leaked: they outlive static destruction at exit.
+// helpers (no more threads than CPUs this process may run on). Helpers are created on first
+// use in each process (a fork leaves none behind) and, like the buffer pool, deliberately
+// leaked: they outlive static destruction at exit.
+//
+// Helpers are woken whatever else runs on the machine: a helper that finds no core leaves its
+// pieces to the caller, which takes them from the back of the helper's range; a helper that
+// does find one takes a fair share of the time from whatever ran there. Before, a count of the
+// machine's runnable threads (/proc/loadavg) kept the helpers asleep when it saw no spare core;
+// it counted torch's own OpenMP workers, which spin for milliseconds after every parallel
+// region, and kernel threads runnable for a moment, so a gather that followed any torch
+// operation ran on one thread. Measured (4096 random rows of 3 KB from a warm 1.5 GB mapping,
+// 96 MB of CPU caches overwritten before each call, pyhook's gather, one-thread gather and
+// two-thread torch.index_select in a shuffled order, 40 rounds, medians, 2-core VM), with the
+// count against without it: other core idle 0.85-1.12 against 0.65-0.82 ms (index_select
+// 0.61-0.85 ms), one process spinning on the other core 1.08-1.24 against 0.76-1.08 ms, two
+// and three spinning processes no different (1.00-1.24 ms, both).
 //
 // A call whose caller then waited for a helper (the helper was preempted in the middle of a
-// piece: the other core is busy, whatever the run-queue count said when it was sampled) makes
-// the calls of the next second run on the calling thread alone; then the helpers are tried
-// again. Measured in bench_read.py (a) at load 5.5 on 2 cores, 4096 x 3 KB rows: 6.25 ms a
-// batch with the helper allowed, 2.81 ms on one thread, before this rule.
-constexpr int64_t kSoloAfterWaitUs = 1000000;
+// piece: the other core is busy) makes the calls that follow run on the calling thread alone
+// for a while, then the helpers are tried again. Measured in bench_read.py (a) at load 5.5 on
+// 2 cores, 4096 x 3 KB rows: 6.25 ms a batch with the helper allowed, 2.81 ms on one thread,
+// before this rule; with three processes spinning on 2 cores, 1.2 ms with it against 4.4-5.0
+// ms without. The while starts at 50 ms and doubles with every wait in a row, up to 1.6 s; a
+// call in which the helpers ran without a wait sets it back to 50 ms. (It was a fixed second:
+// one preemption of a helper by a kernel thread or a spinning OpenMP worker on an otherwise
+// idle machine sent a second of calls to one thread, half of a bench_read.py case's rounds.)
+constexpr int64_t kSoloMinUs = 50000;
+constexpr int64_t kSoloMaxUs = 1600000;
 std::atomic<int64_t> solo_until_us{0};
+std::atomic<int64_t> solo_period_us{kSoloMinUs};
 
 int64_t steady_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -435,39 +507,86 @@ bool backoff_wanted() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
+// PYHOOK_GATHER_PREWAKE=0 wakes the helpers only when the job is published (read per call,
+// for bench_read.py); see Helpers::wake.
+bool prewake_wanted() {
+  const char* v = std::getenv("PYHOOK_GATHER_PREWAKE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// The CPUs this process may run on (its affinity mask), 1 if unknown.
+int allowed_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+#endif
+  return 1;
+}
+
+// How many threads a parallel copy uses now: torch's intra-op thread count, no more than the
+// CPUs this process may run on, 1 during a one-thread period (see solo_until_us).
+int parallel_threads() {
   int threads = std::max(1, at::get_num_threads());
-  const bool backoff = backoff_wanted();
-  if (threads > 1 && backoff && steady_us() < solo_until_us.load(std::memory_order_relaxed)) {
+  if (threads > 1) {
+    threads = std::min(threads, allowed_cpus());
+  }
+  if (threads > 1 && backoff_wanted() &&
+      steady_us() < solo_until_us.load(std::memory_order_relaxed)) {
     threads = 1;
   }
-  if (threads > 1) {
-    threads = free_cores(threads);
+  return threads;
+}
+
+// This process's helpers for a copy on `threads` threads (created on first use, and again
+// after a fork or a change of the thread count).
+Helpers* helpers_for(int threads) {
+  static std::mutex mu;
+  static Helpers* helpers = nullptr;
+  static pid_t owner = 0;
+  static int count = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (helpers == nullptr || owner != getpid() || count != threads - 1) {
+    helpers = new Helpers(threads - 1);  // the previous set (or a parent's) is abandoned
+    owner = getpid();
+    count = threads - 1;
   }
+  return helpers;
+}
+
+// Wakes the helpers ahead of a run_pieces call that will use them (see Helpers::wake).
+void prewake_helpers() {
+  const int threads = parallel_threads();
+  if (threads > 1) {
+    helpers_for(threads)->wake();
+  }
+}
+
+void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
+  const int threads = parallel_threads();
+  const bool backoff = backoff_wanted();
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->pieces = pieces;
   job->fence = fence;
   if (threads == 1 || pieces == 1) {
-    job->work();
+    job->split(1);
+    job->work(0);
     return;
   }
-  static std::mutex mu;
-  static Helpers* helpers = nullptr;
-  static pid_t owner = 0;
-  static int count = 0;
-  Helpers* h = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (helpers == nullptr || owner != getpid() || count != threads - 1) {
-      helpers = new Helpers(threads - 1);  // the previous set (or a parent's) is abandoned
-      owner = getpid();
-      count = threads - 1;
+  Helpers* h = helpers_for(threads);
+  job->split(threads);
+  const bool waited = h->run(job);
+  if (backoff) {
+    if (waited) {
+      const int64_t period = solo_period_us.load(std::memory_order_relaxed);
+      solo_until_us.store(steady_us() + period, std::memory_order_relaxed);
+      solo_period_us.store(std::min(kSoloMaxUs, period * 2), std::memory_order_relaxed);
+    } else {
+      solo_period_us.store(kSoloMinUs, std::memory_order_relaxed);
     }
-    h = helpers;
-  }
-  if (h->run(job) && backoff) {
-    solo_until_us.store(steady_us() + kSoloAfterWaitUs, std::memory_order_relaxed);
   }
 }
 
@@ -762,8 +881,13 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
   const int64_t* ix = idx.const_data_ptr<int64_t>();
   int64_t total = ps[0].starts.back();
+  int64_t call_bytes = 0;
   for (const Prepared& p : ps) {
     total = std::min(total, p.starts.back());
+    call_bytes += n * p.row_bytes;
+  }
+  if (call_bytes >= kParallelMinBytes && prewake_wanted()) {
+    prewake_helpers();  // they wake while the indices are checked and the rows looked up
   }
   // Every index is checked before anything is written (a bad index never leaves a
   // half-written output behind); `ascending`: the rows are already in file order.
