@@ -52,6 +52,9 @@ file, the best of them is named in the table):
 (e) (full runs only) shuffle modes: quality and speed.
 (f) a batch of 12 layers + token ids (256 and 2048 rows): the dataset's one native call for all
     of them against one call per layer (the path before) and a sorted ``np.take`` per layer.
+(g) the shuffled batch of (a) read right after a training step on torch's threads (what an
+    in-process training loop does: the step leaves torch's OpenMP workers spinning on the other
+    core): pyhook against ``torch.index_select`` and ``np.take``. Target: >= 1.0x the best.
 
 At the end: one table of every target, measured in this run, with pass/miss.
 """
@@ -280,6 +283,34 @@ def best_of(times: dict[str, list[float]], names: list[str]) -> str:
     return min(names, key=lambda n: med(times[n]))
 
 
+def one_thread(fn: Callable[[int], object]) -> Callable[[int], object]:
+    """``fn`` run with torch on one intra-op thread (pyhook's gather then uses no helper)."""
+
+    def run(r: int) -> object:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(r)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def with_env(var: str, value: str, fn: Callable[[int], object]) -> Callable[[int], object]:
+    """``fn`` run with environment variable ``var`` set to ``value`` (pyhook's gather reads its
+    knobs per call)."""
+
+    def run(r: int) -> object:
+        os.environ[var] = value
+        try:
+            return fn(r)
+        finally:
+            os.environ.pop(var)
+
+    return run
+
+
 def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, float]:
     """A training step on a batch: a 768 -> 64 -> 768 ReLU autoencoder on the batch's first
     ``n`` rows, MSE loss, backward, Adam, on one intra-op thread; ``n`` is the number of rows
@@ -361,17 +392,6 @@ def case_warm_shuffled(
         np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip")
         assert np.array_equal(mm[np.sort(np_idx[r])], buf)
 
-    def one_thread(fn: Callable[[int], object]) -> Callable[[int], object]:
-        def run(r: int) -> object:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                return fn(r)
-            finally:
-                torch.set_num_threads(threads)
-
-        return run
-
     tmp = aligned_empty((BATCH, D))
 
     def sorted_scatter(r: int) -> None:
@@ -384,16 +404,6 @@ def case_warm_shuffled(
 
     sorted_scatter(0)
     assert np.array_equal(mm[np_idx[0]], buf)
-
-    def with_env(var: str, value: str, fn: Callable[[int], object]) -> Callable[[int], object]:
-        def run(r: int) -> object:
-            os.environ[var] = value
-            try:
-                return fn(r)
-            finally:
-                os.environ.pop(var)
-
-        return run
 
     # np.take's mode="clip" (the indices are valid): with the default "raise", `out` is buffered.
     # "sorted np.take" returns the rows in file order, not the batch's: the strongest reader
@@ -641,6 +651,7 @@ def case_sequential(
             0.9,
         )
 
+    its.clear()  # the iterator holds the dataset and its maps
     seq = None  # unmap: mapped pages cannot leave the page cache
     gc.collect()
 
@@ -848,6 +859,86 @@ def case_modes(out: str, files: list[str], rows: int, rounds: int, cold_rounds: 
     )
 
 
+# -- (g) a shuffled batch read right after a training step ----------------------------------------
+def case_after_step(
+    out: str, raw_path: str, files: list[str], rows: int, idxs: list[torch.Tensor], rounds: int
+) -> None:
+    """What an in-process training loop does: a step, then the next batch. The step (a 768 ->
+    256 -> 768 ReLU autoencoder on 4096 rows, forward, backward, Adam, on torch's threads)
+    leaves torch's OpenMP workers spinning for milliseconds on the other core, which is where
+    a reader's second thread has to run. Each round times every reader right after a step, in
+    a shuffled order."""
+    warm(files)
+    mm = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
+    arr = np.asarray(mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory: only ever read here
+        mt = torch.from_numpy(arr)
+    ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
+    float(mm.sum()), [float(p.sum()) for p in ds._sources()["h"]]  # every page mapped once
+    buf = aligned_empty((BATCH, D))
+    tbuf = torch.from_numpy(buf)
+    np_idx = [i.numpy() for i in idxs]
+    g = torch.Generator().manual_seed(0)
+    enc, dec = torch.nn.Linear(D, 256), torch.nn.Linear(256, D)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-4)
+    x = torch.randn(BATCH, D, generator=g)
+
+    def step() -> None:
+        loss = (dec(torch.relu(enc(x))) - x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    hand = [
+        "torch.index_select into preallocated",
+        "np.take into preallocated",
+        "sorted np.take into preallocated",
+    ]
+    fns: dict[str, Callable[[int], object]] = {
+        hand[0]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
+        hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
+        hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
+        "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
+        "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
+        # The helpers on whatever CPU the scheduler picks (it picked the caller's own, busy one).
+        "pyhook batch, helpers not steered (PYHOOK_GATHER_STEER=0)": with_env(
+            "PYHOOK_GATHER_STEER", "0", lambda r: ds.batch(idxs[r])
+        ),
+    }
+    for _ in range(3):
+        step()
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    ts["__load__"] = []
+    order = list(fns)
+    rng = random.Random(1)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            step()
+            t0 = clock()
+            fns[name](r % len(idxs))
+            wall, cpu = since(t0)
+            ts[name].append(wall)
+            ts.setdefault(f"cpu:{name}", []).append(cpu)
+        ts["__load__"].append(load())
+    best = best_of(ts, hand)
+    print(
+        f"\n(g) shuffled batches of {BATCH} rows read right after a training step (page cache "
+        f"warm, load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds; best "
+        f"hand-written: {best}"
+    )
+    print(report(ts, best, BATCH * ROW, BATCH))
+    verdict(
+        "(g) warm shuffled after a training step",
+        "trainer's",
+        ts,
+        "pyhook CaptureDataset.batch",
+        best,
+        1.0,
+    )
+
+
 # -- (f) several layers in one batch ---------------------------------------------------------------
 def case_layers(root: str, rounds: int, spinner: Spinner | None, quick: bool) -> None:
     """A batch of 12 layers (+ token ids), as an SAE sweep over every block reads it: the
@@ -924,7 +1015,7 @@ def main() -> None:
         "(both, the default), without only (off), or with it only (on)",
     )
     p.add_argument("--pin", action="store_true", help="pin the spinning process to the last core")
-    p.add_argument("--only", default="abcdef", help="the cases to run, e.g. 'ab'")
+    p.add_argument("--only", default="abcdefg", help="the cases to run, e.g. 'ab'")
     p.add_argument("--dir", default=None, help="where to write the capture (default: a temp dir)")
     args = p.parse_args()
     if not _backend.native_available():
@@ -991,6 +1082,9 @@ def main() -> None:
             case_layers(root, rounds, sp, args.quick)
             if sp is not None:
                 sp.set(False)
+        if "g" in args.only:
+            case_after_step(out, raw_path, files, rows, idxs, rounds)
+            gc.collect()
         if "e" in args.only and not args.quick:
             case_modes(out, files, rows, rounds, cold_rounds)
         print(

@@ -433,3 +433,48 @@ def test_a_large_call_that_fails_its_index_check_leaves_the_helpers_usable(nativ
             gather_rows(parts, bad)
         assert torch.equal(gather_rows(parts, good), spec(parts, good))
         time.sleep(0.01)  # past the helpers' spin: asleep again
+
+
+def _helper_threads():
+    tids = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().strip() == "pyhook-gather":
+                    tids.append(int(t))
+        except OSError:  # the thread ended
+            pass
+    return tids
+
+
+def _my_cpu():
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
+def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
+    # Woken while the other CPU is held (by torch's OpenMP workers spinning after a training
+    # step), a helper was put on the caller's own CPU, preempted the caller and copied while it
+    # waited. A large gather sets the helpers' affinity to the caller's CPUs but the one it
+    # runs on; the helpers are named threads ("pyhook-gather", as top and py-spy show them).
+    if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two torch threads on two CPUs")
+    if not os.path.exists("/proc/thread-self/stat"):
+        pytest.skip("needs /proc")
+    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")
+    parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=6)
+    idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(6))
+    want = spec(parts, idx)
+    allowed = os.sched_getaffinity(0)
+    seen = []
+    for _ in range(10):
+        assert torch.equal(gather_rows(parts, idx), want)
+        cpu = _my_cpu()  # where the call ran, unless the scheduler moved this thread since
+        helpers = _helper_threads()
+        assert helpers, "no pyhook-gather thread"
+        masks = [os.sched_getaffinity(t) for t in helpers]
+        seen.append((cpu, masks))
+        if all(m == allowed - {cpu} for m in masks):
+            break
+    else:
+        pytest.fail(f"the helpers were not kept off the caller's CPU: {seen}")
