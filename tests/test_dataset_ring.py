@@ -233,12 +233,14 @@ def test_batches_used_inside_the_worker(capture):
 
 
 def ring_fds():
-    """This process's descriptors of arenas (memfd files named pyhook-ring)."""
+    """This process's descriptors of arenas (memfd files named pyhook-ring), as (descriptor,
+    inode) pairs: a descriptor number freed by an earlier test's arena and reused by a new one
+    is a new pair."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             if "pyhook-ring" in os.readlink(f"/proc/self/fd/{fd}"):
-                out.add(fd)
+                out.add((fd, os.stat(f"/proc/self/fd/{fd}").st_ino))
         except OSError:  # the descriptor listdir itself used
             pass
     return out
@@ -250,6 +252,7 @@ def test_no_files_left_in_dev_shm_and_no_fds(capture):
     makes), and none once the workers are gone and the batches freed."""
     path, *_ = capture
     ds = CaptureDataset(path, ["a", "b"], batch_size=4, worker_slots=8)
+    gc.collect()  # arenas of earlier tests' batches closed now, not in the middle of this one
     fds = ring_fds()
     before, arenas = rebuilt(), set(_ring._arenas)
     kept = list(DataLoader(ds, batch_size=None, num_workers=2))

@@ -285,6 +285,7 @@ struct Job {
   int64_t pieces = 0;
   bool fence = false;  // the pieces write with non-temporal stores: store_fence() before done
   std::atomic<int64_t> done{0};
+  int64_t helper_delay_us = 0;  // tests only: helpers start this late (test_delay_us)
 
   // The pieces are split into one contiguous range per thread (slot 0: the caller, slot i:
   // helper i), each packed as (front << 32) | back. A thread claims its own range's pieces
@@ -358,12 +359,18 @@ struct Job {
   std::unique_ptr<Range[]> ranges_;
 };
 
-// For tests only: sleeps the number of microseconds in environment variable `var`, if set, so
-// that a test can make the caller or a helper start late and check that the other thread
-// takes the late one's pieces (tests/test_gather.py).
-void test_delay(const char* var) {
-  if (const char* v = std::getenv(var)) {
-    std::this_thread::sleep_for(std::chrono::microseconds(std::strtol(v, nullptr, 10)));
+// For tests only: the number of microseconds in environment variable `var` (0 if unset), by
+// which a test makes the caller or a helper start late, to check that the other thread takes
+// the late one's pieces (tests/test_gather.py). Read by the caller, within the call: a helper
+// thread never calls getenv, which is not safe beside a setenv in another thread.
+int64_t test_delay_us(const char* var) {
+  const char* v = std::getenv(var);
+  return v == nullptr ? 0 : std::max<int64_t>(0, std::strtol(v, nullptr, 10));
+}
+
+void sleep_us(int64_t us) {
+  if (us > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
   }
 }
 
@@ -382,13 +389,14 @@ class Helpers {
   // the middle of a piece).
   bool run(const std::shared_ptr<Job>& job) {
     steer();
+    job->helper_delay_us = test_delay_us("PYHOOK_GATHER_TEST_HELPER_DELAY_US");
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
       generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
-    test_delay("PYHOOK_GATHER_TEST_CALLER_DELAY_US");
+    sleep_us(test_delay_us("PYHOOK_GATHER_TEST_CALLER_DELAY_US"));
     const auto t0 = std::chrono::steady_clock::now();
     job->work(0);
     const auto t1 = std::chrono::steady_clock::now();
@@ -504,7 +512,7 @@ class Helpers {
         job = job_;
       }
       if (job) {
-        test_delay("PYHOOK_GATHER_TEST_HELPER_DELAY_US");
+        sleep_us(job->helper_delay_us);  // 0 but in tests
         job->work(slot);  // a finished job has no piece left to claim: returns at once
       }
     }
