@@ -497,7 +497,8 @@ class Helpers {
         }
       }
       if (early) {
-        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kPrewakeSpinUs);
+        const auto until =
+            std::chrono::steady_clock::now() + std::chrono::microseconds(kPrewakeSpinUs);
         while (generation_.load(std::memory_order_acquire) == seen &&
                std::chrono::steady_clock::now() < until) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -547,9 +548,10 @@ class Helpers {
 // piece: the other core is busy) makes the calls that follow run on the calling thread alone
 // for a while, then the helpers are tried again. Measured in bench_read.py (a) at load 5.5 on
 // 2 cores, 4096 x 3 KB rows: 6.25 ms a batch with the helper allowed, 2.81 ms on one thread,
-// before this rule; with three processes spinning on 2 cores, 1.2 ms with it against 4.4-5.0
-// ms without. The while starts at 50 ms and doubles with every wait in a row, up to 1.6 s; a
-// call in which the helpers ran without a wait sets it back to 50 ms. (It was a fixed second:
+// before this rule; with three processes spinning on 2 cores, one probe run gave 1.2 ms with
+// it against 4.4-5.0 ms without, later runs no difference (medians 0.97-1.10 ms). The while
+// starts at 50 ms and doubles with every wait in a row, up to 1.6 s; a call in which the
+// helpers ran without a wait sets it back to 50 ms. (It was a fixed second:
 // one preemption of a helper by a kernel thread or a spinning OpenMP worker on an otherwise
 // idle machine sent a second of calls to one thread, half of a bench_read.py case's rounds.)
 constexpr int64_t kSoloMinUs = 50000;
