@@ -81,11 +81,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from pyhook.dataset import CaptureDataset, shuffle_quality
 from torch.utils.data import DataLoader
 
 import pyhook
 from pyhook import _backend
+from pyhook.dataset import CaptureDataset, shuffle_quality
 from pyhook.store import ShardWriter
 
 D = 768
@@ -189,11 +189,13 @@ def paired(
     rounds: int,
     spinner: Spinner | None,
     seed: int = 0,
+    before: Callable[[], object] = evict_cpu_caches,
 ) -> dict[str, dict[str, list[float]]]:
     """Seconds per state, method and round. Round r of every method uses the same indices, in
     a shuffled order; with a spinner, every round is run once with it paused and once with it
     spinning (in a shuffled order). A method may return its own measured time (when
-    its setup must not count)."""
+    its setup must not count). ``before`` runs, untimed, before every method (by default the
+    CPU caches are overwritten)."""
     states = STATES if spinner is not None else (SINGLE_STATE,)
     times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in fns} for s in states}
     loads: dict[str, list[float]] = {s: [] for s in states}
@@ -207,7 +209,7 @@ def paired(
                 spinner.set(s != STATES[0])
             rng.shuffle(order)
             for name in order:
-                evict_cpu_caches()
+                before()
                 t0 = clock()
                 own = fns[name](r)
                 wall, cpu = own if isinstance(own, tuple) else since(t0)
@@ -281,6 +283,17 @@ def verdict(
 
 def best_of(times: dict[str, list[float]], names: list[str]) -> str:
     return min(names, key=lambda n: med(times[n]))
+
+
+def raw_views(raw_path: str, rows: int) -> tuple[np.memmap, np.ndarray, torch.Tensor]:
+    """The raw file of rows as a numpy memmap, a plain ndarray over the same map (no memmap
+    subclass wrapping) and a tensor over it, for the hand-written readers."""
+    mm = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
+    arr = np.asarray(mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory: only ever read here
+        mt = torch.from_numpy(arr)
+    return mm, arr, mt
 
 
 def one_thread(fn: Callable[[int], object]) -> Callable[[int], object]:
@@ -370,11 +383,7 @@ def case_warm_shuffled(
     spinner: Spinner | None,
 ) -> None:
     warm(files)
-    mm = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
-    arr = np.asarray(mm)  # a plain ndarray over the same map (no memmap subclass wrapping)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only memory: only ever read here
-        mt = torch.from_numpy(arr)
+    mm, arr, mt = raw_views(raw_path, rows)
     ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     parts = ds._sources()["h"]
     buf = aligned_empty((BATCH, D))
@@ -869,11 +878,7 @@ def case_after_step(
     a reader's second thread has to run. Each round times every reader right after a step, in
     a shuffled order."""
     warm(files)
-    mm = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(rows, D))
-    arr = np.asarray(mm)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only memory: only ever read here
-        mt = torch.from_numpy(arr)
+    mm, arr, mt = raw_views(raw_path, rows)
     ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     float(mm.sum()), [float(p.sum()) for p in ds._sources()["h"]]  # every page mapped once
     buf = aligned_empty((BATCH, D))
@@ -908,30 +913,17 @@ def case_after_step(
     }
     for _ in range(3):
         step()
-    ts: dict[str, list[float]] = {k: [] for k in fns}
-    ts["__load__"] = []
-    order = list(fns)
-    rng = random.Random(1)
-    for r in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            step()
-            t0 = clock()
-            fns[name](r % len(idxs))
-            wall, cpu = since(t0)
-            ts[name].append(wall)
-            ts.setdefault(f"cpu:{name}", []).append(cpu)
-        ts["__load__"].append(load())
+    ts = paired(fns, rounds, None, before=step)[SINGLE_STATE]
     best = best_of(ts, hand)
     print(
         f"\n(g) shuffled batches of {BATCH} rows read right after a training step (page cache "
-        f"warm, load {med(ts['__load__']):.1f}); medians of {rounds} paired rounds; best "
-        f"hand-written: {best}"
+        f"warm, {SINGLE_STATE}, load {med(ts['__load__']):.1f}); medians of {rounds} paired "
+        f"rounds; best hand-written: {best}"
     )
     print(report(ts, best, BATCH * ROW, BATCH))
     verdict(
         "(g) warm shuffled after a training step",
-        "trainer's",
+        SINGLE_STATE,
         ts,
         "pyhook CaptureDataset.batch",
         best,

@@ -627,16 +627,9 @@ Helpers* helpers_for(int threads) {
   return helpers;
 }
 
-// Wakes the helpers ahead of a run_pieces call that will use them (see Helpers::wake).
-void prewake_helpers() {
-  const int threads = parallel_threads();
-  if (threads > 1) {
-    helpers_for(threads)->wake();
-  }
-}
-
-void run_pieces(int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
-  const int threads = parallel_threads();
+// Runs the pieces on `threads` threads (from parallel_threads(), taken once a call by the
+// caller, which may have woken those helpers already).
+void run_pieces(int threads, int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
   const bool backoff = backoff_wanted();
   auto job = std::make_shared<Job>();
   job->fn = fn;
@@ -952,13 +945,14 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
   const int64_t* ix = idx.const_data_ptr<int64_t>();
   int64_t total = ps[0].starts.back();
-  int64_t call_bytes = 0;
+  int64_t bytes = 0;  // of the whole call, all layers
   for (const Prepared& p : ps) {
     total = std::min(total, p.starts.back());
-    call_bytes += n * p.row_bytes;
+    bytes += n * p.row_bytes;
   }
-  if (call_bytes >= kParallelMinBytes && prewake_wanted()) {
-    prewake_helpers();  // they wake while the indices are checked and the rows looked up
+  const int threads = bytes >= kParallelMinBytes ? parallel_threads() : 1;
+  if (threads > 1 && prewake_wanted()) {
+    helpers_for(threads)->wake();  // they wake while the indices are checked and rows looked up
   }
   // Every index is checked before anything is written (a bad index never leaves a
   // half-written output behind); `ascending`: the rows are already in file order.
@@ -995,14 +989,12 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   // (at least 2 each; the layers of a capture live in the same shard files).
   const auto layers = static_cast<int64_t>(ps.size());
   const int64_t samples = std::max<int64_t>(2, kResidencySamples / layers);
-  int64_t bytes = 0;
   std::vector<int64_t> piece_rows(ps.size()), first_piece(ps.size() + 1, 0);
   for (size_t l = 0; l < ps.size(); ++l) {
     const Prepared& p = ps[l];
     if (p.row_bytes > 0) {
       prefetch_if_cold(p, ix, n, sequential, samples);
     }
-    bytes += n * p.row_bytes;
     piece_rows[l] = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, p.row_bytes));
     first_piece[l + 1] =
         first_piece[l] + (p.row_bytes > 0 ? (n + piece_rows[l] - 1) / piece_rows[l] : 0);
@@ -1019,7 +1011,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
     }
   } else {
     run_pieces(
-        first_piece.back(),
+        threads, first_piece.back(),
         [&](int64_t q) {
           const auto l = part_of_row(first_piece, q);
           const int64_t b = (q - first_piece[l]) * piece_rows[l];
