@@ -29,7 +29,7 @@ import importlib.util
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -535,15 +535,13 @@ def _direct_gather_ok(parts: Sequence[torch.Tensor]) -> bool:
 def _gather_direct(parts: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """:func:`gather_rows` for parts that passed :func:`_direct_gather_ok` and a 1-D int64 CPU
     ``idx`` (the kernel still checks every index and the parts' memory)."""
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        return torch.ops.pyhook.gather_rows.default(parts, idx)
+    return torch.ops.pyhook.gather_rows.default(parts, idx)
 
 
 def _gather_direct_into(parts: list[torch.Tensor], idx: torch.Tensor, out: torch.Tensor) -> None:
     """:func:`gather_rows_into` for parts that passed :func:`_direct_gather_ok` (the kernel
     checks ``out``'s dtype, shape and contiguity)."""
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
+    torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
 
 
 def _gather_many_direct(
@@ -551,9 +549,20 @@ def _gather_many_direct(
 ) -> list[torch.Tensor]:
     """Rows ``idx`` of several layers in one native call (layer ``l``'s parts are the next
     ``counts[l]`` entries of ``parts``, each layer's parts passed :func:`_direct_gather_ok`):
-    one index check, one residency check and one work list for the whole batch."""
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        return torch.ops.pyhook.gather_rows_many.default(parts, counts, idx)
+    one index check, one residency check and one work list for the whole batch.
+
+    Like the other ``_direct`` calls, without ``_AutoDispatchBelowADInplaceOrView``: no part
+    needs autograd, so the dispatcher's autograd fallback passes straight through, and the
+    guard's context manager cost more than it saved (18 us of a batch whose CPU caches a
+    training step had overwritten, against none measurable for the fallback)."""
+    return torch.ops.pyhook.gather_rows_many.default(parts, counts, idx)
+
+
+def _gather_many_callable() -> Callable[..., list[torch.Tensor]]:
+    """What :func:`_gather_many_direct` calls, for a caller that calls it once a batch: the
+    operator's own callable (one Python frame fewer than the ``OpOverload``)."""
+    op = torch.ops.pyhook.gather_rows_many.default
+    return getattr(op, "_op", op)
 
 
 def _gather_many_direct_into(
@@ -561,8 +570,7 @@ def _gather_many_direct_into(
 ) -> None:
     """:func:`_gather_many_direct` written into ``outs`` (one per layer; the kernel checks
     their dtype, shape and contiguity)."""
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        torch.ops.pyhook.gather_rows_many_into.default(parts, counts, idx, outs)
+    torch.ops.pyhook.gather_rows_many_into.default(parts, counts, idx, outs)
 
 
 def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor | Sequence[int]) -> torch.Tensor:

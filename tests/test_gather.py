@@ -478,3 +478,82 @@ def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
             break
     else:
         pytest.fail(f"the helpers were not kept off the caller's CPU: {seen}")
+
+
+# -- a part whose file became shorter than its mapping (SIGBUS) -----------------------------------
+# Run in a child process: if the guard failed, the child, not the suite, would die of SIGBUS.
+SHORTER_FILE = r"""
+import faulthandler, mmap, os, sys, warnings
+import torch
+from pyhook import _backend
+from pyhook._backend import gather_rows
+if sys.argv[2] == "faulthandler-first":
+    faulthandler.enable()  # installed before pyhook's handler: chained to
+assert _backend.native_available()
+warnings.simplefilter("ignore")  # read-only mapping
+path = os.path.join(sys.argv[1], "rows.bin")
+x = torch.arange(4096 * 256, dtype=torch.float32).reshape(4096, 256)
+x.numpy().tofile(path)
+with open(path, "rb") as f:
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+part = torch.frombuffer(mm, dtype=torch.float32).reshape(4096, 256)
+idx = torch.randperm(4096, generator=torch.Generator().manual_seed(0))
+assert torch.equal(gather_rows([part], idx), x[idx])
+if sys.argv[2] == "faulthandler-after":
+    faulthandler.enable()  # replaces pyhook's handler: the next gather installs it again
+os.truncate(path, 2048 * 1024)  # rows 2048.. are gone
+first_half = idx[idx < 2048]
+for threads in (2, 1):
+    torch.set_num_threads(threads)
+    for rows in (idx, idx[-8:], torch.tensor([4095])):  # helpers, one thread, one row
+        try:
+            gather_rows([part], rows)
+        except RuntimeError as e:
+            assert "SIGBUS" in str(e), e
+        else:
+            raise SystemExit(f"no error for {len(rows)} rows on {threads} threads")
+        # the rows still in the file read exactly, on the same threads
+        assert torch.equal(gather_rows([part], first_half), x[first_half])
+torch.set_num_threads(2)
+print("raised", flush=True)
+if sys.argv[3] == "touch":
+    print(float(part[4000].sum()))  # outside pyhook's copy: SIGBUS as before
+"""
+
+
+@pytest.mark.parametrize("order", ["alone", "faulthandler-first", "faulthandler-after"])
+def test_a_part_whose_file_became_shorter_raises_instead_of_sigbus(native, tmp_path, order):
+    # A memory-mapped part whose file was cut after it was mapped: reading its lost pages
+    # raises SIGBUS, which used to end the process (readers checked every shard's size before
+    # each read instead, one fstat a shard a batch). The copy now turns it into an error, on
+    # the helpers and on the calling thread, and leaves the threads usable.
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "raised", (p.returncode, p.stderr[-3000:])
+
+
+@pytest.mark.parametrize("order", ["alone", "faulthandler-first"])
+def test_a_sigbus_outside_the_copy_still_ends_the_process(native, tmp_path, order):
+    # pyhook's handler only catches what its own copy raises: any other SIGBUS goes to the
+    # handler before it (Python's faulthandler prints the traceback) or ends the process.
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, "touch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.stdout.splitlines()[:1] == ["raised"], (p.stdout, p.stderr[-3000:])
+    assert p.returncode == -signal.SIGBUS, (p.returncode, p.stderr[-3000:])
+    if order == "faulthandler-first":
+        assert "Bus error" in p.stderr and "line " in p.stderr, p.stderr[-3000:]

@@ -216,6 +216,7 @@ def test_glob_characters_in_the_path(tmp_path, name):
 # -- a shard truncated after the reader opened it ------------------------------------------------
 TRUNCATE_AFTER_OPEN = """
 import os, sys, torch
+from pyhook.dataset import CaptureDataset
 from pyhook.store import CaptureDamagedError, ShardWriter, open_capture
 out = sys.argv[1]
 with ShardWriter(out, shard_bytes=1) as w:
@@ -224,11 +225,17 @@ with ShardWriter(out, shard_bytes=1) as w:
 r = open_capture(out, verify=True)
 a = r["a"]
 assert float(a[1500][0]) == 1.0  # the shard is mapped and read once
+ds = CaptureDataset(out, "a", batch_size=2048, with_index=True)
+idx = torch.randperm(3072)[:2048]
+assert torch.equal(ds.batch(idx)["a"][:, 0], (idx // 1024).float())  # its fast path from now on
 path = os.path.join(out, "shard-r000-000001.safetensors")
 with open(path, "r+b") as f:
     f.truncate(4096)
 for read in (lambda: a[1500], lambda: a[1024:2048], lambda: a[[0, 1500]], lambda: a[:],
-             lambda: a.parts, lambda: next(r.batches(2048, shuffle=True, seed=0))):
+             lambda: a.parts, lambda: next(r.batches(2048, shuffle=True, seed=0)),
+             lambda: ds.batch(idx), lambda: ds.batch(torch.tensor([0, 2500, 1500, 3000, 1030])),
+             lambda: ds.batch(idx.tolist()),
+             lambda: next(iter(ds))):
     try:
         read()
     except CaptureDamagedError as e:

@@ -29,6 +29,8 @@
 #include <vector>
 
 #if defined(__linux__) || defined(__APPLE__)
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #endif
 #include <unistd.h>
@@ -273,6 +275,116 @@ inline void store_fence() {
 #endif
 }
 
+
+// A page of a part that cannot be read raises SIGBUS in the thread that touches it: a shard
+// truncated after it was mapped (another process rewrote or cut the file), or a disk error.
+// Uncaught, that ends the process. Readers used to check every shard's size before each batch
+// (one fstat a shard: 32 us of a 0.75 ms batch of 11 shards, measured with the CPU caches
+// overwritten as a training step does, and O(shards) a batch). Instead the copy is guarded:
+// while a thread copies a piece of a gather, a SIGBUS it raises returns from the piece (the
+// handler jumps back to the guard), the rest of the call is skipped, and the call raises an
+// error that names the address; pyhook's readers then name the shard. Every other SIGBUS goes
+// on to the handler that was there before (the default ends the process, as before).
+#if defined(__linux__)
+struct BusGuard {
+  sigjmp_buf env;
+  void* volatile addr = nullptr;  // the faulting address, set by the handler
+};
+// Initial-exec TLS: read by the handler without a call that could allocate.
+__attribute__((tls_model("initial-exec"))) thread_local BusGuard* t_bus_guard = nullptr;
+
+struct sigaction bus_previous;     // the handler ours replaced (under bus_mu; read by ours)
+std::atomic<int> bus_chaining{0};  // a SIGBUS is being passed to the previous handler
+std::mutex bus_mu;
+
+void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  BusGuard* g = t_bus_guard;
+  // A memory error the hardware reported (BUS_MCEERR_*) is never ours to recover from.
+  const bool hardware = info != nullptr && (info->si_code == BUS_MCEERR_AR ||
+                                           info->si_code == BUS_MCEERR_AO);
+  if (g != nullptr && !hardware) {
+    t_bus_guard = nullptr;
+    g->addr = info != nullptr ? info->si_addr : nullptr;
+    siglongjmp(g->env, 1);  // SA_NODEFER: SIGBUS is not blocked, no mask to restore
+  }
+  const struct sigaction prev = bus_previous;
+  if (bus_chaining.fetch_add(1) == 0) {
+    if ((prev.sa_flags & SA_SIGINFO) != 0 && prev.sa_sigaction != nullptr) {
+      prev.sa_sigaction(sig, info, ctx);
+      bus_chaining.fetch_sub(1);
+      return;
+    }
+    if ((prev.sa_flags & SA_SIGINFO) == 0 && prev.sa_handler != SIG_DFL &&
+        prev.sa_handler != SIG_IGN) {
+      prev.sa_handler(sig);
+      bus_chaining.fetch_sub(1);
+      return;
+    }
+  }
+  // The default action: returning re-runs the faulting access, which now ends the process.
+  struct sigaction dfl;
+  std::memset(&dfl, 0, sizeof(dfl));
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  (void)sigaction(SIGBUS, &dfl, nullptr);
+  bus_chaining.fetch_sub(1);
+}
+
+// Installs on_sigbus unless it is the handler now (checked every call: a handler installed
+// later, such as Python's faulthandler.enable(), replaces ours and is chained to instead).
+void ensure_bus_handler() {
+  struct sigaction cur;
+  if (sigaction(SIGBUS, nullptr, &cur) != 0 ||
+      ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_sigbus)) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(bus_mu);
+  if (sigaction(SIGBUS, nullptr, &cur) != 0 ||
+      ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_sigbus)) {
+    return;
+  }
+  bus_previous = cur;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = &on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  (void)sigaction(SIGBUS, &sa, nullptr);
+}
+
+// fn(q) with SIGBUS guarded; returns the faulting address, or nullptr when fn(q) completed.
+// noinline: the jump buffer must live in a frame that is active during fn(q).
+__attribute__((noinline)) void* guarded(const std::function<void(int64_t)>& fn, int64_t q) {
+  BusGuard g;
+#if defined(__x86_64__)
+  const unsigned csr = _mm_getcsr();  // the handler ran with the default SSE control word
+#endif
+  if (sigsetjmp(g.env, 0) != 0) {
+#if defined(__x86_64__)
+    _mm_setcsr(csr);
+#endif
+    void* addr = g.addr;
+    return addr != nullptr ? addr : reinterpret_cast<void*>(uintptr_t{1});
+  }
+  t_bus_guard = &g;
+  fn(q);
+  t_bus_guard = nullptr;
+  return nullptr;
+}
+#else
+void ensure_bus_handler() {}
+void* guarded(const std::function<void(int64_t)>& fn, int64_t q) {
+  fn(q);
+  return nullptr;
+}
+#endif
+
+[[noreturn]] void raise_bus_error(void* addr) {
+  TORCH_CHECK(false, "gather_rows: SIGBUS reading the rows at address ", addr,
+              ": the memory of a part could not be read (a memory-mapped file became shorter "
+              "than its mapping, or the disk failed); nothing of this call's output is valid");
+}
+
 // Threads that help the calling thread copy, "caller runs" style: the caller publishes a job
 // of pieces and claims pieces itself; helpers claim what is left when they get a core. Unlike
 // a fork-join region (at::parallel_for), the caller never waits for a helper that has not
@@ -285,7 +397,7 @@ struct Job {
   int64_t pieces = 0;
   bool fence = false;  // the pieces write with non-temporal stores: store_fence() before done
   std::atomic<int64_t> done{0};
-  int64_t helper_delay_us = 0;  // tests only: helpers start this late (test_delay_us)
+  int64_t helper_delay_us = 0;  // tests only: helpers start this late (Knobs)
 
   // The pieces are split into one contiguous range per thread (slot 0: the caller, slot i:
   // helper i), each packed as (front << 32) | back. A thread claims its own range's pieces
@@ -315,13 +427,13 @@ struct Job {
     int64_t q = 0;
     slot %= slots_;
     while (claim(slot, /*front=*/true, q)) {
-      fn(q);
+      run(q);
       ++mine;
     }
     for (int k = 1; k < slots_; ++k) {
       const int other = (slot + k) % slots_;
       while (claim(other, /*front=*/false, q)) {
-        fn(q);
+        run(q);
         ++mine;
       }
     }
@@ -333,7 +445,22 @@ struct Job {
     }
   }
 
+  // The first address a piece could not read (SIGBUS), or 0: the call then raises.
+  std::atomic<uintptr_t> fault{0};
+
  private:
+  // Piece q under the SIGBUS guard; after a fault, the pieces left are skipped (still counted
+  // done, so that the caller's wait ends).
+  void run(int64_t q) {
+    if (fault.load(std::memory_order_relaxed) != 0) {
+      return;
+    }
+    if (void* addr = guarded(fn, q)) {
+      uintptr_t none = 0;
+      fault.compare_exchange_strong(none, reinterpret_cast<uintptr_t>(addr));
+    }
+  }
+
   bool claim(int slot, bool front, int64_t& q) {
     std::atomic<uint64_t>& r = ranges_[static_cast<size_t>(slot)].v;
     uint64_t v = r.load(std::memory_order_relaxed);
@@ -359,13 +486,65 @@ struct Job {
   std::unique_ptr<Range[]> ranges_;
 };
 
-// For tests only: the number of microseconds in environment variable `var` (0 if unset), by
-// which a test makes the caller or a helper start late, to check that the other thread takes
-// the late one's pieces (tests/test_gather.py). Read by the caller, within the call: a helper
-// thread never calls getenv, which is not safe beside a setenv in another thread.
-int64_t test_delay_us(const char* var) {
-  const char* v = std::getenv(var);
-  return v == nullptr ? 0 : std::max<int64_t>(0, std::strtol(v, nullptr, 10));
+// The PYHOOK_GATHER_* settings of the current call (bench_read.py compares them in one process,
+// so they are read per call), taken in one pass over the environment by the calling thread as
+// a call starts (read_knobs, from wake_for_call). A getenv of each of the eight, some twice,
+// cost a scan of the environment each: 3-5 us a call with the CPU caches cold (after a
+// training step). Helper threads never read them (see Job::helper_delay_us).
+struct Knobs {
+  bool backoff = true;   // PYHOOK_GATHER_BACKOFF=0: no one-thread period (solo_until_us)
+  bool steer = true;     // PYHOOK_GATHER_STEER=0: helpers on any CPU (Helpers::steer)
+  bool prewake = true;   // PYHOOK_GATHER_PREWAKE=0: helpers woken with the job (Helpers::wake)
+  bool stream = true;    // PYHOOK_GATHER_STREAM=0: plain stores (streaming_wanted)
+  bool sorted = false;   // PYHOOK_GATHER_ORDER=sorted: rows read in file order
+  int64_t ahead_kb = 0;  // PYHOOK_GATHER_AHEAD_KB: prefetch distance (0: the default)
+  // Tests only: the helpers, or the caller, start this many microseconds late, to check that
+  // the other thread takes the late one's pieces (tests/test_gather.py).
+  int64_t helper_delay_us = 0;  // PYHOOK_GATHER_TEST_HELPER_DELAY_US
+  int64_t caller_delay_us = 0;  // PYHOOK_GATHER_TEST_CALLER_DELAY_US
+};
+thread_local Knobs t_knobs;
+
+int64_t knob_int(const char* v) {
+  return std::max<int64_t>(0, std::strtol(v, nullptr, 10));
+}
+
+void read_knobs() {
+  Knobs k;
+  static constexpr char kPrefix[] = "PYHOOK_GATHER_";
+  constexpr size_t kLen = sizeof(kPrefix) - 1;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const char* kv = *e;
+    if (std::strncmp(kv, kPrefix, kLen) != 0) {
+      continue;
+    }
+    const char* name = kv + kLen;
+    const char* eq = std::strchr(name, '=');
+    if (eq == nullptr) {
+      continue;
+    }
+    const std::string key(name, static_cast<size_t>(eq - name));
+    const char* v = eq + 1;
+    if (key == "BACKOFF") {
+      k.backoff = std::strcmp(v, "0") != 0;
+    } else if (key == "STEER") {
+      k.steer = std::strcmp(v, "0") != 0;
+    } else if (key == "PREWAKE") {
+      k.prewake = std::strcmp(v, "0") != 0;
+    } else if (key == "STREAM") {
+      k.stream = std::strcmp(v, "0") != 0;
+    } else if (key == "ORDER") {
+      k.sorted = std::strcmp(v, "sorted") == 0;
+    } else if (key == "AHEAD_KB") {
+      const int64_t kb = knob_int(v);
+      k.ahead_kb = kb < (int64_t{1} << 20) ? kb : 0;
+    } else if (key == "TEST_HELPER_DELAY_US") {
+      k.helper_delay_us = knob_int(v);
+    } else if (key == "TEST_CALLER_DELAY_US") {
+      k.caller_delay_us = knob_int(v);
+    }
+  }
+  t_knobs = k;
 }
 
 void sleep_us(int64_t us) {
@@ -389,14 +568,14 @@ class Helpers {
   // the middle of a piece).
   bool run(const std::shared_ptr<Job>& job) {
     steer();
-    job->helper_delay_us = test_delay_us("PYHOOK_GATHER_TEST_HELPER_DELAY_US");
+    job->helper_delay_us = t_knobs.helper_delay_us;
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
       generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
-    sleep_us(test_delay_us("PYHOOK_GATHER_TEST_CALLER_DELAY_US"));
+    sleep_us(t_knobs.caller_delay_us);
     const auto t0 = std::chrono::steady_clock::now();
     job->work(0);
     const auto t1 = std::chrono::steady_clock::now();
@@ -567,22 +746,19 @@ int64_t steady_us() {
 
 // PYHOOK_GATHER_BACKOFF=0 turns the rule off (read per call, for bench_read.py).
 bool backoff_wanted() {
-  const char* v = std::getenv("PYHOOK_GATHER_BACKOFF");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return t_knobs.backoff;
 }
 
 // PYHOOK_GATHER_STEER=0 leaves the helpers' CPUs to the scheduler (read per call, for
 // bench_read.py); see Helpers::steer.
 bool steer_wanted() {
-  const char* v = std::getenv("PYHOOK_GATHER_STEER");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return t_knobs.steer;
 }
 
 // PYHOOK_GATHER_PREWAKE=0 wakes the helpers only when the job is published (read per call,
 // for bench_read.py); see Helpers::wake.
 bool prewake_wanted() {
-  const char* v = std::getenv("PYHOOK_GATHER_PREWAKE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return t_knobs.prewake;
 }
 
 // The CPUs this process may run on (its affinity mask), 1 if unknown.
@@ -638,11 +814,18 @@ void run_pieces(int threads, int64_t pieces, const std::function<void(int64_t)>&
   if (threads == 1 || pieces == 1) {
     job->split(1);
     job->work(0);
+    if (const uintptr_t addr = job->fault.load()) {
+      raise_bus_error(reinterpret_cast<void*>(addr));
+    }
     return;
   }
   Helpers* h = helpers_for(threads);
   job->split(threads);
   const bool waited = h->run(job);
+  // h->run returned once every piece was done or skipped: no helper still uses the job.
+  if (const uintptr_t addr = job->fault.load()) {
+    raise_bus_error(reinterpret_cast<void*>(addr));
+  }
   if (backoff) {
     if (waited) {
       const int64_t period = solo_period_us.load(std::memory_order_relaxed);
@@ -737,8 +920,7 @@ bool has_avx2() {
 // (read per call, so that bench_read.py compares both in one process).
 bool streaming_wanted() {
 #if defined(PYHOOK_STREAM_AVX2)
-  const char* v = std::getenv("PYHOOK_GATHER_STREAM");
-  return has_avx2() && (v == nullptr || std::strcmp(v, "0") != 0);
+  return has_avx2() && t_knobs.stream;
 #else
   return false;
 #endif
@@ -820,21 +1002,13 @@ int bit_width(uint64_t v) {
 // on the output per row) cost more than reading in file order saves on 4 KiB pages, where rows
 // of a shuffled batch are ~90 KB apart and share neither pages nor page-table cache lines.
 bool sorted_order_wanted() {
-  const char* v = std::getenv("PYHOOK_GATHER_ORDER");
-  return v != nullptr && std::strcmp(v, "sorted") == 0;
+  return t_knobs.sorted;
 }
 
 // Bytes of rows prefetched ahead of the copy: PYHOOK_GATHER_AHEAD_KB (default 48), read per
 // call (for bench_read.py's comparisons).
 int64_t prefetch_bytes_ahead() {
-  const char* v = std::getenv("PYHOOK_GATHER_AHEAD_KB");
-  if (v != nullptr) {
-    const long kb = std::strtol(v, nullptr, 10);
-    if (kb > 0 && kb < (1L << 20)) {
-      return static_cast<int64_t>(kb) << 10;
-    }
-  }
-  return kPrefetchBytesAhead;
+  return t_knobs.ahead_kb > 0 ? t_knobs.ahead_kb << 10 : kPrefetchBytesAhead;
 }
 
 // The positions of idx in ascending order of their rows (ties in position order), packed as
@@ -937,22 +1111,22 @@ void copy_range_sorted(const Prepared& p, const int64_t* ix, const uint64_t* key
 // the fixed costs of a call, the dispatcher's, the checks' and waking a helper, are paid
 // once a batch instead of once a layer).
 void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
-                   const std::vector<char*>& outs) {
+                   const std::vector<char*>& outs, int threads) {
   const at::Tensor idx = idx_in.contiguous();
   const int64_t n = idx.numel();
   if (n == 0) {
     return;
   }
   const int64_t* ix = idx.const_data_ptr<int64_t>();
+  ensure_bus_handler();
   int64_t total = ps[0].starts.back();
   int64_t bytes = 0;  // of the whole call, all layers
   for (const Prepared& p : ps) {
     total = std::min(total, p.starts.back());
     bytes += n * p.row_bytes;
   }
-  const int threads = bytes >= kParallelMinBytes ? parallel_threads() : 1;
-  if (threads > 1 && prewake_wanted()) {
-    helpers_for(threads)->wake();  // they wake while the indices are checked and rows looked up
+  if (bytes < kParallelMinBytes) {
+    threads = 1;
   }
   // Every index is checked before anything is written (a bad index never leaves a
   // half-written output behind); `ascending`: the rows are already in file order.
@@ -1001,13 +1175,19 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
   stream = bytes >= kStreamMinBytes && streaming_wanted();
   if (bytes < kParallelMinBytes) {
-    for (size_t l = 0; l < ps.size(); ++l) {
-      if (ps[l].row_bytes > 0) {
-        copy(ps[l], outs[l], 0, n);
+    const std::function<void(int64_t)> all = [&](int64_t) {
+      for (size_t l = 0; l < ps.size(); ++l) {
+        if (ps[l].row_bytes > 0) {
+          copy(ps[l], outs[l], 0, n);
+        }
       }
-    }
+    };
+    void* fault = guarded(all, 0);
     if (stream) {
       store_fence();
+    }
+    if (fault != nullptr) {
+      raise_bus_error(fault);
     }
   } else {
     run_pieces(
@@ -1024,6 +1204,33 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
       read_ahead_next(p, ix[0], n);
     }
   }
+}
+
+// The threads a call of these parts and indices copies on (1 below kParallelMinBytes), with
+// its helpers woken now, before the parts are checked (prepare_layers) and the indices
+// checked and looked up: a helper takes 30-60 us to start (see Helpers::wake). The bytes come
+// from each layer's first part, unchecked: a call that prepare_layers then refuses publishes
+// no job, and the helpers sleep again.
+int wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
+  read_knobs();
+  int64_t bytes = 0;
+  size_t pos = 0;
+  for (int64_t c : counts) {
+    if (c > 0 && pos < parts.size() && parts[pos].dim() >= 1) {
+      const at::Tensor& t = parts[pos];
+      int64_t row = static_cast<int64_t>(t.element_size());
+      for (int64_t d = 1; d < t.dim(); ++d) {
+        row *= t.size(d);
+      }
+      bytes += idx.numel() * row;
+    }
+    pos += static_cast<size_t>(std::max<int64_t>(0, c));
+  }
+  const int threads = bytes >= kParallelMinBytes ? parallel_threads() : 1;
+  if (threads > 1 && prewake_wanted()) {
+    helpers_for(threads)->wake();
+  }
+  return threads;
 }
 
 // The parts of each layer: `counts[l]` consecutive entries of `parts` per layer.
@@ -1111,6 +1318,7 @@ at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
 
 std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayRef counts,
                                              const at::Tensor& idx) {
+  const int threads = wake_for_call(parts, counts, idx);
   const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
   std::vector<at::Tensor> result;
   std::vector<char*> outs;
@@ -1124,12 +1332,13 @@ std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayR
       outs.push_back(static_cast<char*>(result.back().data_ptr()));
     }
   }
-  gather_layers(ps, idx, outs);  // also reports out-of-range indices when nothing is copied
+  gather_layers(ps, idx, outs, threads);  // also reports out-of-range indices (nothing copied)
   return result;
 }
 
 void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
                                const at::Tensor& idx, at::TensorList outs) {
+  const int threads = wake_for_call(parts, counts, idx);
   const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
   TORCH_CHECK(outs.size() == ps.size(), "gather_rows_many_into: ", outs.size(),
               " outputs for ", ps.size(), " layers");
@@ -1138,7 +1347,7 @@ void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
     check_out(ps, idx, outs[l], l);
     ptrs.push_back(outs[l].numel() ? static_cast<char*>(outs[l].data_ptr()) : nullptr);
   }
-  gather_layers(ps, idx, ptrs);
+  gather_layers(ps, idx, ptrs, threads);
 }
 
 at::Tensor gather_rows_cpu(at::TensorList parts, const at::Tensor& idx) {
