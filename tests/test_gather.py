@@ -557,3 +557,21 @@ def test_a_sigbus_outside_the_copy_still_ends_the_process(native, tmp_path, orde
     assert p.returncode == -signal.SIGBUS, (p.returncode, p.stderr[-3000:])
     if order == "faulthandler-first":
         assert "Bus error" in p.stderr and "line " in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(64, 64, 64), (100, 64, 200, 65, 1), (1000, 70, 0), (127, 129, 4096, 64), (64, 5000)],
+)
+@pytest.mark.parametrize("row_shape", [(6,), (768,)])
+def test_every_row_of_parts_long_enough_for_the_part_table(native, sizes, row_shape):
+    # Parts of 64 rows or more (but the last) are found by a table of blocks of rows (one lookup
+    # and one compare) instead of a binary search: every row, at every part boundary, in a
+    # shuffled order and in order, on one thread and (768-wide rows: MBs) with the helpers.
+    parts = make_parts(torch.float32, sizes=sizes, row_shape=row_shape, seed=7)
+    total = sum(sizes)
+    g = torch.Generator().manual_seed(7)
+    for idx in (torch.randperm(total, generator=g), torch.arange(total), torch.arange(total).flip(0)):
+        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
+        out = torch.empty(total, *row_shape)
+        assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
