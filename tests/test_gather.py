@@ -575,3 +575,40 @@ def test_every_row_of_parts_long_enough_for_the_part_table(native, sizes, row_sh
         assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
         out = torch.empty(total, *row_shape)
         assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
+def test_a_cold_batch_after_many_warm_calls_is_still_announced(native, tmp_path):
+    # After 64 calls in a row found every sampled row resident, a call samples 2 rows instead of
+    # 8. A batch from a file that is not in the page cache must still be found cold and its
+    # rows announced (MADV_WILLNEED: just their pages are read), not faulted in one at a time
+    # (each fault reads a whole read-around window: thousands of pages for 64 rows).
+    warm = [torch.randn(3000, 768), torch.randn(2000, 768)]
+    for k in range(100):
+        idx = torch.randint(0, 5000, (64,), generator=torch.Generator().manual_seed(k))
+        assert torch.equal(gather_rows(warm, idx), spec(warm, idx))
+    rows = 16384
+    data = torch.randn(rows, 768)
+    path = tmp_path / "cold.bin"
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages: DONTNEED can drop them
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory, only read here
+        mapped = torch.frombuffer(mm, dtype=torch.float32).view(rows, 768)
+    if any(_resident(mapped)):
+        pytest.skip("the file system keeps the file in memory (tmpfs?): no cold read to test")
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(1))[:64]
+    parts = [mapped[:8000], mapped[8000:]]
+    assert torch.equal(gather_rows(parts, idx), data[idx])
+    read = sum(_resident(mapped))
+    assert read <= 4 * 2 * len(idx), f"{read} pages read for {len(idx)} rows of 3 KB"
+    del parts, mapped
+    mm.close()
