@@ -272,10 +272,9 @@ def _resident(t: torch.Tensor) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
-def test_a_sequential_batch_from_a_cold_file_reads_the_next_batch_ahead(native, tmp_path):
-    rows, n = 4096, 512  # 1.5 MiB rows of 768 bytes; batches of 384 KiB
-    data = torch.randn(rows, 192)
+def _cold_mapping(tmp_path, data):
+    """``data`` written to a file whose pages are then dropped from the page cache, mapped
+    read-only: (the mmap, a tensor of ``data``'s shape over it)."""
     path = tmp_path / "rows.bin"
     path.write_bytes(data.numpy().tobytes())
     fd = os.open(path, os.O_RDONLY)
@@ -289,7 +288,14 @@ def test_a_sequential_batch_from_a_cold_file_reads_the_next_batch_ahead(native, 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only memory, only read here
-        mapped = torch.frombuffer(mm, dtype=torch.float32).view(rows, 192)
+        return mm, torch.frombuffer(mm, dtype=data.dtype).view(data.shape)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
+def test_a_sequential_batch_from_a_cold_file_reads_the_next_batch_ahead(native, tmp_path):
+    rows, n = 4096, 512  # 1.5 MiB rows of 768 bytes; batches of 384 KiB
+    data = torch.randn(rows, 192)
+    mm, mapped = _cold_mapping(tmp_path, data)
     parts = [mapped[:1000], mapped[1000:]]  # the next batch crosses into the second part
     if any(_resident(mapped[n : 3 * n])):
         pytest.skip("the file system keeps the file in memory (tmpfs?): no cold read to test")
@@ -521,21 +527,26 @@ if sys.argv[3] == "touch":
 """
 
 
+def _shorter_file(tmp_path, order, then):
+    """SHORTER_FILE run in a child process (the suite's own process must not risk a SIGBUS)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, then],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("order", ["alone", "faulthandler-first", "faulthandler-after"])
 def test_a_part_whose_file_became_shorter_raises_instead_of_sigbus(native, tmp_path, order):
     # A memory-mapped part whose file was cut after it was mapped: reading its lost pages
     # raises SIGBUS, which used to end the process (readers checked every shard's size before
     # each read instead, one fstat a shard a batch). The copy now turns it into an error, on
     # the helpers and on the calling thread, and leaves the threads usable.
-    import subprocess
-    import sys
-
-    p = subprocess.run(
-        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, "-"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = _shorter_file(tmp_path, order, "-")
     assert p.returncode == 0 and p.stdout.strip() == "raised", (p.returncode, p.stderr[-3000:])
 
 
@@ -544,15 +555,8 @@ def test_a_sigbus_outside_the_copy_still_ends_the_process(native, tmp_path, orde
     # pyhook's handler only catches what its own copy raises: any other SIGBUS goes to the
     # handler before it (Python's faulthandler prints the traceback) or ends the process.
     import signal
-    import subprocess
-    import sys
 
-    p = subprocess.run(
-        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, "touch"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = _shorter_file(tmp_path, order, "touch")
     assert p.stdout.splitlines()[:1] == ["raised"], (p.stdout, p.stderr[-3000:])
     assert p.returncode == -signal.SIGBUS, (p.returncode, p.stderr[-3000:])
     if order == "faulthandler-first":
@@ -571,7 +575,11 @@ def test_every_row_of_parts_long_enough_for_the_part_table(native, sizes, row_sh
     parts = make_parts(torch.float32, sizes=sizes, row_shape=row_shape, seed=7)
     total = sum(sizes)
     g = torch.Generator().manual_seed(7)
-    for idx in (torch.randperm(total, generator=g), torch.arange(total), torch.arange(total).flip(0)):
+    for idx in (
+        torch.randperm(total, generator=g),
+        torch.arange(total),
+        torch.arange(total).flip(0),
+    ):
         assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
         out = torch.empty(total, *row_shape)
         assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
@@ -589,20 +597,7 @@ def test_a_cold_batch_after_many_warm_calls_is_still_announced(native, tmp_path)
         assert torch.equal(gather_rows(warm, idx), spec(warm, idx))
     rows = 16384
     data = torch.randn(rows, 768)
-    path = tmp_path / "cold.bin"
-    path.write_bytes(data.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # clean pages: DONTNEED can drop them
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only memory, only read here
-        mapped = torch.frombuffer(mm, dtype=torch.float32).view(rows, 768)
+    mm, mapped = _cold_mapping(tmp_path, data)
     if any(_resident(mapped)):
         pytest.skip("the file system keeps the file in memory (tmpfs?): no cold read to test")
     idx = torch.randperm(rows, generator=torch.Generator().manual_seed(1))[:64]
