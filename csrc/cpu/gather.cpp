@@ -433,9 +433,10 @@ void* guarded(const std::function<void(int64_t)>& fn, int64_t q) {
 #endif
 
 [[noreturn]] void raise_bus_error(void* addr) {
-  TORCH_CHECK(false, "gather_rows: SIGBUS reading the rows at address ", addr,
-              ": the memory of a part could not be read (a memory-mapped file became shorter "
-              "than its mapping, or the disk failed); nothing of this call's output is valid");
+  TORCH_CHECK(false, "gather_rows: SIGBUS at address ", addr,
+              " while copying rows: a page of a part (or of the output) could not be accessed "
+              "(a memory-mapped file became shorter than its mapping, the disk failed, or "
+              "shared memory ran out); nothing of this call's output is valid");
 }
 
 // Threads that help the calling thread copy, "caller runs" style: the caller publishes a job
