@@ -275,6 +275,7 @@ def _resident(t: torch.Tensor) -> list[bool]:
 def _cold_mapping(tmp_path, data):
     """``data`` written to a file whose pages are then dropped from the page cache, mapped
     read-only: (the mmap, a tensor of ``data``'s shape over it)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "rows.bin"
     path.write_bytes(data.numpy().tobytes())
     fd = os.open(path, os.O_RDONLY)
@@ -607,3 +608,35 @@ def test_a_cold_batch_after_many_warm_calls_is_still_announced(native, tmp_path)
     assert read <= 4 * 2 * len(idx), f"{read} pages read for {len(idx)} rows of 3 KB"
     del parts, mapped
     mm.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
+def test_a_cold_batch_of_several_layers_is_announced_for_every_layer(native, tmp_path):
+    # Each layer samples its own rows of the batch, and one cold sample announces the rows of
+    # every layer. Before, every layer sampled the same positions and was announced on its own:
+    # here the sampled rows of the first layer are resident (read with pread), so it was
+    # faulted in, a read-around window a row (the whole 6 MB file with this disk's 8 MiB).
+    rows, n = 2048, 8
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(3))[:n]
+    maps, datas = [], []
+    for layer in range(4):
+        data = torch.randn(rows, 768)
+        mm, mapped = _cold_mapping(tmp_path / f"l{layer}", data)
+        maps.append((mm, mapped))
+        datas.append(data)
+        fd = os.open(tmp_path / f"l{layer}" / "rows.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead for the preads
+            for k in (0, n // 2):  # the rows a layer sampled at every position, before
+                os.pread(fd, 3072, int(idx[k]) * 3072)
+        finally:
+            os.close(fd)
+    if sum(sum(_resident(m)) for _, m in maps) > 4 * 2 * 2 * 2:
+        pytest.skip("the file system keeps the files in memory (tmpfs?): no cold read to test")
+    parts = [m for _, m in maps]
+    out = torch.ops.pyhook.gather_rows_many.default(parts, [1] * 4, idx)
+    for got, data in zip(out, datas):
+        assert torch.equal(got, data[idx])
+    read = [sum(_resident(m)) for _, m in maps]
+    assert max(read) <= 4 * 2 * n, f"pages read per layer: {read} for {n} rows of 3 KB"
+    del out, parts, maps

@@ -224,26 +224,27 @@ uintptr_t row_page(const Prepared& p, int64_t row) {
   return reinterpret_cast<uintptr_t>(s.base + (row - p.starts[part]) * s.row_step) / kPage * kPage;
 }
 
-// Returns whether a sampled row was not resident.
-bool prefetch_if_cold(const Prepared& p, const int64_t* ix, int64_t n, bool sequential,
-                      int64_t max_samples) {
-  if (n == 0 || p.row_bytes == 0) {
-    return false;
-  }
+// Whether a sampled row of layer `layer` (of `layers`) is not resident. Each layer samples its
+// own rows of the batch: the layers' samples interleave (position k * layers + layer of
+// samples * layers evenly spaced ones), so that a batch of many layers with one or two samples
+// each still checks as many different rows.
+bool sampled_cold(const Prepared& p, const int64_t* ix, int64_t n, int64_t max_samples,
+                  int64_t layer, int64_t layers) {
   std::vector<unsigned char> vec;
   const int64_t samples = std::min<int64_t>(n, max_samples);
-  bool cold = false;
-  for (int64_t k = 0; k < samples && !cold; ++k) {
-    cold = !row_resident(p, ix[k * n / samples], vec);
+  const int64_t slots = samples * layers;
+  for (int64_t k = 0; k < samples; ++k) {
+    if (!row_resident(p, ix[(k * layers + layer) * n / slots], vec)) {
+      return true;
+    }
   }
-  // A sequential batch that the previous call read ahead: its pages are in the page cache (or
-  // on their way) but not mapped yet.
-  const bool ahead = !cold && sequential && n > 1 &&
-                     read_ahead_start.load(std::memory_order_relaxed) == row_page(p, ix[0]);
-  if (!cold && !ahead) {
-    return false;
-  }
-  // Ascending order (the disk's elevator), with touching rows merged into one range.
+  return false;
+}
+
+// The pages of the rows ix[0..n) of `p`, in ascending order (the disk's elevator), with
+// touching rows merged into one range.
+std::vector<std::pair<uintptr_t, uintptr_t>> row_pages(const Prepared& p, const int64_t* ix,
+                                                       int64_t n) {
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
   ranges.reserve(static_cast<size_t>(n));
   for (int64_t k = 0; k < n; ++k) {
@@ -264,15 +265,48 @@ bool prefetch_if_cold(const Prepared& p, const int64_t* ix, int64_t n, bool sequ
     hi = std::max(hi, r.second);
   }
   merged.emplace_back(lo, hi);
-  if (cold) {
-    for (const auto& r : merged) {
-      // Failure only means no read-ahead (e.g. not a file mapping): the copy still works.
-      (void)madvise(reinterpret_cast<void*>(r.first), r.second - r.first, MADV_WILLNEED);
+  return merged;
+}
+
+// Samples the batch's rows of every layer; if one is not resident, the rows of every layer
+// (the layers of a capture live in the same shard files) are announced (MADV_WILLNEED), all
+// layers before any waits, then mapped in file order as they arrive. A sequential batch that
+// the previous call read ahead (its pages are in the page cache, or on their way, but not
+// mapped yet) is mapped too. Returns whether a sampled row was not resident. (Before, each
+// layer sampled the same positions of the batch and was announced and waited for on its own:
+// a layer whose samples were resident was faulted in, a read-around window a row.)
+bool prefetch_if_cold(const std::vector<Prepared>& ps, const int64_t* ix, int64_t n,
+                      bool sequential, int64_t max_samples) {
+  if (n == 0) {
+    return false;
+  }
+  const auto layers = static_cast<int64_t>(ps.size());
+  bool cold = false;
+  for (int64_t l = 0; l < layers && !cold; ++l) {
+    const Prepared& p = ps[static_cast<size_t>(l)];
+    cold = p.row_bytes > 0 && sampled_cold(p, ix, n, max_samples, l, layers);
+  }
+  std::vector<std::vector<std::pair<uintptr_t, uintptr_t>>> pages(ps.size());
+  for (size_t l = 0; l < ps.size(); ++l) {
+    const Prepared& p = ps[l];
+    const bool ahead = !cold && sequential && n > 1 && p.row_bytes > 0 &&
+                       read_ahead_start.load(std::memory_order_relaxed) == row_page(p, ix[0]);
+    if (p.row_bytes == 0 || (!cold && !ahead)) {
+      continue;
+    }
+    pages[l] = row_pages(p, ix, n);
+    if (cold) {
+      for (const auto& r : pages[l]) {
+        // Failure only means no read-ahead (e.g. not a file mapping): the copy still works.
+        (void)madvise(reinterpret_cast<void*>(r.first), r.second - r.first, MADV_WILLNEED);
+      }
     }
   }
   // All reads are in flight: map the pages as they arrive, in file order.
-  for (const auto& r : merged) {
-    populate(r.first, r.second);
+  for (const auto& layer_pages : pages) {
+    for (const auto& r : layer_pages) {
+      populate(r.first, r.second);
+    }
   }
   return cold;
 }
@@ -314,7 +348,7 @@ void read_ahead_next(const Prepared& p, int64_t first, int64_t n) {
   }
 }
 #else
-bool prefetch_if_cold(const Prepared&, const int64_t*, int64_t, bool, int64_t) {
+bool prefetch_if_cold(const std::vector<Prepared>&, const int64_t*, int64_t, bool, int64_t) {
   return false;
 }
 void read_ahead_next(const Prepared&, int64_t, int64_t) {}
@@ -1224,20 +1258,17 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
     }
   };
   // A warm batch pays a mincore call per sampled row: the samples are shared by the layers
-  // (at least 2 each; the layers of a capture live in the same shard files). After
-  // kWarmCallsTrusted calls in a row found every sample resident, a call samples 2 rows (1 a
-  // layer); one row found cold brings back the full count.
+  // (at least 2 each, each layer its own rows; the layers of a capture live in the same shard
+  // files). After kWarmCallsTrusted calls in a row found every sample resident, a call samples
+  // 2 rows (1 a layer); one row found cold brings back the full count.
   const auto layers = static_cast<int64_t>(ps.size());
   const bool trusted = warm_calls.load(std::memory_order_relaxed) >= kWarmCallsTrusted;
   const int64_t samples = trusted ? std::max<int64_t>(1, kTrustedSamples / layers)
                                   : std::max<int64_t>(2, kResidencySamples / layers);
-  bool cold = false;
+  const bool cold = prefetch_if_cold(ps, ix, n, sequential, samples);
   std::vector<int64_t> piece_rows(ps.size()), first_piece(ps.size() + 1, 0);
   for (size_t l = 0; l < ps.size(); ++l) {
     const Prepared& p = ps[l];
-    if (p.row_bytes > 0) {
-      cold = prefetch_if_cold(p, ix, n, sequential, samples) || cold;
-    }
     piece_rows[l] = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, p.row_bytes));
     first_piece[l + 1] =
         first_piece[l] + (p.row_bytes > 0 ? (n + piece_rows[l] - 1) / piece_rows[l] : 0);
