@@ -448,3 +448,31 @@ def test_batches_check_no_shard_sizes_once_open(native, tmp_path, monkeypatch):
     got = torch.cat([b["a"] for b in ds])
     assert sorted(got[:, 0].tolist()) == x[:, 0].tolist()
     assert checks == []
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_iterator_yields_the_epoch_order_across_conversion_groups(tmp_path, drop_last):
+    # The int32 order is converted to int64 a group of batches at a time (256 batches of 3 rows
+    # here): every batch, across a group boundary and the last partial one, is the slice of the
+    # epoch's order a per-batch conversion gave, in order, each row once.
+    x = torch.arange(1000 * 2, dtype=torch.float32).reshape(1000, 2)
+    with ShardWriter(tmp_path, shard_bytes=4096) as w:
+        for s in range(0, 1000, 100):
+            w.add({"a": x[s : s + 100]}, examples=100)
+    ds = CaptureDataset(
+        str(tmp_path),
+        "a",
+        batch_size=3,
+        shuffle=True,
+        seed=5,
+        drop_last=drop_last,
+        with_index=True,
+    )
+    order = ds._order()
+    count = 1000 // 3 if drop_last else -(-1000 // 3)
+    want = [order[b * 3 : (b + 1) * 3].long() for b in range(count)]
+    got = list(ds)
+    assert len(got) == count
+    for g, idx in zip(got, want):
+        assert torch.equal(g["index"], idx)
+        assert torch.equal(g["a"], x[idx])

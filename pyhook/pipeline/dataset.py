@@ -548,6 +548,16 @@ class CaptureDataset(IterableDataset):
         n, bs = self.rows, self.batch_size
         mine = range(rank, self._batch_count(world_size), world_size)[worker::workers]
         order = self._order()
+        if order is not None and mine.step == 1:
+            # Consecutive batches: the (int32) order converted to int64 about a million rows at
+            # a time and split into the batches' views once. A conversion per batch was an
+            # allocation and two dispatches in the training loop's path: the iterator's batch
+            # took 30-48 us more than batch() of the same rows, with the CPU caches cold.
+            group = max(1, min(256, (1 << 20) // max(1, bs)))
+            for first in range(mine.start, mine.stop, group):
+                last = min(first + group, mine.stop)
+                yield from order[first * bs : last * bs].long().split(bs)
+            return
         for b in mine:
             if order is None:
                 yield torch.arange(b * bs, min((b + 1) * bs, n))
