@@ -609,7 +609,7 @@ class CaptureDataset(IterableDataset):
             # caches hold none of the objects and code a longer path touches (measured: the
             # Python around the native call took 41-66 us of a 0.75 ms batch of 4096 x 3 KB
             # rows after the caches were overwritten, a third of it one fstat per shard; this
-            # path 21 us). Every layer (and the token ids) in one native call; a shard
+            # path 12-17 us). Every layer (and the token ids) in one native call; a shard
             # truncated since it was mapped raises SIGBUS in the copy, which the call turns
             # into an error, named here (_read_failed).
             parts, counts, keys, gather = fast
