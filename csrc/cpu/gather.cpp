@@ -286,6 +286,9 @@ bool prefetch_if_cold(const std::vector<Prepared>& ps, const int64_t* ix, int64_
     const Prepared& p = ps[static_cast<size_t>(l)];
     cold = p.row_bytes > 0 && sampled_cold(p, ix, n, max_samples, l, layers);
   }
+  if (!cold && !sequential) {
+    return false;  // a warm shuffled batch: nothing to announce or map
+  }
   std::vector<std::vector<std::pair<uintptr_t, uintptr_t>>> pages(ps.size());
   for (size_t l = 0; l < ps.size(); ++l) {
     const Prepared& p = ps[l];
@@ -362,7 +365,6 @@ inline void store_fence() {
 #endif
 }
 
-
 // A page of a part that cannot be read raises SIGBUS in the thread that touches it: a shard
 // truncated after it was mapped (another process rewrote or cut the file), or a disk error.
 // Uncaught, that ends the process. Readers used to check every shard's size before each batch
@@ -421,13 +423,16 @@ void on_sigbus(int sig, siginfo_t* info, void* ctx) {
 // later, such as Python's faulthandler.enable(), replaces ours and is chained to instead).
 void ensure_bus_handler() {
   struct sigaction cur;
-  if (sigaction(SIGBUS, nullptr, &cur) != 0 ||
-      ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_sigbus)) {
+  // Whether ours is the handler now (or the query failed: nothing to do).
+  auto ours = [&cur] {
+    return sigaction(SIGBUS, nullptr, &cur) != 0 ||
+           ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_sigbus);
+  };
+  if (ours()) {
     return;
   }
   std::lock_guard<std::mutex> lock(bus_mu);
-  if (sigaction(SIGBUS, nullptr, &cur) != 0 ||
-      ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_sigbus)) {
+  if (ours()) {
     return;
   }
   bus_previous = cur;
@@ -439,9 +444,9 @@ void ensure_bus_handler() {
   (void)sigaction(SIGBUS, &sa, nullptr);
 }
 
-// fn(q) with SIGBUS guarded; returns the faulting address, or nullptr when fn(q) completed.
-// noinline: the jump buffer must live in a frame that is active during fn(q).
-__attribute__((noinline)) void* guarded(const std::function<void(int64_t)>& fn, int64_t q) {
+// fn() with SIGBUS guarded; returns the faulting address, or nullptr when fn() completed.
+// noinline: the jump buffer must live in a frame that is active during fn().
+__attribute__((noinline)) void* guarded(const std::function<void()>& fn) {
   BusGuard g;
 #if defined(__x86_64__)
   const unsigned csr = _mm_getcsr();  // the handler ran with the default SSE control word
@@ -454,14 +459,14 @@ __attribute__((noinline)) void* guarded(const std::function<void(int64_t)>& fn, 
     return addr != nullptr ? addr : reinterpret_cast<void*>(uintptr_t{1});
   }
   t_bus_guard = &g;
-  fn(q);
+  fn();
   t_bus_guard = nullptr;
   return nullptr;
 }
 #else
 void ensure_bus_handler() {}
-void* guarded(const std::function<void(int64_t)>& fn, int64_t q) {
-  fn(q);
+void* guarded(const std::function<void()>& fn) {
+  fn();
   return nullptr;
 }
 #endif
@@ -511,10 +516,11 @@ struct Job {
   // Runs pieces until none is left to claim, then reports them done (one fence per thread,
   // not one per piece: a store fence waits for the write-combining buffers to drain).
   void work(int slot) {
-    // Counted in memory: a piece that raises SIGBUS leaves `pieces` through a jump (guarded).
+    // Counted in memory: a piece that raises SIGBUS leaves pieces_left through a jump
+    // (guarded), and a count kept in a register would be lost.
     volatile int64_t mine = 0;
     slot %= slots_;
-    const std::function<void(int64_t)> pieces_left = [&](int64_t) {
+    const std::function<void()> pieces_left = [&] {
       int64_t q = 0;
       while (claim(slot, /*front=*/true, q)) {
         run(q);
@@ -530,7 +536,7 @@ struct Job {
     };
     // One guard for all of this thread's pieces (not one a piece); after a fault the pieces
     // left are claimed and counted without being run.
-    while (void* addr = guarded(pieces_left, 0)) {
+    while (void* addr = guarded(pieces_left)) {
       mine = mine + 1;  // the piece that raised it
       uintptr_t none = 0;
       fault.compare_exchange_strong(none, reinterpret_cast<uintptr_t>(addr));
@@ -895,10 +901,25 @@ Helpers* helpers_for(int threads) {
   return helpers;
 }
 
+// After a call on several threads: starts or lengthens the one-thread period if the caller
+// waited for a helper, or sets it back to its least if it did not (see solo_until_us).
+void update_backoff(bool waited) {
+  if (!backoff_wanted()) {
+    return;
+  }
+  if (waited) {
+    const int64_t period = solo_period_us.load(std::memory_order_relaxed);
+    solo_until_us.store(steady_us() + period, std::memory_order_relaxed);
+    solo_period_us.store(std::min(kSoloMaxUs, period * 2), std::memory_order_relaxed);
+  } else {
+    solo_period_us.store(kSoloMinUs, std::memory_order_relaxed);
+  }
+}
+
 // Runs the pieces on `threads` threads (from parallel_threads(), taken once a call by the
 // caller, which may have woken those helpers already).
+// Raises the error of a piece that hit SIGBUS, once no thread uses the job.
 void run_pieces(int threads, int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
-  const bool backoff = backoff_wanted();
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->pieces = pieces;
@@ -906,26 +927,14 @@ void run_pieces(int threads, int64_t pieces, const std::function<void(int64_t)>&
   if (threads == 1 || pieces == 1) {
     job->split(1);
     job->work(0);
-    if (const uintptr_t addr = job->fault.load()) {
-      raise_bus_error(reinterpret_cast<void*>(addr));
-    }
-    return;
+  } else {
+    Helpers* h = helpers_for(threads);
+    job->split(threads);
+    update_backoff(h->run(job));
   }
-  Helpers* h = helpers_for(threads);
-  job->split(threads);
-  const bool waited = h->run(job);
-  // h->run returned once every piece was done or skipped: no helper still uses the job.
+  // Every piece was done or skipped (h->run waits for them): no helper still uses the job.
   if (const uintptr_t addr = job->fault.load()) {
     raise_bus_error(reinterpret_cast<void*>(addr));
-  }
-  if (backoff) {
-    if (waited) {
-      const int64_t period = solo_period_us.load(std::memory_order_relaxed);
-      solo_until_us.store(steady_us() + period, std::memory_order_relaxed);
-      solo_period_us.store(std::min(kSoloMaxUs, period * 2), std::memory_order_relaxed);
-    } else {
-      solo_period_us.store(kSoloMinUs, std::memory_order_relaxed);
-    }
   }
 }
 
@@ -1280,20 +1289,16 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
   stream = bytes >= kStreamMinBytes && streaming_wanted();
   if (bytes < kParallelMinBytes) {
-    const std::function<void(int64_t)> all = [&](int64_t) {
-      for (size_t l = 0; l < ps.size(); ++l) {
-        if (ps[l].row_bytes > 0) {
-          copy(ps[l], outs[l], 0, n);
-        }
-      }
-    };
-    void* fault = guarded(all, 0);
-    if (stream) {
-      store_fence();
-    }
-    if (fault != nullptr) {
-      raise_bus_error(fault);
-    }
+    run_pieces(
+        1, 1,
+        [&](int64_t) {
+          for (size_t l = 0; l < ps.size(); ++l) {
+            if (ps[l].row_bytes > 0) {
+              copy(ps[l], outs[l], 0, n);
+            }
+          }
+        },
+        stream);
   } else {
     run_pieces(
         threads, first_piece.back(),
