@@ -71,13 +71,17 @@ def shared_libstdcxx_flags() -> list[str]:
     crashed the interpreter (a SIGSEGV in ``std::ostream::_M_insert<unsigned long>``, seen
     with g++ 13 linking statically beside GCC 14's ``libstdc++.so.6`` on an H200 image).
     Naming the shared library before the driver's own libraries leaves its static archive
-    nothing to add. Linux only (elsewhere the C++ runtime is not libstdc++ or not optional).
+    nothing to add. It is named by file (``-l:libstdc++.so.6``), not as ``-lstdc++``: that
+    image's driver (``CXX=/opt/gcc/bin/g++``, a script running ``g++-real -B/opt/gcc/...``)
+    searches a folder holding ``libstdc++.a`` and no ``.so`` first, so ``-Wl,-Bdynamic
+    -lstdc++`` still linked the archive (seen on the second GPU run). Linux only (elsewhere
+    the C++ runtime is not libstdc++ or not optional).
     """
     if not sys.platform.startswith("linux"):
         return []
-    # -Bdynamic rather than --push-state/--pop-state: every GNU-compatible linker (ld, gold,
-    # lld) takes it, and dynamic is the mode the driver's own libraries expect to start from.
-    return ["-Wl,-Bdynamic", "-lstdc++"]
+    # -l:FILE: every GNU-compatible linker (ld, gold, lld) takes it, and it finds only the
+    # shared library, wherever the driver's search folders put a static archive first.
+    return ["-l:libstdc++.so.6"]
 
 
 def cuda_arch_list(torch) -> str | None:

@@ -7,6 +7,10 @@ On a machine with CUDA, from the repository root::
 Steps, each in a subprocess with its own time limit inside one overall budget (``--budget``,
 600 s by default; a step that would outlast it is cut short and reported as such):
 
+0. the wheels in ``.whl/`` (ignored by git), when there are any: pyhook's dependencies the GPU
+   machine lacks, downloaded here for its Python (3.12) and named in the device call's
+   ``carry``; at least ``crc32c``, whose absence slows every shard's checksum ~4x (``pyhook
+   info`` names the checksum in use);
 1. build: ``pip install --no-build-isolation --no-deps .`` with ``PYHOOK_BUILD_CUDA=1`` (the
    build fails rather than quietly skipping the CUDA kernels), then ``pyhook info``;
 2. tests: every ``cuda``-marked test (``pytest -m cuda``);
@@ -19,17 +23,21 @@ Steps, each in a subprocess with its own time limit inside one overall budget (`
    against the bare forward and the strongest hand-written loop (a pinned ring, copies on a side
    stream, a writer thread, fsync), with the disk's own O_DIRECT speed beside them; captures to
    host memory beside a hand-written loop of pinned non-blocking copies, joined and not;
-6. the CUDA graphs capture test (``mode="reduce-overhead"``, open since the first GPU run) with
-   dynamo's logs of graph breaks and recompilations.
+6. ``gpu_compiled.py``: capture on compiled models (the default mode, CUDA graphs through
+   ``mode="reduce-overhead"`` and ``backend="cudagraphs"``, ``module.compile()``): rows against
+   the eager capture, a capture block's time against the compiled forwards alone, the frames
+   dynamo traced, with its logs of graph breaks, recompilations and CUDA-graph skips.
 
 The report (``--out``) has the device, the versions, a table of the steps, and each step's
 output. Without CUDA the script says so and exits 0 (nothing to check). ``--skip-build``
-uses the installed pyhook as it is.
+uses the installed pyhook as it is; ``--only`` runs the steps it names (``build info tests copy
+case-c loop compiled``), for a second call in a short lease.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import platform
 import signal
@@ -198,6 +206,20 @@ raise SystemExit(0 if exact else 1)
 """
 
 
+# the steps, as --only names them
+STEP_NAMES = (
+    "carried wheels",
+    "build with CUDA",
+    "pyhook info",
+    "cuda-marked tests",
+    "bench_copy.py --device cuda",
+    "bench_capture.py case (c)",
+    "capture loop, GPT-2 small",
+    "compiled models: rows and cost",
+)
+STEP_KEYS = ("build", "build", "info", "tests", "copy", "case-c", "loop", "compiled")
+
+
 def run_step(
     cmd: list[str], seconds: float, env: dict[str, str] | None = None
 ) -> tuple[str, str, float]:
@@ -263,8 +285,15 @@ def versions() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_check.md"), help="the report")
+    ap.add_argument("--logdir", help="also write each step's whole output to a file here")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds for all steps")
     ap.add_argument("--skip-build", action="store_true", help="use the installed pyhook")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=STEP_KEYS,
+        help="run only these steps (default: all), e.g. --only build tests loop",
+    )
     args = ap.parse_args(argv)
     start = time.monotonic()
 
@@ -279,10 +308,20 @@ def main(argv: list[str] | None = None) -> int:
 
     py = sys.executable
     env = {**os.environ, "PYHOOK_BUILD_CUDA": "1", "MAX_JOBS": str(os.cpu_count() or 4)}
-    # dynamo's logs of graph breaks and recompilations, for the CUDA graphs step alone
-    logs_env = {**env, "TORCH_LOGS": "graph_breaks,recompiles"}
     # (name, command, at most seconds)
     steps: list[tuple[str, list[str], float]] = []
+    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    if wheels and not args.skip_build:
+        # pyhook's own dependencies the machine lacks (crc32c: without it shards are checksummed
+        # by zlib's crc32, ~4x slower, which the second GPU run's disk timings paid), brought
+        # as wheels in .whl/ (named in the device call's carry)
+        steps.append(
+            (
+                "carried wheels",
+                [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels],
+                120,
+            )
+        )
     if not args.skip_build:
         steps.append(
             (
@@ -315,9 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                 "-n",
                 "4",  # a worker that crashes is reported, the others go on
                 "-q",
-                "-rs",
+                "-rfEs",  # failures and errors by name, then skips
                 "-p",
                 "no:cacheprovider",
+                "-p",
+                "no:logging",  # dynamo's debug records would bury the summary
             ],
             150,
         ),
@@ -333,37 +374,30 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("capture loop, GPT-2 small", [py, "-I", "-c", CAPTURE_LOOP], 120),
         (
-            # Open since the first GPU run (docs/compile.md, CUDA graphs): the capture of a
-            # model compiled with mode="reduce-overhead" recorded no rows. With dynamo's logs of
-            # graph breaks and recompilations, to tell whether the hooks reach the compiled code.
-            "CUDA graphs capture, with dynamo logs",
-            [
-                py,
-                "-I",
-                "-m",
-                "pytest",
-                "tests/test_compiled.py",
-                "-k",
-                "cuda_graphs",
-                "-n",
-                "0",
-                "-q",
-                "-s",
-                "-p",
-                "no:cacheprovider",
-            ],
-            90,
+            # Capture on compiled models on the GPU (benchmarks/gpu_compiled.py): rows against
+            # the eager capture under each way of compiling (CUDA graphs included), the cost of
+            # a capture block against the compiled forwards, and dynamo's logs.
+            "compiled models: rows and cost",
+            [py, "-I", "-u", "benchmarks/gpu_compiled.py"],
+            240,
         ),
     ]
+    if args.only:
+        keys = dict(zip(STEP_NAMES, STEP_KEYS))
+        steps = [s for s in steps if keys[s[0]] in args.only]
     results = []
     for name, cmd, cap in steps:
         left = args.budget - (time.monotonic() - start)
         print(f"gpu_check: {name} (at most {min(cap, left):.0f} s) ...", flush=True)
-        step_env = logs_env if name.startswith("CUDA graphs") else env
-        status, out, took = run_step(cmd, min(cap, left), step_env)
+        status, out, took = run_step(cmd, min(cap, left), env)
         print(f"gpu_check: {name}: {status} in {took:.0f} s", flush=True)
         results.append((name, cmd, status, out, took))
-        if name == "build with CUDA" and status != "ok":
+        if args.logdir:
+            os.makedirs(args.logdir, exist_ok=True)
+            key = dict(zip(STEP_NAMES, STEP_KEYS))[name]
+            with open(os.path.join(args.logdir, f"{key}.log"), "w") as f:
+                f.write(out)
+        if name in ("carried wheels", "build with CUDA") and status != "ok":
             break  # the rest would test the old install
 
     total = time.monotonic() - start
@@ -381,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, cmd, status, out, _ in results:
         shown = " ".join(c if len(c) < 80 else "<script>" for c in cmd)
-        tail = out[-6000:]
+        tail = out[-12000:]
         md += [f"## {name}: {status}", "", "```text", f"$ {shown}", tail.rstrip(), "```", ""]
     with open(args.out, "w") as f:
         f.write("\n".join(md))

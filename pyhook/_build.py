@@ -227,6 +227,13 @@ def info() -> dict[str, str]:
         if _malloc.state is not None
         else "glibc's heap thresholds are set when a capture starts (PYHOOK_MALLOC=0: never)"
     )
+    from .pipeline import format as _format
+
+    out["shard checksum"] = (
+        "crc32c (package crc32c)"
+        if _format.CHECKSUM == "crc32c"
+        else "crc32 (zlib: the crc32c package is missing, a disk capture checksums ~4x slower)"
+    )
     if rec is not None:
         out["compiler"] = str(rec.get("compiler", "-"))
         flags = " ".join(rec.get("cxx_flags") or []) or "-"

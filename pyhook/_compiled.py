@@ -68,6 +68,7 @@ class CompiledModelError(RuntimeError):
 
 
 _ATTR = "_pyhook_dispatch"
+COMPILED_MARK = "_pyhook_compiled"  # set by unwrap_compiled on the module a wrapper compiled
 _lock = threading.Lock()  # tables may be changed from several threads (any_thread, remove)
 _next_key = itertools.count(-1, -1).__next__  # C-level, so safe without a lock
 
@@ -687,14 +688,21 @@ def copy_tree(x: Any, clone: bool, detach: bool) -> Any:
 def unwrap_compiled(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiled; others unchanged.
 
-    Layer names then resolve as in the eager model (``'h.0'``, not ``'_orig_mod.h.0'``).
+    Layer names then resolve as in the eager model (``'h.0'``, not ``'_orig_mod.h.0'``). The
+    module it returns is marked as compiled (``_pyhook_compiled`` in its ``__dict__``): torch
+    2.13 marks it itself (``_is_torch_compile``, set through the wrapper), but earlier releases
+    (2.11 on the GPU machine) mark only the wrapper, and a tool that found no mark on the module
+    it unwrapped registered plain hooks, which compiled code ignores (no rows, no output).
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> unwrap_compiled(torch.compile(net, backend="eager")) is net
     True
+    >>> net.__dict__["_pyhook_compiled"]
+    'torch.compile(module)'
     """
     inner = module._modules.get("_orig_mod")
     if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        inner.__dict__.setdefault(COMPILED_MARK, "torch.compile(module)")
         return inner
     return module
 

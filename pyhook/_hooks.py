@@ -78,10 +78,13 @@ def is_own_stop(exc: BaseException | None, owner: object, accept_unowned: bool =
 def _compile_marker(module: nn.Module) -> str | None:
     """How ``module`` was compiled, or None (no import of torch._dynamo: markers imply it)."""
     # __dict__ lookups: a missing attribute through nn.Module.__getattr__ costs microseconds
-    if module.__dict__.get("_compiled_call_impl") is not None:
+    d = module.__dict__
+    if d.get("_compiled_call_impl") is not None:
         return "module.compile()"
-    if module.__dict__.get("_is_torch_compile", False) or (
-        type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+    if (
+        d.get("_is_torch_compile", False)
+        or "_pyhook_compiled" in d  # unwrapped from a wrapper (pyhook._compiled.unwrap_compiled)
+        or (type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules)
     ):
         return "torch.compile(module)"
     return None

@@ -28,7 +28,7 @@ def test_cmake_build_loads_and_runs(tmp_path):
     # On Linux, through a compiler driver that links libstdc++ statically (as some CUDA
     # images' g++ does): the library must still use the shared one (tests/test_linkage.py).
     linkage = sys.platform.startswith("linux") and shutil.which("readelf") and shutil.which("nm")
-    compiler = [f"-DCMAKE_CXX_COMPILER={static_driver(tmp_path)}"] if linkage else []
+    compiler = [f"-DCMAKE_CXX_COMPILER={static_driver(tmp_path, 'search')}"] if linkage else []
     configure = subprocess.run(
         [
             "cmake",

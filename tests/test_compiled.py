@@ -202,6 +202,67 @@ def test_flex_model_hook_functions_on_a_compiled_model_match_eager(how):
     assert active_entries(net) == 0
 
 
+def _unmarked_wrapper(net: nn.Module) -> nn.Module:
+    """``torch.compile(net)`` as torch before 2.13 leaves it: only the wrapper is marked (the
+    GPU machine's 2.11.0 does not forward ``_is_torch_compile`` to the module it wraps)."""
+    runner = torch.compile(net, backend="eager")
+    net.__dict__.pop("_is_torch_compile", None)
+    assert pyhook._hooks.compiled_path(net) is None  # the situation the tools must handle
+    return runner
+
+
+def _tool_outputs(tool: str, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """What each tool given ``model`` (a wrapper or the eager module) sees of layers 0 and 2."""
+    if tool == "Trace":
+        with Trace(model, "0") as t:
+            model(x)
+        return [t.output]
+    if tool == "TraceDict":
+        with TraceDict(model, ["0", "2"]) as td:
+            model(x)
+        return [td["0"].output, td["2"].output]
+    if tool == "TraceMultiple":
+        with TraceMultiple(model, {"0": (True,), "2": (True,)}) as tm:
+            model(x)
+        return [tm["0"].output, tm["2"].output]
+    if tool == "capture":
+        with capture(model, ["0", "2"]) as rec:
+            model(x)
+            model(-x)
+        return [rec["0"], rec["2"]]
+    if tool == "FlexModel":
+        out: dict = {}
+        fm = pyhook.FlexModel(model, out)
+        fm.register_forward_hook(pyhook.HookFunction("0"))
+        fm(x)
+        fm.restore()
+        return [out["0"][0]]
+    assert tool == "TruncatedModule"
+    return [TruncatedModule(model, "0")(x)]
+
+
+@pytest.mark.parametrize(
+    "tool", ["Trace", "TraceDict", "TraceMultiple", "capture", "FlexModel", "TruncatedModule"]
+)
+def test_tools_see_a_wrapper_whose_module_torch_did_not_mark(tool):
+    """Found on the GPU machine (torch 2.11): every tool given ``torch.compile(net)`` after a
+    warm-up call registered plain hooks on ``net``, which the compiled code ignored (no rows,
+    no output). The tools now mark the module they unwrap."""
+    net = mlp()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ref = _tool_outputs(tool, net, x)
+        runner = _unmarked_wrapper(net)
+        runner(x)  # compiled before any tracer: hooks added to net later are not guarded
+        got = _tool_outputs(tool, runner, x)
+        assert pyhook._hooks.compiled_path(net) == "torch.compile(module)"
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r)
+        assert active_entries(net) == 0
+        torch.testing.assert_close(runner(x), net[2](torch.relu(net[0](x))))  # nothing left
+
+
 @pytest.mark.parametrize(
     "how", ["torch.compile", pytest.param("module.compile", marks=pytest.mark.slow)]
 )
@@ -265,6 +326,50 @@ def test_capture_to_disk_on_a_compiled_model_matches_eager(tmp_path, gpt_parts):
             assert torch.equal(stored[name].to_tensor(), ref[name])
     finally:
         pyhook.release_compiled(model)
+
+
+@pytest.mark.parametrize("how", HOWS + ["eager module given"])
+def test_a_disk_capture_on_a_compiled_model_traces_nothing_per_forward(tmp_path, how):
+    """A batch a disk capture (or a GPU's rows) must finish after each forward is finished in
+    eager Python around the compiled call: on the wrapper, or around a module.compile()d
+    module's compiled code. The traced commit's call out of the graph, kept for an eager
+    module given while its wrapper runs, made dynamo retrace the hook dispatcher's frame on
+    every forward (a break inside its loop)."""
+    net = mlp()
+    xs = [torch.randn(3, 5, 4) for _ in range(3)]
+    with torch.no_grad(), capture(net, ["0", "2"]) as ref:
+        for x in xs:
+            net(x)
+    if how == "module.compile":
+        net.compile(backend="eager")
+        runner = target = net
+    else:
+        runner = torch.compile(net, backend="eager")
+        target = runner if how == "torch.compile" else net
+    impl = net.__dict__.get("_compiled_call_impl")
+    try:
+        for i in range(3):
+            counters.clear()
+            with torch.no_grad(), capture(target, ["0", "2"], out=tmp_path / f"c{i}"):
+                for x in xs:
+                    runner(x)
+            stored = pyhook.open_capture(tmp_path / f"c{i}")
+            for name in ("0", "2"):
+                torch.testing.assert_close(stored[name].to_tensor(), ref[name])
+        traced = counters["frames"]["total"]  # frames dynamo tried to compile in the last block
+        if how == "eager module given":
+            assert traced == len(xs)  # the known cost of that case (docs/compile.md)
+        else:
+            assert traced == 0
+        # the module's compiled call is its own again, also after a forward that raised
+        with pytest.raises(RuntimeError), capture(target, ["0"], out=tmp_path / "bad"):
+            runner(torch.randn(3, 5))  # wrong width
+        assert net.__dict__.get("_compiled_call_impl") is impl
+        assert active_entries(net) == 0
+    finally:
+        if how == "module.compile":
+            net._compiled_call_impl = None
+        pyhook.release_compiled(net)
 
 
 # -- no graph breaks of pyhook's making -------------------------------------------------------
@@ -441,20 +546,27 @@ def test_release_removes_the_dispatchers_and_recompiles():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_capture_under_cuda_graphs_matches_eager():  # pragma: no cover - no GPU here
+@pytest.mark.parametrize("to", ["host", "device"])
+def test_capture_under_cuda_graphs_matches_eager(to):  # pragma: no cover - no GPU here
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).cuda()
     x = torch.randn(4, 10, 16, device="cuda")
-    with capture(net, ["0", "2"]) as ref:
-        net(x)
-    runner = torch.compile(net, mode="reduce-overhead")
-    for _ in range(3):
-        runner(x)
-    with capture(runner, ["0", "2"]) as rec:
+    xs = [x, x * 0.5 + 1, -x]  # distinct batches: a replay must not overwrite earlier rows
+    with torch.no_grad():
+        with capture(net, ["0", "2"]) as ref:
+            for xb in xs:
+                net(xb)
+        runner = torch.compile(net, mode="reduce-overhead")
         for _ in range(3):
             runner(x)
-    for name in ("0", "2"):
-        assert torch.equal(rec[name], torch.cat([ref[name]] * 3))
+        for _ in range(2):  # the second block replays the graphs the first one recorded
+            with capture(runner, ["0", "2"], to=to) as rec:
+                for xb in xs:
+                    runner(xb)
+            for name in ("0", "2"):
+                # inductor's kernels are not eager's: equal to rounding, not bit for bit
+                torch.testing.assert_close(rec[name].cpu(), ref[name].cpu())
+        assert active_entries(net) == 0
 
 
 # -- inductor -----------------------------------------------------------------------------------

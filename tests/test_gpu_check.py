@@ -50,3 +50,21 @@ def test_the_capture_loop_script_compiles():
     # step 5 runs CAPTURE_LOOP in a fresh interpreter on a GPU machine only: a syntax error in
     # it would first show there, at the cost of the device time
     compile(_load().CAPTURE_LOOP, "<gpu_check capture loop>", "exec")
+
+
+def test_the_compiled_models_step_runs_on_the_cpu():
+    """Step 6 (benchmarks/gpu_compiled.py) in its CPU dry run: rows equal the eager capture
+    and a capture block traces no frame once warm (a bug there would cost device time)."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_compiled.py")
+    p = subprocess.run(
+        [sys.executable, "-I", script, "--device", "cpu", "--only", "default mode"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    row = [ln for ln in p.stdout.splitlines() if ln.startswith("| default mode |")]
+    assert len(row) == 1, p.stdout[-3000:]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert float(cells[1]) < 1e-4  # max |compiled - eager|
+    assert cells[4] == "0"  # frames dynamo traced while timed

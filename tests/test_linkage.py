@@ -5,8 +5,10 @@ A second C++ runtime inside ``_C`` (a driver that adds ``-static-libstdc++``, as
 some CUDA images does) crashed the interpreter on an H200 image: formatting a number in an
 error message (``clone_many`` given tensors on two devices) ran the static copy's
 ``std::ostream::_M_insert<unsigned long>`` against locale facets made by the process's newer
-``libstdc++.so.6``. setup.py and CMakeLists.txt name the shared library before the driver's
-own libraries (``shared_libstdcxx_flags`` in setup.py).
+``libstdc++.so.6``. setup.py and CMakeLists.txt name the shared library by file (``-l:libstdc++.so.6``) before the
+driver's own libraries (``shared_libstdcxx_flags`` in setup.py): that image's driver searched a
+folder holding only ``libstdc++.a`` first, so ``-Wl,-Bdynamic -lstdc++`` (the first fix) still
+linked the archive.
 """
 
 from __future__ import annotations
@@ -45,13 +47,30 @@ def defines(path: str, symbol: str) -> bool:
     )
 
 
-def static_driver(tmp_path) -> str:
-    """A C++ compiler driver that links libstdc++ statically into every shared object."""
+def static_driver(tmp_path, kind: str = "flag") -> str:
+    """A C++ compiler driver that links libstdc++ statically into every shared object.
+
+    ``kind="flag"``: it adds ``-static-libstdc++``. ``kind="search"``: as the H200 image's
+    ``CXX=/opt/gcc/bin/g++`` does, it runs the compiler with ``-B`` a folder holding
+    ``libstdc++.a`` and no shared library, searched first, so that even ``-Wl,-Bdynamic
+    -lstdc++`` finds the archive (the fix that did not work on the second GPU run).
+    """
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    wrapper = tmp_path / "static-c++"
-    wrapper.write_text(f'#!/bin/sh\nexec {cxx} "$@" -static-libstdc++\n')
+    wrapper = tmp_path / f"static-c++-{kind}"
+    if kind == "flag":
+        wrapper.write_text(f'#!/bin/sh\nexec {cxx} "$@" -static-libstdc++\n')
+    else:
+        archive = subprocess.run(
+            [cxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True
+        ).stdout.strip()
+        if not os.path.isabs(archive):
+            pytest.skip("the compiler has no libstdc++.a")
+        folder = tmp_path / "static-only"
+        folder.mkdir(exist_ok=True)
+        os.symlink(archive, folder / "libstdc++.a")
+        wrapper.write_text(f'#!/bin/sh\nexec {cxx} -B{folder}/ "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -71,11 +90,12 @@ def test_installed_native_core_links_the_shared_libstdcxx():
 
 @linux
 @binutils
-def test_link_flags_keep_libstdcxx_shared_under_a_static_driver(tmp_path):
+@pytest.mark.parametrize("kind", ["flag", "search"])
+def test_link_flags_keep_libstdcxx_shared_under_a_static_driver(tmp_path, kind):
     rec = _build.build_info()
     if rec is None or not rec.get("link_flags"):
         pytest.skip("no build record with link flags (pure-Python install)")
-    cxx = static_driver(tmp_path)
+    cxx = static_driver(tmp_path, kind)
     src = tmp_path / "f.cpp"
     # An unsigned long into a stream: the libstdc++ function the H200 crash was in.
     src.write_text(
@@ -94,3 +114,6 @@ def test_link_flags_keep_libstdcxx_shared_under_a_static_driver(tmp_path):
     fixed = link("fixed.so", list(rec["link_flags"]))
     assert "libstdc++.so.6" in needed(fixed)
     assert not defines(fixed, INSERT)
+    if kind == "search":  # the flags of the first fix, which this driver defeats
+        old = link("old.so", ["-Wl,-Bdynamic", "-lstdc++"])
+        assert "libstdc++.so.6" not in needed(old) and defines(old, INSERT)

@@ -10,6 +10,7 @@ host copies of device tensors, statistics, token annotations, counters) is finis
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,35 @@ class _Batch:
         self.ids = ids
 
 
+class _AfterCompiledCall:
+    """``fn(module, None, None)`` after each call of a ``module.compile()``d module's compiled
+    code, in eager Python, from the thread that made it; ``remove()`` puts the call back.
+
+    ``nn.Module.__call__`` runs ``module._compiled_call_impl`` (set by ``compile()``) outside
+    any compiled code, so wrapping it there adds no graph break and no recompilation.
+    """
+
+    __slots__ = ("call", "compiled", "module")
+
+    def __init__(self, module: nn.Module, fn: Callable[[nn.Module, Any, Any], None]) -> None:
+        compiled = module.__dict__["_compiled_call_impl"]
+        owner = threading.get_ident()
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = compiled(*args, **kwargs)
+            if threading.get_ident() == owner:  # another thread's forwards are not ours
+                fn(module, None, None)
+            return out
+
+        self.module, self.compiled, self.call = module, compiled, call
+        module.__dict__["_compiled_call_impl"] = call
+
+    def remove(self) -> None:
+        md = self.module.__dict__
+        if md.get("_compiled_call_impl") is self.call:  # unless compiled again meanwhile
+            md["_compiled_call_impl"] = self.compiled
+
+
 class CompiledPath:
     """Hooks and linked batches of a capture on a compiled model (made by the Recorder)."""
 
@@ -61,6 +91,7 @@ class CompiledPath:
         self.ids: torch.Tensor | None = None
         self.mask_pos = positional_index(rec.model, rec.mask)
         self.drained = 0  # batches finished by drain (notes are matched to them by number)
+        self.after_wrapper = False  # finish_forward, on the torch.compile wrapper, finishes
 
     def install(self, hooks: HookSet) -> None:
         rec = self.rec
@@ -71,6 +102,21 @@ class CompiledPath:
         for name, module in rec._modules:
             hooks.forward(module, self.make_hook(name))
         hooks.forward(rec.model, self.commit)
+        # Batches that must be finished after each forward (disk, or rows on a GPU) are
+        # finished by a hook on the torch.compile wrapper, which runs in eager Python once the
+        # compiled forward returns (module.compile(): around the module's compiled call).
+        # Without either (the eager module given while its wrapper runs, or compiled layers
+        # inside an eager model) the traced commit calls out of the graph instead: a
+        # graph break inside the hook dispatcher's loop, which dynamo cannot resume, so it
+        # retraces the dispatcher's frame on every forward (~20 ms on the CPU, ~35 ms beside a
+        # GPU forward, measured). See docs/compile.md.
+        self.after_wrapper = True
+        if rec._wrapper is not None:
+            hooks.forward(rec._wrapper, self.finish_forward, checked=True)
+        elif rec.model.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
+            hooks._keep(_AfterCompiledCall(rec.model, self.finish_forward))
+        else:
+            self.after_wrapper = False
 
     # -- traced ----------------------------------------------------------------------------
     def begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -111,6 +157,8 @@ class CompiledPath:
         batch = self.batch
         self.head = _Batch(self.head, batch, self.first, self.mask, self.ids)
         self.batch = {}
+        if self.after_wrapper:
+            return  # finish_forward, in eager Python once the compiled forward returns
         if self.rec.to == "disk" or any(t.is_cuda for t, _, _ in batch.values()):
             # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
             # in a CUDA graph's memory pool that the next replay overwrites: one graph break,
@@ -118,6 +166,14 @@ class CompiledPath:
             call_outside(self.drain)
 
     # -- eager -----------------------------------------------------------------------------
+    def finish_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        """The wrapper's forward hook (eager): finish, at once, a batch that cannot wait."""
+        head = self.head
+        if head.prev is not None and (
+            self.rec.to == "disk" or any(t.is_cuda for t, _, _ in head.rows.values())
+        ):
+            self.drain()
+
     def drain(self) -> None:
         """Finish the batches compiled code linked since the last drain (eager, in order)."""
         rec = self.rec

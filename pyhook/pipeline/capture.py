@@ -300,6 +300,9 @@ class Recorder:
         # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        # The torch.compile wrapper, if given one: its own hooks run in eager Python around the
+        # compiled forward (the compiled path finishes batches there, without a graph break).
+        self._wrapper: nn.Module | None = model if unwrap_compiled(model) is not model else None
         model = unwrap_compiled(model)  # names resolve as in the eager model
         if to is None:
             to = "disk" if out is not None else "host"
