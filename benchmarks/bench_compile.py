@@ -1,12 +1,15 @@
 """Capture inside ``torch.compile`` (issue 13): compiled vs eager, with and without capture.
 
-Run:  python benchmarks/bench_compile.py [--quick] [--backend inductor|aot_eager|eager]
+Run:  python benchmarks/bench_compile.py [--quick] [--backend inductor|aot_eager|eager] [--to disk]
 
 A GPT-2-shaped model (``transformers.GPT2Model`` from a config with random weights: 6 blocks,
 width 256, 4 heads) runs batches of 8 x 128 tokens under ``torch.no_grad()``. One round of a
 method is ``--forwards`` forwards; the capture methods enter ``capture(model, "h.*")`` (every
 block's output to host memory) around them and read the rows back after the block, so a round
-pays the whole capture: entering, the forwards, and the results. Methods are measured
+pays the whole capture: entering, the forwards, and the results. With ``--to disk`` the capture
+writes a fresh directory instead (the writer's defaults: stats, checksums, fsync), removed in
+the round; a disk capture hands each batch to the writer after its forward, outside the
+compiled code (docs/compile.md). Methods are measured
 round-robin in a shuffled order (paired rounds, one process), and ratios are medians of the
 per-round ratios:
 
@@ -25,9 +28,12 @@ the same capture again (nothing compiles), and a capture of other layers (one co
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -52,6 +58,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--forwards", type=int, default=4, help="forwards per round")
+    parser.add_argument(
+        "--to",
+        choices=("host", "disk"),
+        default="host",
+        help="where the capture goes (disk: a fresh directory per round, removed in the round)",
+    )
     args = parser.parse_args()
     rounds = 3 if args.quick else 10
 
@@ -71,7 +83,10 @@ def main() -> None:
         f"{platform.machine()}, pyhook {pyhook.__version__}, native={pyhook.native_available()}, "
         f"backend={args.backend}"
     )
-    print("GPT2Model 6 blocks, width 256, batch 8 x 128 tokens; capture of h.* (6 blocks) to host")
+    print(
+        f"GPT2Model 6 blocks, width 256, batch 8 x 128 tokens; capture of h.* (6 blocks) "
+        f"to {args.to}"
+    )
 
     torch.set_grad_enabled(False)
     compiled = torch.compile(model, backend=args.backend)
@@ -81,12 +96,26 @@ def main() -> None:
         fn()
         return time.perf_counter() - t0
 
-    def captured(runner: torch.nn.Module, names: object = layers) -> Callable[[], object]:
+    root = tempfile.mkdtemp(prefix="bench_compile_")
+    runs = itertools.count()
+
+    def captured(
+        runner: torch.nn.Module, names: object = layers, read: bool = False
+    ) -> Callable[[], object]:
         def run() -> object:
-            with capture(runner, names) as rec:
+            if args.to == "host":
+                with capture(runner, names) as rec:
+                    for _ in range(n):
+                        runner(ids)
+                return rec.results()
+            out = os.path.join(root, f"c{next(runs)}")  # a fresh directory, removed after
+            with capture(runner, names, out=out):
                 for _ in range(n):
                     runner(ids)
-            return rec.results()
+            stored = pyhook.open_capture(out)
+            rows = {k: stored[k].to_tensor() for k in stored.layers} if read else None
+            shutil.rmtree(out)
+            return rows
 
         return run
 
@@ -109,8 +138,8 @@ def main() -> None:
     costs["a capture of other layers (h.0, h.5)"] = wall(captured(compiled, ["h.0", "h.5"]))
     costs["the same again"] = wall(captured(compiled, ["h.0", "h.5"]))
     g3 = counters["stats"]["unique_graphs"]
-    ref = captured(model)()
-    got = captured(compiled)()
+    ref = captured(model, read=True)()
+    got = captured(compiled, read=True)()
     err = max(float((ref[k] - got[k]).abs().max()) for k in ref)
 
     fns = {
@@ -140,6 +169,7 @@ def main() -> None:
         f"graphs compiled: first capture {g1 - g0}, same capture again {g2 - g1}, "
         f"other layers + again {g3 - g2}; max |compiled - eager| over captured rows: {err:.2e}"
     )
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
