@@ -361,6 +361,11 @@ def test_a_disk_capture_on_a_compiled_model_traces_nothing_per_forward(tmp_path,
             assert traced == len(xs)  # the known cost of that case (docs/compile.md)
         else:
             assert traced == 0
+        if how == "torch.compile":  # the eager module run under a capture of its wrapper:
+            with torch.no_grad(), capture(target, ["0"], out=tmp_path / "eager") as rec:
+                for i, x in enumerate(xs):
+                    net(x)  # no wrapper hook runs: the batch is finished at once all the same
+                    assert rec.rows["0"] == (i + 1) * 15
         # the module's compiled call is its own again, also after a forward that raised
         with pytest.raises(RuntimeError), capture(target, ["0"], out=tmp_path / "bad"):
             runner(torch.randn(3, 5))  # wrong width

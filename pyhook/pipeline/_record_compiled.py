@@ -157,7 +157,7 @@ class CompiledPath:
         batch = self.batch
         self.head = _Batch(self.head, batch, self.first, self.mask, self.ids)
         self.batch = {}
-        if self.after_wrapper:
+        if self.after_wrapper and torch.compiler.is_compiling():
             return  # finish_forward, in eager Python once the compiled forward returns
         if self.rec.to == "disk" or any(t.is_cuda for t, _, _ in batch.values()):
             # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
