@@ -51,7 +51,8 @@ class _Batch:
 
 class _AfterCompiledCall:
     """``fn(module, None, None)`` after each call of a ``module.compile()``d module's compiled
-    code, in eager Python, from the thread that made it; ``remove()`` puts the call back.
+    code, in eager Python, on the thread that made it (any thread for an ``any_thread`` hook
+    set); ``remove()`` puts the call back.
 
     ``nn.Module.__call__`` runs ``module._compiled_call_impl`` (set by ``compile()``) outside
     any compiled code, so wrapping it there adds no graph break and no recompilation.
@@ -59,13 +60,15 @@ class _AfterCompiledCall:
 
     __slots__ = ("call", "compiled", "module")
 
-    def __init__(self, module: nn.Module, fn: Callable[[nn.Module, Any, Any], None]) -> None:
+    def __init__(
+        self, module: nn.Module, fn: Callable[[nn.Module, Any, Any], None], any_thread: bool
+    ) -> None:
         compiled = module.__dict__["_compiled_call_impl"]
         owner = threading.get_ident()
 
         def call(*args: Any, **kwargs: Any) -> Any:
             out = compiled(*args, **kwargs)
-            if threading.get_ident() == owner:  # another thread's forwards are not ours
+            if any_thread or threading.get_ident() == owner:  # as the hook set's other hooks
                 fn(module, None, None)
             return out
 
@@ -105,16 +108,15 @@ class CompiledPath:
         # Batches that must be finished after each forward (disk, or rows on a GPU) are
         # finished by a hook on the torch.compile wrapper, which runs in eager Python once the
         # compiled forward returns (module.compile(): around the module's compiled call).
-        # Without either (the eager module given while its wrapper runs, or compiled layers
-        # inside an eager model) the traced commit calls out of the graph instead: a
-        # graph break inside the hook dispatcher's loop, which dynamo cannot resume, so it
-        # retraces the dispatcher's frame on every forward (~20 ms on the CPU, ~35 ms beside a
-        # GPU forward, measured). See docs/compile.md.
+        # Without either (the eager module given while its wrapper runs) the traced commit
+        # calls out of the graph instead: a graph break inside the hook dispatcher's loop,
+        # which dynamo cannot resume, so it retraces the dispatcher's frame on every forward
+        # (~20 ms on the CPU, ~35 ms beside a GPU forward, measured). See docs/compile.md.
         self.after_wrapper = True
         if rec._wrapper is not None:
             hooks.forward(rec._wrapper, self.finish_forward, checked=True)
         elif rec.model.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
-            hooks._keep(_AfterCompiledCall(rec.model, self.finish_forward))
+            hooks._keep(_AfterCompiledCall(rec.model, self.finish_forward, hooks.any_thread))
         else:
             self.after_wrapper = False
 
