@@ -81,7 +81,9 @@ class _Entry:
     def __init__(self, fn: Callable[..., Any], with_kwargs: bool) -> None:
         self.fn = fn
         self.with_kwargs = with_kwargs
-        self.key = _next_key()  # its handle's ``id``
+        # its handle's ``id``; none in traced code (TruncatedModule's own call): a counter read
+        # there is guarded on its value, so every call would fail the guard and recompile
+        self.key = 0 if torch.compiler.is_compiling() else _next_key()
 
 
 class _Table:
@@ -281,6 +283,8 @@ class Dispatcher:
         table = getattr(self._local, "table", None)
         entries = self.shared.pre if table is None else table.pre + self.shared.pre
         if not entries:
+            if not torch.compiler.is_compiling() and _pending:  # (traced: never read)
+                _lift_pending()
             return None
         if not torch.compiler.is_compiling():
             _unskip_stack()
@@ -342,17 +346,56 @@ def _unskip_stack() -> None:
     running: list[Any] = []  # frames running code dynamo produced (a compiled version)
     output_codes = getattr(sys.modules.get("torch._dynamo.convert_frame"), "output_codes", None)
     produced = getattr(output_codes, "seen_ids", ())
+    state: frozenset[Any] | None = None
     frame = sys._getframe(1)  # the dispatcher's own frame first: its code is shared
     while frame is not None:
         code = frame.f_code
         if code.co_filename.replace("\\", "/").endswith(_EVAL_FRAME):
             break  # the entry of the compiled call: the frames above are not dynamo's
-        set_code_exec_strategy(code, default)
-        if id(code) in produced and id(code) not in _limited:
-            running.append(frame)
+        if id(code) in produced:
+            if id(code) not in _limited:
+                running.append(frame)
+        else:
+            seen = _unskipped.get(id(code))
+            if seen is not None and seen[0] is code and seen[2] == id(frame):
+                pass  # this same call, at an earlier hooked module: done then
+            else:
+                if state is None:
+                    state = _break_state()
+                if seen is not None and seen[0] is code and seen[1] == state:
+                    # Made compilable under these same tracers before, and dynamo gave it up
+                    # again (the same break): compiling it again would be wasted (a stop in a
+                    # loop cost ~1 s a call on GPT-2). It stays skipped while these tracers
+                    # break it; an eager call under other tracers, or none, lifts the mark.
+                    _pending[id(code)] = code
+                else:
+                    set_code_exec_strategy(code, default)
+                    _pending.pop(id(code), None)
+                _unskipped[id(code)] = (code, state, id(frame))
         frame = frame.f_back
     if running:
         _limit_to_break_state(running)
+
+
+# id(code) -> (code, the tracer state it was made compilable under, id of the frame running it)
+_unskipped: dict[int, tuple[Any, Any, int]] = {}
+# code objects left skipped because their tracers break them every call (see _unskip_stack)
+_pending: dict[int, Any] = {}
+
+
+def _lift_pending() -> None:
+    """An eager call with no tracer entries on this thread: the frames left skipped for the
+    tracers that broke them may compile again (their compiled versions are kept)."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    if _break_state():
+        return  # some tracer of this thread is still active: it may be the one that breaks
+    default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+    for code in list(_pending.values()):
+        set_code_exec_strategy(code, default)
+    _pending.clear()
+    _unskipped.clear()
 
 
 def _entry_key(entry: _Entry) -> tuple[Any, ...]:
