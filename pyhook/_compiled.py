@@ -99,10 +99,20 @@ class _Table:
 def _put(table: _Table, kind: str, entry: _Entry, prepend: bool) -> None:
     current = getattr(table, kind)
     setattr(table, kind, (entry, *current) if prepend else (*current, entry))
+    if not torch.compiler.is_compiling():  # (traced code adds and drops its own entries)
+        _live[0] += 1
 
 
 def _drop(table: _Table, kind: str, entry: _Entry) -> None:
-    setattr(table, kind, tuple(e for e in getattr(table, kind) if e is not entry))
+    current = getattr(table, kind)
+    setattr(table, kind, tuple(e for e in current if e is not entry))
+    if not torch.compiler.is_compiling() and entry in current:
+        _live[0] -= 1
+
+
+# Entries in every table (added outside compiled code): while any is live, frames left skipped
+# for the tracers that break them stay skipped (see _unskip_stack and _lift_pending).
+_live = [0]
 
 
 class _TableHooks(Mapping[int, Callable[..., Any]]):
@@ -384,13 +394,14 @@ _pending: dict[int, Any] = {}
 
 
 def _lift_pending() -> None:
-    """An eager call with no tracer entries on this thread: the frames left skipped for the
-    tracers that broke them may compile again (their compiled versions are kept)."""
+    """An eager call with no tracer entries: once no tracer is active anywhere, the frames left
+    skipped for the tracers that broke them may compile again (their compiled versions are
+    kept)."""
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    if _break_state():
-        return  # some tracer of this thread is still active: it may be the one that breaks
+    if _live[0]:
+        return  # a tracer is active (on some thread): it may be the one that breaks them
     default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
     for code in list(_pending.values()):
         set_code_exec_strategy(code, default)
