@@ -363,6 +363,7 @@ def _unskip_stack() -> None:
         if code.co_filename.replace("\\", "/").endswith(_EVAL_FRAME):
             break  # the entry of the compiled call: the frames above are not dynamo's
         if id(code) in produced:
+            set_code_exec_strategy(code, default)  # (as before: dynamo never retraces these)
             if id(code) not in _limited:
                 running.append(frame)
         else:
