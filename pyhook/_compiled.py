@@ -672,6 +672,8 @@ def release(module: nn.Module) -> None:
             d = m.__dict__.pop(_ATTR, None)
             if d is not None:
                 d.remove(m)
+    if _pending:
+        _lift_pending()  # frames left skipped for a tracer's breaks compile again
 
 
 class _Token:

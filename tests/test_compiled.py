@@ -410,6 +410,12 @@ def test_stopping_on_a_compiled_model_compiles_nothing_per_call(tool, gpt_parts)
             runner(ids)
             assert counters["frames"]["total"] == 0  # plain calls: compiled code, as before
             assert active_entries(model) == 0
+            for _ in range(2):
+                stop()
+            if tool != "TruncatedModule":  # (its graph ends at the point: nothing is given up)
+                assert pyhook._compiled._pending  # frames the stops keep breaking stay skipped
+            pyhook.release_compiled(model)  # no frame stays marked skip for the stops' sake
+            assert not pyhook._compiled._pending
         finally:
             pyhook.release_compiled(model)
 
