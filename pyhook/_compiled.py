@@ -368,12 +368,14 @@ def _unskip_stack() -> None:
                 running.append(frame)
         else:
             seen = _unskipped.get(id(code))
-            if seen is not None and seen[0] is code and seen[2] == id(frame):
+            if seen is not None and seen[0] is not code:
+                seen = None  # an id reused by another code object
+            if seen is not None and seen[2] == id(frame):
                 pass  # this same call, at an earlier hooked module: done then
             else:
                 if state is None:
                     state = _break_state()
-                if seen is not None and seen[0] is code and seen[1] == state:
+                if seen is not None and seen[1] == state:
                     # Made compilable under these same tracers before, and dynamo gave it up
                     # again (the same break): compiling it again would be wasted (a stop in a
                     # loop cost ~1 s a call on GPT-2). It stays skipped while these tracers

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._compiled import CompiledModelError
+from ._compiled import COMPILED_MARK, CompiledModelError
 from .points import Point
 
 __all__ = [
@@ -83,7 +83,7 @@ def _compile_marker(module: nn.Module) -> str | None:
         return "module.compile()"
     if (
         d.get("_is_torch_compile", False)
-        or "_pyhook_compiled" in d  # unwrapped from a wrapper (pyhook._compiled.unwrap_compiled)
+        or COMPILED_MARK in d  # unwrapped from a wrapper (pyhook._compiled.unwrap_compiled)
         or (type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules)
     ):
         return "torch.compile(module)"

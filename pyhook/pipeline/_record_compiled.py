@@ -110,13 +110,13 @@ class CompiledPath:
         # compiled forward returns (module.compile(): around the module's compiled call).
         # Without either (the eager module given while its wrapper runs) the traced commit
         # calls out of the graph instead: a graph break inside the hook dispatcher's loop,
-        # which dynamo cannot resume, so it retraces the dispatcher's frame on every forward
-        # (~20 ms on the CPU, ~35 ms beside a GPU forward, measured). See docs/compile.md.
-        self.after_wrapper = True
+        # which dynamo cannot resume, so the frames around it run eagerly (see docs/compile.md).
         if rec._wrapper is not None:
             hooks.forward(rec._wrapper, self.finish_forward, checked=True)
+            self.after_wrapper = True
         elif rec.model.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
             hooks._keep(_AfterCompiledCall(rec.model, self.finish_forward, hooks.any_thread))
+            self.after_wrapper = True
         else:
             self.after_wrapper = False
 
@@ -161,19 +161,22 @@ class CompiledPath:
         self.batch = {}
         if self.after_wrapper and torch.compiler.is_compiling():
             return  # finish_forward, in eager Python once the compiled forward returns
-        if self.rec.to == "disk" or any(t.is_cuda for t, _, _ in batch.values()):
+        if self.cannot_wait(batch):
             # The writer's hand-off is Python that cannot be traced, and rows on a GPU may sit
             # in a CUDA graph's memory pool that the next replay overwrites: one graph break,
             # at the end of the forward, finishes the batch at once (see docs/compile.md).
             call_outside(self.drain)
 
+    def cannot_wait(self, rows: dict[str, Any]) -> bool:
+        """Whether a batch's rows must be finished right after its forward (traced or eager):
+        a disk capture's, or rows on a GPU."""
+        return self.rec.to == "disk" or any(t.is_cuda for t, _, _ in rows.values())
+
     # -- eager -----------------------------------------------------------------------------
     def finish_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         """The wrapper's forward hook (eager): finish, at once, a batch that cannot wait."""
         head = self.head
-        if head.prev is not None and (
-            self.rec.to == "disk" or any(t.is_cuda for t, _, _ in head.rows.values())
-        ):
+        if head.prev is not None and self.cannot_wait(head.rows):
             self.drain()
 
     def drain(self) -> None:

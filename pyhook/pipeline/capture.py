@@ -302,8 +302,9 @@ class Recorder:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # The torch.compile wrapper, if given one: its own hooks run in eager Python around the
         # compiled forward (the compiled path finishes batches there, without a graph break).
-        self._wrapper: nn.Module | None = model if unwrap_compiled(model) is not model else None
-        model = unwrap_compiled(model)  # names resolve as in the eager model
+        inner = unwrap_compiled(model)  # names resolve as in the eager model
+        self._wrapper: nn.Module | None = model if inner is not model else None
+        model = inner
         if to is None:
             to = "disk" if out is not None else "host"
         if to not in ("device", "host", "disk"):
