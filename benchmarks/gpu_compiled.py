@@ -140,9 +140,14 @@ def one(name: str, device: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variant", nargs="?", help="run this variant here (default: all, each apart)")
+    ap.add_argument(
+        "variant",
+        nargs="?",
+        choices=list(VARIANTS),
+        help="run this variant here (default: all, each apart)",
+    )
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", nargs="+", help="these variants only")
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants only")
     args = ap.parse_args()
     if args.variant:
         print("RESULT " + json.dumps(one(args.variant, args.device)), flush=True)
