@@ -54,7 +54,8 @@ file, the best of them is named in the table):
     of them against one call per layer (the path before) and a sorted ``np.take`` per layer.
 (g) the shuffled batch of (a) read right after a training step on torch's threads (what an
     in-process training loop does: the step leaves torch's OpenMP workers spinning on the other
-    core): pyhook against ``torch.index_select`` and ``np.take``. Target: >= 1.0x the best.
+    core): pyhook against ``torch.index_select`` and ``np.take``, batches of 4096 and of 1024
+    rows. Target: >= 1.0x the best.
 
 At the end: one table of every target, measured in this run, with pass/miss.
 """
@@ -876,14 +877,12 @@ def case_after_step(
     256 -> 768 ReLU autoencoder on 4096 rows, forward, backward, Adam, on torch's threads)
     leaves torch's OpenMP workers spinning for milliseconds on the other core, which is where
     a reader's second thread has to run. Each round times every reader right after a step, in
-    a shuffled order."""
+    a shuffled order; batches of 4096 rows, then of 1024 (where a call's fixed costs weigh
+    four times as much)."""
     warm(files)
     mm, arr, mt = raw_views(raw_path, rows)
     ds = CaptureDataset(out, "h", batch_size=BATCH, seed=0)
     float(mm.sum()), [float(p.sum()) for p in ds._sources()["h"]]  # every page mapped once
-    buf = aligned_empty((BATCH, D))
-    tbuf = torch.from_numpy(buf)
-    np_idx = [i.numpy() for i in idxs]
     g = torch.Generator().manual_seed(0)
     enc, dec = torch.nn.Linear(D, 256), torch.nn.Linear(256, D)
     opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-4)
@@ -900,29 +899,52 @@ def case_after_step(
         "np.take into preallocated",
         "sorted np.take into preallocated",
     ]
-    fns: dict[str, Callable[[int], object]] = {
-        hand[0]: lambda r: torch.index_select(mt, 0, idxs[r], out=tbuf),
-        hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
-        hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
-        "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
-        "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
-        # The helpers on whatever CPU the scheduler picks (it picked the caller's own, busy one).
-        "pyhook batch, helpers not steered (PYHOOK_GATHER_STEER=0)": with_env(
-            "PYHOOK_GATHER_STEER", "0", lambda r: ds.batch(idxs[r])
-        ),
-    }
     for _ in range(3):
         step()
+    for n in (BATCH, BATCH // 4):
+        after_step_rows(ds, mt, arr, [i[:n] for i in idxs], hand, step, rounds)
+
+
+def after_step_rows(
+    ds: CaptureDataset,
+    mt: torch.Tensor,
+    arr: np.ndarray,
+    ix: list[torch.Tensor],
+    hand: list[str],
+    step: Callable[[], None],
+    rounds: int,
+) -> None:
+    """Case (g) for batches of ``len(ix[0])`` rows."""
+    n = len(ix[0])
+    np_idx = [i.numpy() for i in ix]
+    buf = aligned_empty((n, D))
+    tbuf = torch.from_numpy(buf)
+    fns: dict[str, Callable[[int], object]] = {
+        hand[0]: lambda r: torch.index_select(mt, 0, ix[r], out=tbuf),
+        hand[1]: lambda r: np.take(arr, np_idx[r], axis=0, out=buf, mode="clip"),
+        hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
+        "pyhook CaptureDataset.batch": lambda r: ds.batch(ix[r]),
+        "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(ix[r])),
+        # The helpers even while torch's workers spin (the path before the team was used;
+        # this row and the next also pay with_env's two environment changes a call).
+        "pyhook batch, helpers only (PYHOOK_GATHER_TEAM=0)": with_env(
+            "PYHOOK_GATHER_TEAM", "0", lambda r: ds.batch(ix[r])
+        ),
+        # The helpers on whatever CPU the scheduler picks (it picked the caller's own).
+        "pyhook batch, helpers not steered (PYHOOK_GATHER_STEER=0)": with_env(
+            "PYHOOK_GATHER_STEER", "0", lambda r: ds.batch(ix[r])
+        ),
+    }
     ts = paired(fns, rounds, None, before=step)[SINGLE_STATE]
     best = best_of(ts, hand)
     print(
-        f"\n(g) shuffled batches of {BATCH} rows read right after a training step (page cache "
+        f"\n(g) shuffled batches of {n} rows read right after a training step (page cache "
         f"warm, {SINGLE_STATE}, load {med(ts['__load__']):.1f}); medians of {rounds} paired "
         f"rounds; best hand-written: {best}"
     )
-    print(report(ts, best, BATCH * ROW, BATCH))
+    print(report(ts, best, n * ROW, n))
     verdict(
-        "(g) warm shuffled after a training step",
+        "(g) warm shuffled after a training step" + ("" if n == BATCH else f", {n}-row batches"),
         SINGLE_STATE,
         ts,
         "pyhook CaptureDataset.batch",

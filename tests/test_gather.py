@@ -409,6 +409,7 @@ def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(native, monkey
     if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two torch threads on two CPUs")
     monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")  # no one-thread period from an earlier test
+    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "0")  # the helpers, even if torch's workers spin
     parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=4)
     idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(4))
     want = spec(parts, idx)
@@ -469,6 +470,7 @@ def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
     if not os.path.exists("/proc/thread-self/stat"):
         pytest.skip("needs /proc")
     monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")
+    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "0")  # the helpers, even if torch's workers spin
     parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=6)
     idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(6))
     want = spec(parts, idx)
@@ -485,6 +487,100 @@ def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
             break
     else:
         pytest.fail(f"the helpers were not kept off the caller's CPU: {seen}")
+
+
+# -- torch's own team, while its workers spin ------------------------------------------------------
+@pytest.mark.parametrize("rows", [100, 4099])  # 300 KB: the team alone splits it; 12 MB: both
+def test_a_gather_on_torchs_team_is_exact(native, monkeypatch, rows):
+    # PYHOOK_GATHER_TEAM=1 runs every call of 256 KB or more on torch's OpenMP team (by
+    # default only a call made while its workers spin does), with the pieces claimed as with
+    # the helpers: every layer and row exact, into a new output or a given one.
+    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "1")
+    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")
+    parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=7)
+    ids = [torch.arange(n) for n in (700, 3, 0, 1300)]
+    idx = torch.randint(0, 2003, (rows,), generator=torch.Generator().manual_seed(7))
+    many = torch.ops.pyhook.gather_rows_many.default
+    for _ in range(3):
+        got = many([*parts, *ids], [4, 4], idx)
+        assert torch.equal(got[0], spec(parts, idx)) and torch.equal(got[1], spec(ids, idx))
+        out = torch.full((rows, 768), 7.0)
+        assert torch.equal(gather_rows_into(parts, idx, out), spec(parts, idx))
+
+
+TEAM_CHOICE = r"""
+import os, sys, time, torch
+from pyhook import _backend
+from pyhook._backend import gather_rows
+assert _backend.native_available()
+torch.set_num_threads(2)
+parts = [torch.randn(3000, 768), torch.randn(1000, 768)]
+whole = torch.cat(parts)
+a = torch.randn(384, 384)
+
+
+def helpers_ns():
+    # CPU time of pyhook's helper threads so far (ns, /proc/<tid>/schedstat)
+    total = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().strip() != "pyhook-gather":
+                    continue
+            with open(f"/proc/self/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass
+    return total
+
+
+idx = torch.randint(0, 4000, (4096,), generator=torch.Generator().manual_seed(0))
+assert torch.equal(gather_rows(parts, idx), whole[idx])  # finds the team; helpers start
+assert helpers_ns() > 0
+team = 0
+time.sleep(0.02)
+for _ in range(40):
+    float((a @ a).sum())  # a parallel region of torch's: its workers ran just now
+    before = helpers_ns()
+    got = gather_rows(parts, idx)
+    time.sleep(0.02)  # a helper that was woken has run by now (it runs to sleep again)
+    team += helpers_ns() == before  # the helpers were not even woken
+    assert torch.equal(got, whole[idx])
+print(team)
+"""
+
+
+@pytest.mark.parametrize(
+    "policy, team, expect",
+    [("ACTIVE", None, "some"), ("ACTIVE", "0", "none"), ("PASSIVE", None, "none")],
+)
+def test_a_call_right_after_torchs_work_runs_on_its_spinning_team(native, policy, team, expect):
+    # With OMP_WAIT_POLICY=ACTIVE torch's workers spin between parallel regions: a gather made
+    # then copies on them and leaves pyhook's helper threads asleep (they gain no CPU time).
+    # With PASSIVE the workers sleep at once, and PYHOOK_GATHER_TEAM=0 forbids the team: the
+    # helpers copy. (Run in a child: the wait policy is read when OpenMP starts.)
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2 or not os.path.exists("/proc/self/task"):
+        pytest.skip("needs two CPUs and /proc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYHOOK_GATHER_", "OMP_"))}
+    env.update(OMP_WAIT_POLICY=policy, OMP_NUM_THREADS="2", PYHOOK_GATHER_BACKOFF="0")
+    if team is not None:
+        env["PYHOOK_GATHER_TEAM"] = team
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", TEAM_CHOICE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    on_team = int(r.stdout.split()[-1])
+    if expect == "some":
+        assert on_team >= 1, "no call ran on torch's spinning team"
+    else:
+        assert on_team == 0, f"{on_team} of 40 calls ran on a team that was not spinning"
 
 
 # -- a part whose file became shorter than its mapping (SIGBUS) -----------------------------------
@@ -510,9 +606,10 @@ if sys.argv[2] == "faulthandler-after":
     faulthandler.enable()  # replaces pyhook's handler: the next gather installs it again
 os.truncate(path, 2048 * 1024)  # rows 2048.. are gone
 first_half = idx[idx < 2048]
-for threads in (2, 1):
+for team, threads in (("0", 2), ("1", 2), ("0", 1)):  # helpers, torch's team, one thread
+    os.environ["PYHOOK_GATHER_TEAM"] = team
     torch.set_num_threads(threads)
-    for rows in (idx, idx[-8:], torch.tensor([4095])):  # helpers, one thread, one row
+    for rows in (idx, idx[-8:], torch.tensor([4095])):  # several threads, one thread, one row
         try:
             gather_rows([part], rows)
         except RuntimeError as e:
