@@ -519,32 +519,49 @@ whole = torch.cat(parts)
 a = torch.randn(384, 384)
 
 
-def helpers_ns():
-    # CPU time of pyhook's helper threads so far (ns, /proc/<tid>/schedstat)
-    total = 0
+def helpers():
+    # (state, CPU time in ns) of each of pyhook's helper threads (/proc/<tid>/stat, schedstat)
+    out = []
     for t in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{t}/comm") as f:
                 if f.read().strip() != "pyhook-gather":
                     continue
+            with open(f"/proc/self/task/{t}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
             with open(f"/proc/self/task/{t}/schedstat") as f:
-                total += int(f.read().split()[0])
+                out.append((state, int(f.read().split()[0])))
         except OSError:
             pass
-    return total
+    return out
+
+
+def woken(before):
+    # Whether a helper was woken since `before`: it ran (its CPU time grew), or it waits to
+    # run; False once every helper has stayed asleep, with no CPU time gained, for 3 looks.
+    asleep = 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        now = helpers()
+        if sum(ns for _, ns in now) != sum(ns for _, ns in before):
+            return True
+        asleep = asleep + 1 if all(st == "S" for st, _ in now) else 0
+        if asleep == 3:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 idx = torch.randint(0, 4000, (4096,), generator=torch.Generator().manual_seed(0))
 assert torch.equal(gather_rows(parts, idx), whole[idx])  # finds the team; helpers start
-assert helpers_ns() > 0
-team = 0
+assert helpers()
 time.sleep(0.02)
+team = 0
 for _ in range(40):
     float((a @ a).sum())  # a parallel region of torch's: its workers ran just now
-    before = helpers_ns()
+    before = helpers()
     got = gather_rows(parts, idx)
-    time.sleep(0.02)  # a helper that was woken has run by now (it runs to sleep again)
-    team += helpers_ns() == before  # the helpers were not even woken
+    team += not woken(before)
     assert torch.equal(got, whole[idx])
 print(team)
 """
