@@ -489,6 +489,18 @@ def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
         pytest.fail(f"the helpers were not kept off the caller's CPU: {seen}")
 
 
+def test_the_datasets_batch_op_has_no_autograd_step(native):
+    # gather_rows_many (CaptureDataset's batch) skips the Autograd key (a fallthrough: a
+    # capture's memory maps never need gradients, and autograd's fallback cost every batch
+    # 6-8 us). Its output is plainly not differentiable, instead of carrying a graph whose
+    # backward gave the parts no gradient; the public gather_rows is unchanged.
+    part = torch.randn(5, 3, requires_grad=True)
+    idx = torch.tensor([4, 1])
+    (out,) = torch.ops.pyhook.gather_rows_many.default([part], [1], idx)
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, part.detach()[idx])
+
+
 # -- torch's own team, while its workers spin ------------------------------------------------------
 @pytest.mark.parametrize("rows", [100, 4099])  # 300 KB: the team alone splits it; 12 MB: both
 def test_a_gather_on_torchs_team_is_exact(native, monkeypatch, rows):
