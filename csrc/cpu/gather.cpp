@@ -660,6 +660,15 @@ void sleep_us(int64_t us) {
 bool steer_wanted();
 int64_t steady_us();
 
+// Whether a caller that copied from t0 to t1 and then waited for another thread's pieces until
+// t2 waited about as long as it worked: that thread lost its CPU in the middle of a piece (see
+// solo_until_us). The same rule for the helpers (Helpers::run) and torch's team (run_on_team).
+bool caller_waited(std::chrono::steady_clock::time_point t0,
+                   std::chrono::steady_clock::time_point t1,
+                   std::chrono::steady_clock::time_point t2) {
+  return t2 - t1 > std::chrono::microseconds(100) && (t2 - t1) * 4 > t1 - t0;
+}
+
 #if defined(__linux__)
 // The calling thread's affinity mask, read again at most once a second: a system call is
 // cheap warm (0.2 us) but not right after a training step, when the kernel's code and data
@@ -717,7 +726,7 @@ class Helpers {
         job_.reset();
       }
     }
-    return t2 - t1 > std::chrono::microseconds(100) && (t2 - t1) * 4 > t1 - t0;
+    return caller_waited(t0, t1, t2);
   }
 
   // Wakes the helpers ahead of a job the caller is about to publish (it is still checking the
@@ -863,10 +872,14 @@ constexpr int64_t kSoloMaxUs = 1600000;
 std::atomic<int64_t> solo_until_us{0};
 std::atomic<int64_t> solo_period_us{kSoloMinUs};
 
-int64_t steady_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+int64_t steady_us() {
+  return steady_ns() / 1000;
 }
 
 // PYHOOK_GATHER_BACKOFF=0 turns the rule off (read per call, for bench_read.py).
@@ -962,14 +975,6 @@ struct Team {
   std::vector<clockid_t> clocks;  // the workers' CPU-time clocks (the caller's own left out)
 };
 thread_local Team t_team;
-// Set by wake_for_call when this call runs on the team; taken by run_pieces.
-thread_local bool t_team_call = false;
-
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // CPU time used so far by the thread of clock c (nanoseconds), -1 if it cannot be read.
 int64_t cpu_ns(clockid_t c) {
@@ -1074,34 +1079,31 @@ bool team_running(const TeamSample& s, int threads) {
 // others' ranges, as with the helpers. Returns whether the caller, out of pieces, waited at
 // the region's end about as long as it worked (a worker lost its CPU: see solo_until_us).
 bool run_on_team(Job& job, int threads) {
-  const int64_t t0 = steady_ns();
-  int64_t t1 = 0;
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  Clock::time_point t1{};
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     const bool caller = at::get_thread_num() == 0;
     for (int64_t i = b; i < e; ++i) {
       job.work(static_cast<int>(i));
     }
     if (caller) {
-      t1 = steady_ns();
+      t1 = Clock::now();
     }
   });
-  const int64_t t2 = steady_ns();
-  if (t1 == 0) {
-    t1 = t2;
-  }
-  return t2 - t1 > 100000 && (t2 - t1) * 4 > t1 - t0;
+  const auto t2 = Clock::now();
+  return caller_waited(t0, t1 == Clock::time_point{} ? t2 : t1, t2);
 }
 
 // Runs the pieces on `threads` threads (from parallel_threads(), taken once a call by the
-// caller, which may have woken those helpers already).
+// caller, which may have woken those helpers already), on torch's team if `team`.
 // Raises the error of a piece that hit SIGBUS, once no thread uses the job.
-void run_pieces(int threads, int64_t pieces, const std::function<void(int64_t)>& fn, bool fence) {
+void run_pieces(int threads, bool team, int64_t pieces, const std::function<void(int64_t)>& fn,
+                bool fence) {
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->pieces = pieces;
   job->fence = fence;
-  const bool team = t_team_call;
-  t_team_call = false;
   if (threads == 1 || pieces == 1) {
     job->split(1);
     job->work(0);
@@ -1393,13 +1395,21 @@ void copy_range_sorted(const Prepared& p, const int64_t* ix, const uint64_t* key
   }
 }
 
+// The threads a call copies on, chosen as it starts (wake_for_call): on torch's team, or on the
+// caller and its helpers.
+struct CallThreads {
+  int threads = 1;
+  bool team = false;
+};
+
 // Copies rows idx[k] of the parts of layer l to outs[l] + k * row_bytes of that layer, for
 // every layer and k: one index check, one residency check and one piece of work list for all
 // the layers of a batch (a dataset batch of several layers and token ids is one call, so
 // the fixed costs of a call, the dispatcher's, the checks' and waking a helper, are paid
 // once a batch instead of once a layer).
 void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
-                   const std::vector<char*>& outs, int threads) {
+                   const std::vector<char*>& outs, CallThreads call) {
+  int threads = call.threads;
   const at::Tensor idx = idx_in.contiguous();
   const int64_t n = idx.numel();
   if (n == 0) {
@@ -1415,7 +1425,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
   // (wake_for_call chose the team or the helpers; the team starts at once, so fewer bytes
   // are worth splitting)
-  const int64_t min_parallel = t_team_call ? kTeamMinBytes : kParallelMinBytes;
+  const int64_t min_parallel = call.team ? kTeamMinBytes : kParallelMinBytes;
   if (bytes < min_parallel) {
     threads = 1;
   }
@@ -1474,7 +1484,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   stream = bytes >= kStreamMinBytes && streaming_wanted();
   if (bytes < min_parallel) {
     run_pieces(
-        1, 1,
+        1, false, 1,
         [&](int64_t) {
           for (size_t l = 0; l < ps.size(); ++l) {
             if (ps[l].row_bytes > 0) {
@@ -1485,7 +1495,7 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
         stream);
   } else {
     run_pieces(
-        threads, first_piece.back(),
+        threads, call.team, first_piece.back(),
         [&](int64_t q) {
           const auto l = part_of_row(first_piece, q);
           const int64_t b = (q - first_piece[l]) * piece_rows[l];
@@ -1501,12 +1511,12 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
 }
 
 // The threads a call of these parts and indices copies on (1 below kParallelMinBytes, or below
-// kTeamMinBytes on torch's spinning team), with the choice of team or helpers made (in
-// t_team_call) and the helpers woken now, before the parts are checked (prepare_layers) and
+// kTeamMinBytes on torch's spinning team) and whether on that team, with the helpers (when
+// they are the ones) woken now, before the parts are checked (prepare_layers) and
 // the indices checked and looked up: a helper takes 30-60 us to start (see Helpers::wake).
 // The bytes come from each layer's first part, unchecked: a call that prepare_layers then
 // refuses publishes no job, and the helpers sleep again.
-int wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
+CallThreads wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
   int64_t bytes = 0;
   size_t pos = 0;
   for (int64_t c : counts) {
@@ -1525,18 +1535,18 @@ int wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor
   const TeamSample sample = bytes >= kTeamMinBytes ? team_sample() : TeamSample{};
   read_knobs();
   int threads = bytes >= kTeamMinBytes ? parallel_threads() : 1;
-  t_team_call = false;
+  bool team = false;
   if (threads > 1 && t_knobs.team != 0) {
     // (a first call finds the team, with one parallel region, and uses the helpers)
-    t_team_call = t_knobs.team == 1 ? true : team_running(sample, threads);
+    team = t_knobs.team == 1 || team_running(sample, threads);
   }
-  if (!t_team_call && bytes < kParallelMinBytes) {
+  if (!team && bytes < kParallelMinBytes) {
     threads = 1;  // not worth waking a helper for
   }
-  if (threads > 1 && !t_team_call && prewake_wanted()) {
+  if (threads > 1 && !team && prewake_wanted()) {
     helpers_for(threads)->wake();
   }
-  return threads;
+  return {threads, team};
 }
 
 // The parts of each layer: `counts[l]` consecutive entries of `parts` per layer.
@@ -1624,7 +1634,7 @@ at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
 
 std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayRef counts,
                                              const at::Tensor& idx) {
-  const int threads = wake_for_call(parts, counts, idx);
+  const CallThreads call = wake_for_call(parts, counts, idx);
   const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
   std::vector<at::Tensor> result;
   std::vector<char*> outs;
@@ -1638,13 +1648,13 @@ std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayR
       outs.push_back(static_cast<char*>(result.back().data_ptr()));
     }
   }
-  gather_layers(ps, idx, outs, threads);  // also reports out-of-range indices (nothing copied)
+  gather_layers(ps, idx, outs, call);  // also reports out-of-range indices (nothing copied)
   return result;
 }
 
 void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
                                const at::Tensor& idx, at::TensorList outs) {
-  const int threads = wake_for_call(parts, counts, idx);
+  const CallThreads call = wake_for_call(parts, counts, idx);
   const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
   TORCH_CHECK(outs.size() == ps.size(), "gather_rows_many_into: ", outs.size(),
               " outputs for ", ps.size(), " layers");
@@ -1653,7 +1663,7 @@ void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
     check_out(ps, idx, outs[l], l);
     ptrs.push_back(outs[l].numel() ? static_cast<char*>(outs[l].data_ptr()) : nullptr);
   }
-  gather_layers(ps, idx, ptrs, threads);
+  gather_layers(ps, idx, ptrs, call);
 }
 
 at::Tensor gather_rows_cpu(at::TensorList parts, const at::Tensor& idx) {
