@@ -126,6 +126,9 @@ void pooled_block_release(void* block);  // usable as a c10::DeleterFnPtr
 // mapped when a buffer of that size was freed before (e.g. the previous batch).
 at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType dtype);
 
+// Frees a gather plan (cpu/gather.cpp, pyhook::gather_plan): its parts are released.
+void gather_plan_release(int64_t plan);
+
 // threads.cpp: the autograd engine's id of the calling thread, and of the thread whose
 // forward created the autograd Node being run on this thread (0 outside a backward).
 int64_t thread_id();

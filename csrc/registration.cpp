@@ -48,6 +48,12 @@ TORCH_LIBRARY(pyhook, m) {
   m.def("gather_rows_many(Tensor[] parts, int[] counts, Tensor idx) -> Tensor[]");
   m.def(
       "gather_rows_many_into(Tensor[] parts, int[] counts, Tensor idx, Tensor(a!)[] outs) -> ()");
+  // The same with the parts checked and looked up once (a dataset's training loop): gather_plan
+  // keeps them and returns the plan's number; gather_plan_rows(plan, idx) is gather_rows_many
+  // of the plan's parts; gather_plan_release frees a plan (a number no plan has: nothing).
+  m.def("gather_plan(Tensor[] parts, int[] counts) -> int");
+  m.def("gather_plan_rows(int plan, Tensor idx) -> Tensor[]");
+  m.def("gather_plan_release(int plan) -> ()", &pyhook::gather_plan_release);
 
   // Rows idx of the quantised parts of a compact store's layer (float8_e4m3fn or int8, one
   // float32 scale per row in `scales`, one tensor per part), dequantised into `dtype`

@@ -7,6 +7,7 @@ batch is checked against those tensors (the independent reference), row by row.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -448,6 +449,34 @@ def test_batches_check_no_shard_sizes_once_open(native, tmp_path, monkeypatch):
     got = torch.cat([b["a"] for b in ds])
     assert sorted(got[:, 0].tolist()) == x[:, 0].tolist()
     assert checks == []
+
+
+def test_batches_go_through_one_native_plan_which_goes_with_the_dataset(native, capture):
+    # The batch of a training loop passes the number of a plan made when the shards were
+    # mapped (the parts checked and looked up once), not every shard of every layer: the
+    # same rows, and the plan, with its hold on the maps, is freed with the dataset.
+    path, a, b, t = capture
+    ds = CaptureDataset(path, ["a", "b"], batch_size=4, tokens=True)
+    idx = torch.tensor([30, 0, 17, 17, 5])
+    ds.batch(idx)  # opens the reader, maps the shards, makes the plan
+    plan, number, rows, keys = ds._fast
+    calls = []
+
+    def counted(n, i):
+        calls.append(n)
+        return rows(n, i)
+
+    ds._fast = (plan, number, counted, keys)
+    for k in range(3):
+        i = idx.roll(k)
+        got = ds.batch(i)
+        assert torch.equal(got["a"], a[i]) and torch.equal(got["b"], b[i])
+        assert torch.equal(got["tokens"], t[i])
+    assert calls == [number] * 3
+    del ds, plan, counted
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no gather plan {number} "):
+        torch.ops.pyhook.gather_plan_rows(number, idx)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -399,6 +401,93 @@ def test_many_opcheck(native, dtype):
     )
 
 
+@pytest.mark.parametrize("n", [0, 1, 37, 4099])
+def test_a_gather_plan_gives_what_gather_rows_many_gives(native, n):
+    # A dataset's training loop passes its parts once (gather_plan) and then only the plan's
+    # number and the rows: every layer's rows equal the spec and gather_rows_many's.
+    layers = _layers()
+    flat = [p for parts in layers for p in parts]
+    counts = [len(parts) for parts in layers]
+    plan = _backend._GatherPlan(flat, counts)
+    for seed in range(3):  # the plan is reused
+        idx = torch.randint(0, 2003, (n,), generator=torch.Generator().manual_seed(n + seed))
+        got = plan(idx)
+        many = torch.ops.pyhook.gather_rows_many(flat, counts, idx)
+        assert len(got) == 3
+        for parts, g, m in zip(layers, got, many):
+            want = spec(parts, idx)
+            assert g.dtype == want.dtype and g.shape == want.shape and g.is_contiguous()
+            assert torch.equal(g, want) and torch.equal(g, m)
+            assert not any(g.numel() and g.is_set_to(p) for p in parts)
+
+
+def test_a_gather_plan_checks_its_parts_once_and_its_rows_every_call(native):
+    layers = _layers()
+    flat = [p for parts in layers for p in parts]
+    make, rows = torch.ops.pyhook.gather_plan, torch.ops.pyhook.gather_plan_rows
+    with pytest.raises(RuntimeError, match=r"`counts` adds up to 6 parts, but 7 were given"):
+        make(flat, [4, 1, 1])
+    with pytest.raises(RuntimeError, match="part 4 has dtype BFloat16, part 0 has Float"):
+        make(flat, [5, 1, 1])
+    plan = _backend._GatherPlan(flat, [len(parts) for parts in layers])
+    with pytest.raises(IndexError, match=r"index 2003 \(at position 1 of idx\) is out of range"):
+        plan(torch.tensor([3, 2003, 5]))
+    with pytest.raises(RuntimeError, match="`idx` must be an int64 tensor, got Int"):
+        plan(torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="`idx` must be 1-D"):
+        plan(torch.tensor([[3]]))
+    # The plan keeps its parts: dropping the caller's references changes nothing.
+    want = [spec(parts, torch.tensor([2002, 0])) for parts in layers]
+    del flat, layers
+    assert all(torch.equal(g, w) for g, w in zip(plan(torch.tensor([2002, 0])), want))
+    number = plan.id
+    del plan  # released with its object
+    with pytest.raises(RuntimeError, match=f"no gather plan {number} \\(released already"):
+        rows(number, torch.tensor([0]))
+    torch.ops.pyhook.gather_plan_release(number)  # a number no plan has: nothing happens
+
+
+FORKED_GATHER = """
+import os, sys
+import numpy as np
+import torch
+from pyhook import _backend
+from pyhook._backend import gather_rows
+assert _backend.native_available()
+os.environ["PYHOOK_GATHER_TEAM"] = "0"  # the helpers
+# numpy, not torch, for the data and the spec: a forked child of a process that ran an
+# OpenMP parallel region hangs in its own first one (libgomp), whatever pyhook does.
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((3000, 768), np.float32), rng.standard_normal((2000, 768), np.float32)
+parts = [torch.from_numpy(a), torch.from_numpy(b)]
+ix = rng.integers(0, 5000, 4096)
+want = np.concatenate([a, b])[ix]
+idx = torch.from_numpy(ix)
+assert np.array_equal(gather_rows(parts, idx).numpy(), want)  # the parent's helpers started
+pid = os.fork()
+if pid == 0:
+    threads = len(os.listdir("/proc/self/task"))  # the forking thread alone
+    ok = all(np.array_equal(gather_rows(parts, idx).numpy(), want) for _ in range(20))
+    os._exit(4 if len(os.listdir("/proc/self/task")) <= threads else 0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs fork and /proc")
+def test_a_forked_child_starts_its_own_helpers(native):
+    # The process id is read once, and again in a forked child (pthread_atfork), not at every
+    # call. A child that kept its parent's id would take the parent's helpers for its own:
+    # threads that do not exist in the child, so it would copy every batch alone (the caller
+    # takes the pieces no helper claimed). Exit 4: no helper thread started in the child.
+    if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two torch threads on two CPUs")
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", FORKED_GATHER], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+
+
 @pytest.mark.parametrize("late", ["helper", "caller"])
 def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(native, monkeypatch, late):
     # A large gather splits its pieces into one range per thread: each thread copies its own
@@ -714,7 +803,7 @@ def test_every_row_of_parts_long_enough_for_the_part_table(native, sizes, row_sh
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
 def test_a_cold_batch_after_many_warm_calls_is_still_announced(native, tmp_path):
-    # After 64 calls in a row found every sampled row resident, a call samples 2 rows instead of
+    # After 64 calls in a row found every sampled row resident, a call samples 1 row instead of
     # 8. A batch from a file that is not in the page cache must still be found cold and its
     # rows announced (MADV_WILLNEED: just their pages are read), not faulted in one at a time
     # (each fault reads a whole read-around window: thousands of pages for 64 rows).

@@ -27,9 +27,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__linux__) || defined(__APPLE__)
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -59,9 +61,12 @@ constexpr int64_t kTeamMinBytes = int64_t{256} << 10;
 constexpr int64_t kResidencySamples = 8;
 // ... and once kWarmCallsTrusted calls in a row found all theirs resident (a capture that fits
 // in the page cache, read again): a mincore call per sample cost 2-4 us with the CPU caches
-// cold (after a training step), 16-30 us of a 0.75 ms batch for eight. A capture that leaves
-// the page cache is found by the first call that samples a cold row, and then sampled fully.
-constexpr int64_t kTrustedSamples = 2;
+// cold (after a training step), 16-30 us of a 0.75 ms batch for eight, and 17 us for two
+// (timed inside a 1024-row batch of 0.27 ms: the page tables it walks are cold too), so a
+// trusted call samples one row. A capture that leaves the page cache is found by the first
+// call that samples a cold row, and then sampled fully. (Sampling only one call in 16 was
+// tried: the calls in between then fault a cold batch in, a read-around window a row.)
+constexpr int64_t kTrustedSamples = 1;
 constexpr int kWarmCallsTrusted = 64;
 std::atomic<int> warm_calls{0};
 constexpr uintptr_t kPage = 4096;  // mincore/madvise granularity (a multiple on every system)
@@ -133,14 +138,18 @@ bool rows_dense(const at::Tensor& t) {
   return true;
 }
 
-Prepared prepare(at::TensorList parts, const at::Tensor& idx) {
-  TORCH_CHECK(!parts.empty(),
-              "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
-              "gives the row shape and dtype of a layer without rows)");
+void check_idx(const at::Tensor& idx) {
   TORCH_CHECK(idx.scalar_type() == at::kLong, "gather_rows: `idx` must be an int64 tensor, got ",
               idx.scalar_type());
   TORCH_CHECK(idx.dim() == 1, "gather_rows: `idx` must be 1-D, got shape ", idx.sizes());
   TORCH_CHECK(idx.device().is_cpu(), "gather_rows: `idx` must be on the CPU, got ", idx.device());
+}
+
+// The parts of one layer, checked, with each part's address and row step and the part table.
+Prepared prepare_parts(at::TensorList parts) {
+  TORCH_CHECK(!parts.empty(),
+              "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
+              "gives the row shape and dtype of a layer without rows)");
   Prepared p;
   const at::Tensor& first = parts[0];
   TORCH_CHECK(first.dim() >= 1, "gather_rows: part 0 must have a row dimension, got a 0-d tensor");
@@ -177,6 +186,14 @@ Prepared prepare(at::TensorList parts, const at::Tensor& idx) {
   }
   index_parts(p);
   return p;
+}
+
+Prepared prepare(at::TensorList parts, const at::Tensor& idx) {
+  TORCH_CHECK(!parts.empty(),
+              "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
+              "gives the row shape and dtype of a layer without rows)");
+  check_idx(idx);
+  return prepare_parts(parts);
 }
 
 #if defined(__linux__) || defined(__APPLE__)
@@ -924,6 +941,30 @@ int parallel_threads() {
   return threads;
 }
 
+// This process's id without a system call: glibc no longer caches getpid(), and a system call
+// right after a training step cost 7-9 us on the 2-core VM (its code has left the CPU caches);
+// a batch asked twice. Read on first use, and again in a forked child (pthread_atfork).
+std::atomic<pid_t> cached_pid{0};
+
+void refresh_pid() {
+  cached_pid.store(getpid(), std::memory_order_relaxed);
+}
+
+pid_t current_pid() {
+  const pid_t pid = cached_pid.load(std::memory_order_relaxed);
+  if (pid != 0) {
+    return pid;
+  }
+  static std::once_flag once;
+  std::call_once(once, [] {
+#if defined(__linux__) || defined(__APPLE__)
+    (void)pthread_atfork(nullptr, nullptr, &refresh_pid);
+#endif
+    refresh_pid();
+  });
+  return getpid();
+}
+
 // This process's helpers for a copy on `threads` threads (created on first use, and again
 // after a fork or a change of the thread count).
 Helpers* helpers_for(int threads) {
@@ -932,9 +973,9 @@ Helpers* helpers_for(int threads) {
   static pid_t owner = 0;
   static int count = 0;
   std::lock_guard<std::mutex> lock(mu);
-  if (helpers == nullptr || owner != getpid() || count != threads - 1) {
+  if (helpers == nullptr || owner != current_pid() || count != threads - 1) {
     helpers = new Helpers(threads - 1);  // the previous set (or a parent's) is abandoned
-    owner = getpid();
+    owner = current_pid();
     count = threads - 1;
   }
   return helpers;
@@ -990,10 +1031,10 @@ int64_t cpu_ns(clockid_t c) {
 // parallel regions on the calling thread alone here.
 const std::vector<clockid_t>& team_clocks(int threads) {
   Team& t = t_team;
-  if (t.pid == getpid() && t.threads == threads) {
+  if (t.pid == current_pid() && t.threads == threads) {
     return t.clocks;
   }
-  t.pid = getpid();
+  t.pid = current_pid();
   t.threads = threads;
   t.clocks.clear();
 #if defined(__linux__)
@@ -1031,7 +1072,7 @@ struct TeamSample {
 
 TeamSample team_sample() {
   TeamSample s;
-  if (t_team.pid != getpid() || t_team.clocks.empty()) {
+  if (t_team.pid != current_pid() || t_team.clocks.empty()) {
     return s;
   }
   s.cpu.reserve(t_team.clocks.size());
@@ -1516,6 +1557,8 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
 // the indices checked and looked up: a helper takes 30-60 us to start (see Helpers::wake).
 // The bytes come from each layer's first part, unchecked: a call that prepare_layers then
 // refuses publishes no job, and the helpers sleep again.
+CallThreads wake_for_bytes(int64_t bytes);
+
 CallThreads wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
   int64_t bytes = 0;
   size_t pos = 0;
@@ -1530,6 +1573,11 @@ CallThreads wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at
     }
     pos += static_cast<size_t>(std::max<int64_t>(0, c));
   }
+  return wake_for_bytes(bytes);
+}
+
+// wake_for_call for a call of `bytes` bytes in all.
+CallThreads wake_for_bytes(int64_t bytes) {
   // The workers' CPU times first: reading the settings and the thread count is the window
   // team_running looks at (a call of fewer bytes copies on its caller alone: no sample).
   const TeamSample sample = bytes >= kTeamMinBytes ? team_sample() : TeamSample{};
@@ -1682,6 +1730,80 @@ void gather_rows_into_cpu(at::TensorList parts, const at::Tensor& idx, const at:
   gather_rows_many_into_cpu(parts, one, idx, {out});
 }
 
+// A dataset's layers, checked and looked up once (prepare_parts: each part's address and row
+// step, the part tables), for the batches of its training loop: a batch then passes the plan's
+// number and the rows (gather_plan_rows), where gather_rows_many passed every part of every
+// layer. Right after a training step (CPU caches cold) the Python binding of an operator that
+// takes a list of 11 tensors cost 41 us a call, one that takes a number and a tensor 22 us,
+// and checking the parts again another 6 us (probes on the 2-core VM, medians of 300 calls).
+// A plan keeps its parts alive until it is released.
+namespace {
+struct GatherPlan {
+  std::vector<Prepared> ps;
+  int64_t row_bytes = 0;  // of all layers together
+};
+std::mutex plans_mu;
+std::unordered_map<int64_t, std::shared_ptr<const GatherPlan>> plans;
+int64_t plans_made = 0;
+
+std::shared_ptr<const GatherPlan> find_plan(int64_t plan, const char* op) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  const auto it = plans.find(plan);
+  TORCH_CHECK(it != plans.end(), op, ": no gather plan ", plan,
+              " (released already, or never made by gather_plan in this process)");
+  return it->second;
+}
+}  // namespace
+
+int64_t gather_plan_cpu(at::TensorList parts, at::IntArrayRef counts) {
+  check_layer_counts(counts, parts.size(), "gather_plan");
+  auto plan = std::make_shared<GatherPlan>();
+  plan->ps.reserve(counts.size());
+  int64_t at = 0;
+  for (int64_t c : counts) {
+    plan->ps.push_back(
+        prepare_parts(parts.slice(static_cast<size_t>(at), static_cast<size_t>(c))));
+    plan->row_bytes += plan->ps.back().row_bytes;
+    at += c;
+  }
+  std::lock_guard<std::mutex> lock(plans_mu);
+  const int64_t id = ++plans_made;
+  plans.emplace(id, std::move(plan));
+  return id;
+}
+
+void gather_plan_release(int64_t plan) {
+  std::shared_ptr<const GatherPlan> gone;  // its parts are freed outside the lock
+  std::lock_guard<std::mutex> lock(plans_mu);
+  const auto it = plans.find(plan);
+  if (it != plans.end()) {
+    gone = std::move(it->second);
+    plans.erase(it);
+  }
+}
+
+std::vector<at::Tensor> gather_plan_rows_cpu(int64_t plan, const at::Tensor& idx) {
+  const std::shared_ptr<const GatherPlan> p = find_plan(plan, "gather_plan_rows");
+  check_idx(idx);
+  const CallThreads call = wake_for_bytes(idx.numel() * p->row_bytes);
+  std::vector<at::Tensor> result;
+  std::vector<char*> outs;
+  result.reserve(p->ps.size());
+  outs.reserve(p->ps.size());
+  for (const Prepared& l : p->ps) {
+    const int64_t nbytes = idx.numel() * l.row_bytes;
+    if (nbytes == 0) {
+      result.push_back(at::empty(out_sizes(l, idx), at::TensorOptions().dtype(l.dtype)));
+      outs.push_back(nullptr);
+    } else {
+      result.push_back(pooled_empty(out_sizes(l, idx), l.dtype, nbytes));
+      outs.push_back(static_cast<char*>(result.back().data_ptr()));
+    }
+  }
+  gather_layers(p->ps, idx, outs, call);  // also reports out-of-range indices (nothing copied)
+  return result;
+}
+
 // gather_rows_many is the dataset's batch (pyhook.pipeline.dataset, _backend._gather_many_direct):
 // its parts are memory maps of a capture, which never need gradients. Without a kernel for the
 // Autograd key, every call went through autograd's boxed fallback, which looks at each part for
@@ -1691,6 +1813,7 @@ void gather_rows_into_cpu(at::TensorList parts, const at::Tensor& idx, const at:
 // returned no gradient. The public gather_rows and the _into ops keep the fallback.)
 TORCH_LIBRARY_IMPL(pyhook, Autograd, m) {
   m.impl("gather_rows_many", torch::CppFunction::makeFallthrough());
+  m.impl("gather_plan_rows", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(pyhook, CPU, m) {
@@ -1698,6 +1821,8 @@ TORCH_LIBRARY_IMPL(pyhook, CPU, m) {
   m.impl("gather_rows_into", &gather_rows_into_cpu);
   m.impl("gather_rows_many", &gather_rows_many_cpu);
   m.impl("gather_rows_many_into", &gather_rows_many_into_cpu);
+  m.impl("gather_plan", &gather_plan_cpu);
+  m.impl("gather_plan_rows", &gather_plan_rows_cpu);
 }
 
 }  // namespace pyhook

@@ -423,8 +423,9 @@ class CaptureDataset(IterableDataset):
         # Set with _direct: (every part of every key, parts per key, batch keys) for one
         # native call per batch.
         self._flat: tuple[list[torch.Tensor], list[int], list[str]] | None = None
-        # Set with _flat: (its parts, counts and keys, the native call) for batch's fast path.
-        self._fast: tuple[list[torch.Tensor], list[int], list[str], Any] | None = None
+        # Set with _flat: (the native plan of its parts, its number, the plan's call, the
+        # batch keys) for batch's fast path.
+        self._fast: tuple[_backend._GatherPlan, int, Any, list[str]] | None = None
         # shuffle=False in the main process: cold batches read with preadv (_seqread); False
         # once found impossible (remote shards, encoded rows).
         self._seq: _seqread.SequentialReader | bool | None = None
@@ -464,7 +465,8 @@ class CaptureDataset(IterableDataset):
                     [len(p) for p in self._cache.values()],
                     [_key(n) for n in self._cache],
                 )
-                self._fast = (*self._flat, _backend._gather_many_callable())
+                plan = _backend._GatherPlan(*self._flat[:2])
+                self._fast = (plan, plan.id, plan.rows, self._flat[2])
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
             if check is not None:
@@ -612,9 +614,9 @@ class CaptureDataset(IterableDataset):
             # path 12-17 us). Every layer (and the token ids) in one native call; a shard
             # truncated since it was mapped raises SIGBUS in the copy, which the call turns
             # into an error, named here (_read_failed).
-            parts, counts, keys, gather = fast
+            _, plan, rows, keys = fast
             try:
-                out = dict(zip(keys, gather(parts, counts, idx)))
+                out = dict(zip(keys, rows(plan, idx)))
             except RuntimeError as e:
                 self._read_failed(e)
                 raise
