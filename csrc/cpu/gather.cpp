@@ -1666,6 +1666,28 @@ at::Tensor pooled_empty(std::vector<int64_t> sizes, at::ScalarType dtype, int64_
   return out;
 }
 
+// Rows idx of every layer of `ps` into fresh outputs, one a layer (pooled buffers), on the
+// threads `call` chose.
+std::vector<at::Tensor> gather_to_new(const std::vector<Prepared>& ps, const at::Tensor& idx,
+                                      CallThreads call) {
+  std::vector<at::Tensor> result;
+  std::vector<char*> outs;
+  result.reserve(ps.size());
+  outs.reserve(ps.size());
+  for (const Prepared& p : ps) {
+    const int64_t nbytes = idx.numel() * p.row_bytes;
+    if (nbytes == 0) {
+      result.push_back(at::empty(out_sizes(p, idx), at::TensorOptions().dtype(p.dtype)));
+      outs.push_back(nullptr);
+    } else {
+      result.push_back(pooled_empty(out_sizes(p, idx), p.dtype, nbytes));
+      outs.push_back(static_cast<char*>(result.back().data_ptr()));
+    }
+  }
+  gather_layers(ps, idx, outs, call);  // also reports out-of-range indices (nothing copied)
+  return result;
+}
+
 }  // namespace
 
 at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
@@ -1683,21 +1705,7 @@ at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType type) {
 std::vector<at::Tensor> gather_rows_many_cpu(at::TensorList parts, at::IntArrayRef counts,
                                              const at::Tensor& idx) {
   const CallThreads call = wake_for_call(parts, counts, idx);
-  const std::vector<Prepared> ps = prepare_layers(parts, counts, idx);
-  std::vector<at::Tensor> result;
-  std::vector<char*> outs;
-  for (const Prepared& p : ps) {
-    const int64_t nbytes = idx.numel() * p.row_bytes;
-    if (nbytes == 0) {
-      result.push_back(at::empty(out_sizes(p, idx), at::TensorOptions().dtype(p.dtype)));
-      outs.push_back(nullptr);
-    } else {
-      result.push_back(pooled_empty(out_sizes(p, idx), p.dtype, nbytes));
-      outs.push_back(static_cast<char*>(result.back().data_ptr()));
-    }
-  }
-  gather_layers(ps, idx, outs, call);  // also reports out-of-range indices (nothing copied)
-  return result;
+  return gather_to_new(prepare_layers(parts, counts, idx), idx, call);
 }
 
 void gather_rows_many_into_cpu(at::TensorList parts, at::IntArrayRef counts,
@@ -1786,22 +1794,7 @@ std::vector<at::Tensor> gather_plan_rows_cpu(int64_t plan, const at::Tensor& idx
   const std::shared_ptr<const GatherPlan> p = find_plan(plan, "gather_plan_rows");
   check_idx(idx);
   const CallThreads call = wake_for_bytes(idx.numel() * p->row_bytes);
-  std::vector<at::Tensor> result;
-  std::vector<char*> outs;
-  result.reserve(p->ps.size());
-  outs.reserve(p->ps.size());
-  for (const Prepared& l : p->ps) {
-    const int64_t nbytes = idx.numel() * l.row_bytes;
-    if (nbytes == 0) {
-      result.push_back(at::empty(out_sizes(l, idx), at::TensorOptions().dtype(l.dtype)));
-      outs.push_back(nullptr);
-    } else {
-      result.push_back(pooled_empty(out_sizes(l, idx), l.dtype, nbytes));
-      outs.push_back(static_cast<char*>(result.back().data_ptr()));
-    }
-  }
-  gather_layers(p->ps, idx, outs, call);  // also reports out-of-range indices (nothing copied)
-  return result;
+  return gather_to_new(p->ps, idx, call);
 }
 
 // gather_rows_many is the dataset's batch (pyhook.pipeline.dataset, _backend._gather_many_direct):
