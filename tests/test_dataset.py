@@ -479,6 +479,25 @@ def test_batches_go_through_one_native_plan_which_goes_with_the_dataset(native, 
         torch.ops.pyhook.gather_plan_rows(number, idx)
 
 
+def test_a_plan_the_native_core_refuses_leaves_the_general_path(native, capture, monkeypatch):
+    # If the plan cannot be made, the dataset reads as before it had one (one native call of
+    # every part a batch), instead of failing to open.
+    from pyhook import _backend
+
+    def refuse(*_args):
+        raise RuntimeError("gather_plan: refused")
+
+    monkeypatch.setattr(_backend, "_GatherPlan", refuse)
+    path, a, b, t = capture
+    ds = CaptureDataset(path, ["a", "b"], batch_size=4, tokens=True)
+    idx = torch.tensor([30, 0, 17, 17, 5])
+    for _ in range(2):
+        got = ds.batch(idx)
+        assert torch.equal(got["a"], a[idx]) and torch.equal(got["b"], b[idx])
+        assert torch.equal(got["tokens"], t[idx])
+    assert ds._fast is None and ds._flat is not None
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_iterator_yields_the_epoch_order_across_conversion_groups(tmp_path, drop_last):
     # The int32 order is converted to int64 a group of batches at a time (256 batches of 3 rows

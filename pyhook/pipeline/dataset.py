@@ -465,8 +465,12 @@ class CaptureDataset(IterableDataset):
                     [len(p) for p in self._cache.values()],
                     [_key(n) for n in self._cache],
                 )
-                plan = _backend._GatherPlan(*self._flat[:2])
-                self._fast = (plan, plan.id, plan.rows, self._flat[2])
+                try:
+                    plan = _backend._GatherPlan(*self._flat[:2])
+                except RuntimeError:  # parts the plan refuses: batch() takes its general path
+                    plan = None
+                if plan is not None:
+                    self._fast = (plan, plan.id, plan.rows, self._flat[2])
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
             if check is not None:
