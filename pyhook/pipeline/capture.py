@@ -503,7 +503,10 @@ class Recorder:
         self._heap_bytes = 0
         if self.to == "disk":
             assert self.out is not None
-            self._rss_before = resident_bytes()
+            # Without the pool's idle buffers, which the close gives back whatever this capture
+            # does: counted here, a pool left full by earlier work (250 MB of freed batches)
+            # hid a capture's growth, and the close did not trim.
+            self._rss_before = resident_bytes() - _backend.pool_stats()["cached_bytes"]
             inline = write_inline(self.model)
             self._writer = ShardWriter(
                 self.out,
