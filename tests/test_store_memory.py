@@ -8,6 +8,7 @@ the producer wait instead of memory growing.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -222,6 +223,11 @@ class _Grows(torch.nn.Module):
 def _trim_calls(tmp_path, monkeypatch, rows: int, **opts):
     from pyhook.capture import capture
 
+    # Garbage that earlier tests of this process left in reference cycles (a traceback's frames
+    # holding tensors) is freed whenever the collector runs: run during the capture, it made the
+    # process smaller than the capture found it, whatever _Grows kept (reproduced with 320 MB
+    # of such garbage; the CI flake of test_close_still_trims_when_the_heap_held_the_rows).
+    gc.collect()
     calls = _fake_malloc_trim(monkeypatch)
     net = _Grows(256)
     x = torch.randn(rows, 256)
