@@ -33,6 +33,17 @@ def spec(parts, idx):
     return torch.cat(parts)[idx]
 
 
+def run_script(script, *args, timeout=120, env=None):
+    """``script`` run by a fresh interpreter (``-I``: the installed pyhook) with ``args``."""
+    return subprocess.run(
+        [sys.executable, "-I", "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("row_shape", [(6,), (), (2, 3)])
 def test_matches_cat_index(backend, dtype, row_shape):
@@ -482,9 +493,7 @@ def test_a_forked_child_starts_its_own_helpers(native):
     # takes the pieces no helper claimed). Exit 4: no helper thread started in the child.
     if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two torch threads on two CPUs")
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", FORKED_GATHER], capture_output=True, text=True, timeout=120
-    )
+    r = run_script(FORKED_GATHER)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
 
 
@@ -677,22 +686,13 @@ def test_a_call_right_after_torchs_work_runs_on_its_spinning_team(native, policy
     # then copies on them and leaves pyhook's helper threads asleep (they gain no CPU time).
     # With PASSIVE the workers sleep at once, and PYHOOK_GATHER_TEAM=0 forbids the team: the
     # helpers copy. (Run in a child: the wait policy is read when OpenMP starts.)
-    import subprocess
-    import sys
-
     if len(os.sched_getaffinity(0)) < 2 or not os.path.exists("/proc/self/task"):
         pytest.skip("needs two CPUs and /proc")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYHOOK_GATHER_", "OMP_"))}
     env.update(OMP_WAIT_POLICY=policy, OMP_NUM_THREADS="2", PYHOOK_GATHER_BACKOFF="0")
     if team is not None:
         env["PYHOOK_GATHER_TEAM"] = team
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", TEAM_CHOICE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    r = run_script(TEAM_CHOICE, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     on_team = int(r.stdout.split()[-1])
     if expect == "some":
@@ -745,15 +745,7 @@ if sys.argv[3] == "touch":
 
 def _shorter_file(tmp_path, order, then):
     """SHORTER_FILE run in a child process (the suite's own process must not risk a SIGBUS)."""
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-I", "-c", SHORTER_FILE, str(tmp_path), order, then],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_script(SHORTER_FILE, str(tmp_path), order, then)
 
 
 @pytest.mark.parametrize("order", ["alone", "faulthandler-first", "faulthandler-after"])

@@ -145,11 +145,15 @@ void check_idx(const at::Tensor& idx) {
   TORCH_CHECK(idx.device().is_cpu(), "gather_rows: `idx` must be on the CPU, got ", idx.device());
 }
 
-// The parts of one layer, checked, with each part's address and row step and the part table.
-Prepared prepare_parts(at::TensorList parts) {
+void check_parts_given(at::TensorList parts) {
   TORCH_CHECK(!parts.empty(),
               "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
               "gives the row shape and dtype of a layer without rows)");
+}
+
+// The parts of one layer, checked, with each part's address and row step and the part table.
+Prepared prepare_parts(at::TensorList parts) {
+  check_parts_given(parts);
   Prepared p;
   const at::Tensor& first = parts[0];
   TORCH_CHECK(first.dim() >= 1, "gather_rows: part 0 must have a row dimension, got a 0-d tensor");
@@ -189,9 +193,7 @@ Prepared prepare_parts(at::TensorList parts) {
 }
 
 Prepared prepare(at::TensorList parts, const at::Tensor& idx) {
-  TORCH_CHECK(!parts.empty(),
-              "gather_rows: `parts` is empty; pass at least one part (an empty [0, ...] tensor "
-              "gives the row shape and dtype of a layer without rows)");
+  check_parts_given(parts);  // named before a bad idx, as it always was
   check_idx(idx);
   return prepare_parts(parts);
 }
@@ -1551,32 +1553,10 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
   }
 }
 
-// The threads a call of these parts and indices copies on (1 below kParallelMinBytes, or below
+// The threads a call of `bytes` bytes in all copies on (1 below kParallelMinBytes, or below
 // kTeamMinBytes on torch's spinning team) and whether on that team, with the helpers (when
-// they are the ones) woken now, before the parts are checked (prepare_layers) and
-// the indices checked and looked up: a helper takes 30-60 us to start (see Helpers::wake).
-// The bytes come from each layer's first part, unchecked: a call that prepare_layers then
-// refuses publishes no job, and the helpers sleep again.
-CallThreads wake_for_bytes(int64_t bytes);
-
-CallThreads wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
-  int64_t bytes = 0;
-  size_t pos = 0;
-  for (int64_t c : counts) {
-    if (c > 0 && pos < parts.size() && parts[pos].dim() >= 1) {
-      const at::Tensor& t = parts[pos];
-      int64_t row = static_cast<int64_t>(t.element_size());
-      for (int64_t d = 1; d < t.dim(); ++d) {
-        row *= t.size(d);
-      }
-      bytes += idx.numel() * row;
-    }
-    pos += static_cast<size_t>(std::max<int64_t>(0, c));
-  }
-  return wake_for_bytes(bytes);
-}
-
-// wake_for_call for a call of `bytes` bytes in all.
+// they are the ones) woken now, before the indices are checked and looked up: a helper takes
+// 30-60 us to start (see Helpers::wake).
 CallThreads wake_for_bytes(int64_t bytes) {
   // The workers' CPU times first: reading the settings and the thread count is the window
   // team_running looks at (a call of fewer bytes copies on its caller alone: no sample).
@@ -1595,6 +1575,26 @@ CallThreads wake_for_bytes(int64_t bytes) {
     helpers_for(threads)->wake();
   }
   return {threads, team};
+}
+
+// wake_for_bytes for a call of these parts and indices, before the parts are checked
+// (prepare_layers): the bytes come from each layer's first part, unchecked, and a call that
+// prepare_layers then refuses publishes no job (the helpers sleep again).
+CallThreads wake_for_call(at::TensorList parts, at::IntArrayRef counts, const at::Tensor& idx) {
+  int64_t bytes = 0;
+  size_t pos = 0;
+  for (int64_t c : counts) {
+    if (c > 0 && pos < parts.size() && parts[pos].dim() >= 1) {
+      const at::Tensor& t = parts[pos];
+      int64_t row = static_cast<int64_t>(t.element_size());
+      for (int64_t d = 1; d < t.dim(); ++d) {
+        row *= t.size(d);
+      }
+      bytes += idx.numel() * row;
+    }
+    pos += static_cast<size_t>(std::max<int64_t>(0, c));
+  }
+  return wake_for_bytes(bytes);
 }
 
 // The parts of each layer: `counts[l]` consecutive entries of `parts` per layer.

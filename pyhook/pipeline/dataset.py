@@ -424,7 +424,8 @@ class CaptureDataset(IterableDataset):
         # native call per batch.
         self._flat: tuple[list[torch.Tensor], list[int], list[str]] | None = None
         # Set with _flat: (the native plan of its parts, its number, the plan's call, the
-        # batch keys) for batch's fast path.
+        # batch keys) for batch's fast path (the number and call taken out of the plan once:
+        # each attribute lookup costs a batch right after a training step).
         self._fast: tuple[_backend._GatherPlan, int, Any, list[str]] | None = None
         # shuffle=False in the main process: cold batches read with preadv (_seqread); False
         # once found impossible (remote shards, encoded rows).
@@ -468,8 +469,8 @@ class CaptureDataset(IterableDataset):
                 try:
                     plan = _backend._GatherPlan(*self._flat[:2])
                 except RuntimeError:  # parts the plan refuses: batch() takes its general path
-                    plan = None
-                if plan is not None:
+                    pass
+                else:
                     self._fast = (plan, plan.id, plan.rows, self._flat[2])
         else:  # a shard truncated since: a named error, not SIGBUS on the mapped views
             check = getattr(self._reader, "check_mapped", None)
