@@ -1,6 +1,7 @@
-"""The statistics kernel's AVX2 build (csrc/cpu/stats.cpp) gives the same bits as its baseline
-build (PYHOOK_STATS_SIMD=0) over dtypes, odd widths, strided views, inf and nan, one or two
-threads; and both agree with the float64 torch reference (batch_stats' torch path)."""
+"""The statistics kernel's AVX-512 and AVX2 builds (csrc/cpu/stats.cpp) give the same bits as its
+baseline build (PYHOOK_STATS_SIMD=0) over dtypes, odd widths, strided views, inf and nan, one or
+two threads; and all agree with the float64 torch reference (batch_stats' torch path). On a CPU
+without AVX-512 (or AVX2) the first settings fall back to the next build: still the same bits."""
 
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ def _bits(t: torch.Tensor) -> list[int]:
 
 
 def _both(rows: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default build's result (AVX-512 where the CPU has it) and the baseline's; the AVX2
+    build's (PYHOOK_STATS_SIMD=avx2) is checked against the default's here too."""
     monkeypatch.delenv("PYHOOK_STATS_SIMD", raising=False)
     fast = torch.ops.pyhook.row_stats(rows)
+    monkeypatch.setenv("PYHOOK_STATS_SIMD", "avx2")
+    avx2 = torch.ops.pyhook.row_stats(rows)
     monkeypatch.setenv("PYHOOK_STATS_SIMD", "0")
     base = torch.ops.pyhook.row_stats(rows)
     monkeypatch.delenv("PYHOOK_STATS_SIMD")
+    assert _bits(avx2) == _bits(fast)
     return fast, base
 
 

@@ -33,15 +33,19 @@ constexpr int64_t kBlockElems = int64_t{1} << 16;
 // Below this many values one thread is faster than waking the pool.
 constexpr int64_t kParallelMinElems = int64_t{1} << 16;
 
-// The kernel's body, compiled twice: for the baseline (SSE2) and for AVX2 (twice the float64
-// lanes), picked at run time. The loops vectorise across columns only, in the same order of
-// operations (no reassociation; "avx2" does not enable FMA, so no contraction): both give the
-// same bits. PYHOOK_STATS_SIMD=0 in the environment forces the baseline (tests compare them).
+// The kernel's body, compiled three times: for the baseline (SSE2), AVX2 (twice the float64
+// lanes) and AVX-512 (four times), picked at run time. The loops vectorise across columns only,
+// in the same order of operations (no reassociation, no contraction into fused multiply-adds):
+// all give the same bits. PYHOOK_STATS_SIMD=avx2 in the environment stops at AVX2, =0 forces the
+// baseline (tests/test_stats_simd.py compares them).
 template <typename T>
 __attribute__((always_inline)) inline void columns_stats_body(const T* x, int64_t n, int64_t d,
                                                               int64_t c0, int64_t c1,
                                                               double* mean, double* m2,
                                                               double* sq) {
+#ifdef __clang__
+#pragma clang fp contract(off)  // clang ignores GCC's optimize attribute on the AVX-512 clone
+#endif
   const int64_t w = c1 - c0;
   std::vector<double> bsum(static_cast<size_t>(w));
   std::vector<double> bm2(static_cast<size_t>(w));
@@ -116,31 +120,53 @@ __attribute__((target("avx2"))) void columns_stats_avx2(const T* x, int64_t n, i
                                                         double* m2, double* sq) {
   columns_stats_body<T>(x, n, d, c0, c1, mean, m2, sq);
 }
+// AVX-512: eight float64 lanes. "avx512f" implies FMA, so contraction is turned off for this
+// clone (GCC: fp-contract=off; clang: the pragma in the body): the same operations in the same
+// order as the other two.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off"))) void
+columns_stats_avx512(const T* x, int64_t n, int64_t d, int64_t c0, int64_t c1, double* mean,
+                     double* m2, double* sq) {
+  columns_stats_body<T>(x, n, d, c0, c1, mean, m2, sq);
+}
 #endif
 
-bool use_avx2() {
+// Which clone runs: 2 AVX-512, 1 AVX2, 0 the baseline; the CPU's features, capped by
+// PYHOOK_STATS_SIMD (read each call: tests switch it).
+int simd_level() {
 #ifdef PYHOOK_STATS_AVX2
-  static const bool cpu = __builtin_cpu_supports("avx2");
-  if (!cpu) {
-    return false;
-  }
+  static const int cpu = !__builtin_cpu_supports("avx2") ? 0
+                         : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+                             ? 2
+                             : 1;
   const char* env = std::getenv("PYHOOK_STATS_SIMD");
-  return env == nullptr || std::strcmp(env, "0") != 0;
+  if (env != nullptr && std::strcmp(env, "0") == 0) {
+    return 0;
+  }
+  if (env != nullptr && std::strcmp(env, "avx2") == 0) {
+    return std::min(cpu, 1);
+  }
+  return cpu;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 template <typename T>
-void columns_stats(bool avx2, const T* x, int64_t n, int64_t d, int64_t c0, int64_t c1,
+void columns_stats(int simd, const T* x, int64_t n, int64_t d, int64_t c0, int64_t c1,
                    double* mean, double* m2, double* sq) {
 #ifdef PYHOOK_STATS_AVX2
-  if (avx2) {
+  if (simd == 2) {
+    columns_stats_avx512<T>(x, n, d, c0, c1, mean, m2, sq);
+    return;
+  }
+  if (simd == 1) {
     columns_stats_avx2<T>(x, n, d, c0, c1, mean, m2, sq);
     return;
   }
 #endif
-  (void)avx2;
+  (void)simd;
   columns_stats_base<T>(x, n, d, c0, c1, mean, m2, sq);
 }
 
@@ -162,14 +188,14 @@ at::Tensor row_stats_cpu(const at::Tensor& rows) {
     chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), d / 64));
   }
   std::vector<double> sq(static_cast<size_t>(chunks * n), 0.0);  // partial squared norms
-  const bool avx2 = use_avx2();
+  const int simd = simd_level();
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "row_stats",
                              [&] {
                                const scalar_t* src = x.const_data_ptr<scalar_t>();
                                auto run = [&](int64_t c) {
                                  const int64_t c0 = d * c / chunks;
                                  const int64_t c1 = d * (c + 1) / chunks;
-                                 columns_stats<scalar_t>(avx2, src, n, d, c0, c1, o + 2,
+                                 columns_stats<scalar_t>(simd, src, n, d, c0, c1, o + 2,
                                                          o + 2 + d, sq.data() + c * n);
                                };
                                if (chunks == 1) {
