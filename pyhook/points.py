@@ -129,8 +129,10 @@ class Architecture:
     config attribute or a number), ``mlp_in`` (the MLP module) and ``mlp_hidden`` (the MLP's
     down projection). ``None``: the site is not mapped (it is then not listed, and asking for it
     raises :class:`PointUnavailableError`); ``moe=True``: the MLP is a mixture of experts, whose
-    hidden activations are not one tensor per token (``mlp_hidden`` is refused). ``sites_note``
-    is the docs' note on the sites.
+    hidden activations are not one tensor per token (``mlp_hidden`` is refused). ``flat``: the
+    kinds the model computes as ``[batch*tokens, ...]`` (OPT's MLP); captures see them as
+    ``[batch, tokens, ...]``, so masks, positions and token ids apply to them as to the others.
+    ``sites_note`` is the docs' note on the sites.
 
     Example::
 
@@ -154,6 +156,7 @@ class Architecture:
     heads: str | int = "num_attention_heads"
     moe: bool = False
     sites_note: str = ""
+    flat: tuple[str, ...] = ()
 
     @property
     def parallel(self) -> bool:
@@ -171,7 +174,7 @@ _MOE = "`mlp_hidden`: refused (a mixture of experts has no one hidden activation
 _SANDWICH = "sandwich norms: `attn_in`/`mlp_in` are after the pre-norms; the projections of `attn_z` and the MLP of `mlp_in` give the branch outputs before the post-norms"
 _NO_PRE_NORM = "no pre-norms: `attn_in` holds `resid_pre`'s values and `mlp_in` `resid_mid`'s (an edit there reaches that branch only, not the skip connection)"
 _ENCODER = "post-norm: `attn_in` holds `resid_pre`'s values and `mlp_in` `resid_mid`'s (an edit there reaches that branch only)"
-_OPT = "`mlp_in`/`mlp_hidden` are [batch*tokens, ...], as OPT computes them"
+_OPT = "`mlp_in`/`mlp_hidden` are [batch*tokens, ...] in hooks, as OPT computes them; captures store one row per token, masked like every layer"
 # The sites inside a block, by family: (attn_in, attn_z, mlp_in, mlp_hidden), relative to a block.
 _LLAMA = dict(
     attn_in="self_attn", attn_z="self_attn.o_proj", mlp_in="mlp", mlp_hidden="mlp.down_proj"
@@ -196,6 +199,7 @@ _OPT_SITES = dict(
     mlp_in="fc1",
     mlp_hidden="fc2",
     sites_note=_OPT,
+    flat=("resid_mid", "mlp_in", "mlp_hidden", "mlp_out"),
 )
 _FALCON = dict(
     attn_in="self_attention",
@@ -222,8 +226,8 @@ ARCHITECTURES: list[Architecture] = [
     A("codegen", "h", "attn", "mlp", None, "ln_f", **_GPTJ),
     A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual", **_NEOX, sites_note=_TWO_NORMS),
     A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm", **_NEOX),
-    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", None, when="not do_layer_norm_before", note="post-norm (OPT-350m): no final norm, `final` is the last block's output; `mlp_out`, `resid_mid` are [tokens, hidden]", **_OPT_SITES),
-    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden], as OPT computes them", **_OPT_SITES),
+    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", None, when="not do_layer_norm_before", note="post-norm (OPT-350m): no final norm, `final` is the last block's output; `mlp_out` is [batch*tokens, hidden] in hooks, as OPT computes it (captures: one row per token)", **{**_OPT_SITES, "flat": ("mlp_in", "mlp_hidden", "mlp_out")}),
+    A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden] in hooks, as OPT computes them (captures: one row per token)", **_OPT_SITES),
     A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used", **_FALCON),
     A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn", **_FALCON, sites_note="parallel: `attn_in` and `mlp_in` hold the same values when one norm feeds both (`num_ln_in_parallel_attn=1`; `new_decoder_architecture` defaults to two norms)"),
     A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f", **_FALCON),
@@ -280,11 +284,12 @@ def register_architecture(
     mlp_hidden: str | None = None,
     heads: str | int = "num_attention_heads",
     moe: bool = False,
+    flat: Sequence[str] = (),
 ) -> Architecture:
     """Add (or override) the mapping for an architecture: a ``config.model_type`` or a class.
 
     The new row is tried before the built-in ones. See :class:`Architecture` for the fields
-    (the sites inside a block, ``attn_in`` ... ``mlp_hidden``, are optional).
+    (the sites inside a block, ``attn_in`` ... ``mlp_hidden``, and ``flat`` are optional).
 
     Example::
 
@@ -327,8 +332,26 @@ def register_architecture(
             )
     if isinstance(heads, bool) or not isinstance(heads, (str, int)) or heads == "":
         raise TypeError(f"heads must be a config attribute (str) or a number, got {heads!r}")
+    if isinstance(flat, str) or not all(isinstance(k, str) for k in flat):
+        raise TypeError(f"flat must be a sequence of point kinds, got {flat!r}")
+    unknown = [k for k in flat if k not in LAYER_KINDS]
+    if unknown:
+        raise ValueError(
+            f"flat: {unknown[0]!r} is not a per-layer point kind (one of {', '.join(LAYER_KINDS)})"
+        )
     row = Architecture(
-        name, blocks, attn, mlp, mid, final, when, note, **sites, heads=heads, moe=bool(moe)
+        name,
+        blocks,
+        attn,
+        mlp,
+        mid,
+        final,
+        when,
+        note,
+        **sites,
+        heads=heads,
+        moe=bool(moe),
+        flat=tuple(flat),
     )
     _USER_ROWS.insert(0, row)
     _CACHE.clear()
@@ -405,6 +428,9 @@ class Point:
     copy: bool = False
     #: ``attn_z``: the input's last dimension is handed over split as ``[heads, d_head]``
     heads: int | None = None
+    #: the model computes this tensor as ``[batch*tokens, ...]`` (:attr:`Architecture.flat`);
+    #: hooks see it so, captures view it as ``[batch, tokens, ...]``
+    flat: bool = False
 
     def register(
         self,
@@ -814,7 +840,8 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
             f"{type(model).__name__} does not have ({e}); fix it with register_architecture",
         ) from None
     heads = _heads(model, arch, name) if kind == "attn_z" else None
-    return Point(name, module_name, module, side, inplace, copy, heads)  # type: ignore[arg-type]
+    flat = kind in arch.flat
+    return Point(name, module_name, module, side, inplace, copy, heads, flat)  # type: ignore[arg-type]
 
 
 _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}

@@ -190,6 +190,25 @@ def layer_rows(name: str, output: Any, select: Callable[[Any], Any] | None) -> t
     return raw
 
 
+def token_layout(
+    name: str, raw: torch.Tensor, grid: tuple[int, int] | None, needed: bool
+) -> torch.Tensor:
+    """A point the model computes as ``[batch*tokens, ...]`` (:attr:`pyhook.points.Point.flat`,
+    OPT's MLP) viewed as ``[batch, tokens, ...]``, the ``grid`` of this forward's input, so that
+    masks, positions and token ids apply to its rows as to the other layers'. Left as it is when
+    it is not flat; a ``ValueError`` naming the layer when the rows cannot be told apart and the
+    capture ``needed`` them (a mask, positions or token annotations)."""
+    if raw.dim() < 2 or grid is None or raw.shape[0] != grid[0] * grid[1]:
+        if needed and raw.dim() < 3:
+            raise ValueError(
+                f"layer {name!r}: the model computes it as [batch*tokens, ...] "
+                f"(shape {tuple(raw.shape)}), which does not match this forward's "
+                f"[batch, tokens] {list(grid) if grid is not None else '(not known: no input_ids, mask or [batch, tokens, ...] input)'}"
+            )
+        return raw
+    return raw.unflatten(0, grid)
+
+
 class Reduction:
     """Positions, token mask, flatten and dtype: how a ``[batch, tokens, ...]`` output becomes
     rows. The same object reduces layer outputs and the batch's token annotations, so they stay
@@ -247,10 +266,17 @@ class Reduction:
                 f"batch has {tokens} tokens (output shape {tuple(t.shape)})"
             )
 
+    def keeps_tokens(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` still has its tokens dimension after :meth:`select_positions` (not when
+        positions picked one token per example): then flatten makes its tokens the rows."""
+        p = self.positions
+        return t.dim() >= 3 and not (isinstance(p, int) or (isinstance(p, str) and p == "last"))
+
     def reduce(self, name: str, t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Eager reduction: positions, then the masked (or all) tokens as rows, then the cast."""
+        tokens = self.keeps_tokens(t)
         t, mask = self.select_positions(name, t.detach(), mask)
-        if t.dim() >= 3 and self.flatten:
+        if tokens and self.flatten:
             t = t[mask] if mask is not None else t.reshape(-1, *t.shape[2:])
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
@@ -261,8 +287,9 @@ class Reduction:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`reduce` without the data-dependent step (for compiled graphs): rows selected
         by a mask are left to the caller (the returned mask), so shapes stay static."""
+        tokens = self.keeps_tokens(t)
         t, mask = self.select_positions(name, t, mask)
-        if t.dim() >= 3 and self.flatten:
+        if tokens and self.flatten:
             if mask is None:
                 t = t.reshape(-1, *t.shape[2:])
         else:

@@ -31,6 +31,7 @@ from ._record import (
     layer_rows,
     positional_index,
     stats_later,
+    token_layout,
 )
 
 
@@ -103,7 +104,7 @@ class CompiledPath:
         self.head = _Batch(None, {}, None, None, None)
         hooks.forward_pre(rec.model, self.begin, with_kwargs=True, prepend=True)
         for name, module in rec._modules:
-            hooks.forward(module, self.make_hook(name))
+            hooks.forward(module, self.make_hook(name, flat=getattr(module, "flat", False)))
         hooks.forward(rec.model, self.commit)
         # Batches that must be finished after each forward (disk, or rows on a GPU) are
         # finished by a hook on the torch.compile wrapper, which runs in eager Python once the
@@ -139,12 +140,27 @@ class CompiledPath:
         if m is not None:
             self.mask = check_mask_tensor(mask, m)
 
-    def make_hook(self, name: str) -> Callable[..., None]:
+    def grid_of_forward(self) -> tuple[int, int] | None:
+        """This forward's ``[batch, tokens]`` (see the eager path's)."""
+        for t in (self.mask, self.ids):
+            if t is not None:
+                return (int(t.shape[0]), int(t.shape[1]))
+        first = self.first
+        if first is not None and (first.dim() >= 3 or input_token_ids((first,), {}) is not None):
+            return (int(first.shape[0]), int(first.shape[1]))
+        return None
+
+    def make_hook(self, name: str, *, flat: bool = False) -> Callable[..., None]:
         select = self.rec.select
         reduction = self.reduction
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             raw = layer_rows(name, output, select)
+            if flat:  # [batch*tokens, ...] as the model computes it: its tokens, told apart
+                needed = (
+                    self.mask is not None or reduction.positions is not None or self.ids is not None
+                )
+                raw = token_layout(name, raw, self.grid_of_forward(), needed)
             t, mask = reduction.reduce_static(name, raw.detach(), self.mask)
             if t.dim() == 0:
                 t = t.reshape(1)

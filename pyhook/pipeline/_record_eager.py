@@ -24,13 +24,14 @@ from ._record import (
     RecorderState,
     Reduction,
     _Note,
-    batch_size,
     batch_stats,
     check_guard,
     check_mask_tensor,
+    first_input,
     input_token_ids,
     layer_rows,
     stats_later,
+    token_layout,
 )
 
 # A layer's statistics left to the writer thread (see make_hook).
@@ -54,13 +55,14 @@ class EagerPath:
         self.token_ids: torch.Tensor | None = None
         self.track = False  # this batch's rows get token annotations (token ids or a note)
         self.in_forward = False  # a forward began and has not committed (yet, or it raised)
+        self.first: torch.Tensor | None = None  # the forward's first tensor input
         self._sig: inspect.Signature | None = None
 
     def install(self, hooks: HookSet) -> None:
         rec = self.rec
         hooks.forward_pre(rec.model, self.begin, with_kwargs=True, prepend=True)
         for name, module in rec._modules:
-            hooks.forward(module, self.make_hook(name))
+            hooks.forward(module, self.make_hook(name, flat=getattr(module, "flat", False)))
         hooks.forward(rec.model, self.commit)
 
     # -- one forward -----------------------------------------------------------------------
@@ -84,7 +86,8 @@ class EagerPath:
         self.note = note = rec._take_note()
         # Examples come from the inputs: the first captured layer may broadcast over the batch
         # (a position embedding's [1, tokens, hidden]); a layer's dim 0 is the fallback.
-        self.examples = batch_size(args, kwargs)
+        self.first = first = first_input(args, kwargs)
+        self.examples = int(first.shape[0]) if first is not None and first.dim() else None
         self.token_ids = note.token_ids if note is not None else None
         if self.token_ids is None and rec._tokens:
             self.token_ids = input_token_ids(args, kwargs)
@@ -124,7 +127,18 @@ class EagerPath:
             )
         return m
 
-    def make_hook(self, name: str) -> Callable[..., None]:
+    def grid_of_forward(self) -> tuple[int, int] | None:
+        """This forward's ``[batch, tokens]``: the mask's, the token ids', or the first input's
+        when it is ``[batch, tokens, ...]`` (embeddings); None when none of them says."""
+        for t in (self.mask, self.token_ids):
+            if t is not None:
+                return (int(t.shape[0]), int(t.shape[1]))
+        first = self.first
+        if first is not None and first.dim() >= 3:
+            return (int(first.shape[0]), int(first.shape[1]))
+        return None
+
+    def make_hook(self, name: str, *, flat: bool = False) -> Callable[..., None]:
         # Everything that does not change between calls is read once here: the hook runs once
         # per layer per forward, and at a few microseconds of Python it is most of the cost of
         # capturing a small activation.
@@ -145,6 +159,13 @@ class EagerPath:
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             raw = layer_rows(name, output, select)
+            if flat:  # [batch*tokens, ...] as the model computes it: its tokens, told apart
+                raw = token_layout(
+                    name,
+                    raw,
+                    self.grid_of_forward(),
+                    reduces or self.track or self.note is not None,
+                )
             if self.examples is None:
                 self.examples = int(raw.shape[0]) if raw.dim() else 1
             if reduces or self.note is not None:
@@ -195,6 +216,7 @@ class EagerPath:
     def commit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         rec = self.rec
         self.in_forward = False
+        self.first = None  # not kept past its forward
         guards = dict(self.pending_guard)
         self.pending_guard.clear()
         for name, guard in guards.items():
