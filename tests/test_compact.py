@@ -143,6 +143,46 @@ def test_quantize_rows_precision_and_edge_rows(kind):
     assert torch.isnan(_reference.dequant_rows([qb], [sb], torch.arange(2), torch.float32)).all()
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_row_up_to_float32s_largest_value_reads_back_finite(kind, backend):
+    """limit * scale must not overflow float32 when read back (int8's amax / 127 rounded up),
+    on the native read path and the reference alike."""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[big, 1.0, -2.0], [-big, big / 3, 0.0], [big * 0.999, 0.5, 0.25]])
+    q, s = encoding.quantize_rows(x, kind)
+    back = _backend.dequant_rows([q], [s], torch.arange(3), torch.float32)
+    assert torch.isfinite(back).all()
+    torch.testing.assert_close(back[:, 0], x[:, 0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_float64_rows_keep_their_range_or_fail_the_capture_by_name(kind, tmp_path):
+    """float64 rows are scaled in float64 and read back within fp8's (int8's) precision while
+    float32 scales and read-backs hold them; beyond that the capture fails naming the layer
+    (they read back as NaN or zeros before)."""
+    net = torch.nn.Sequential(torch.nn.Identity())
+    rows = torch.tensor(
+        [[3e38, -1e38, 5e37, 0.0], [1e-40, -3e-41, 2e-41, 0.0], [1.0, -0.5, 0.25, 0.0]],
+        dtype=torch.float64,
+    )
+    with pyhook.capture(net, ["0"], out=tmp_path / "ok", quantize=kind):
+        net(rows)
+    back = open_capture(tmp_path / "ok")["0"][:]
+    assert back.dtype == torch.float64 and torch.isfinite(back).all()
+    top = rows.abs().amax(dim=1, keepdim=True)
+    step = 1 / 16 if kind == "fp8" else 1 / 254  # fp8: 1/16 of itself; int8: half a step
+    err = (back - rows).abs()
+    assert (err <= torch.maximum(rows.abs() / 16, top * step) + top * 1e-6).all()
+    for i, bad in enumerate(([1e300, 1.0], [1e-300, 0.0], [4e38, 0.0])):
+        x = torch.tensor([bad], dtype=torch.float64)
+        with (
+            pytest.raises(pyhook.store.CaptureWriteError, match=r"layer '0': a row's largest"),
+            pyhook.capture(net, ["0"], out=tmp_path / f"bad{i}", quantize=kind),
+        ):
+            net(x)
+        assert not any(m._forward_hooks for m in net.modules())
+
+
 # -- capture: every read path returns the rows decoded -----------------------------------------
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
@@ -445,6 +485,8 @@ def test_an_integer_layer_is_refused_by_name_before_a_shard_is_written(tmp_path)
     ):
         net(torch.randn(3, 4))
     assert not [n for n in os.listdir(out) if n.startswith("shard-")]
+    # the refused batch registered none of its layers: the empty index lists nothing
+    assert open_capture(out).layers == []
     # compression alone is lossless for any dtype
     with pyhook.capture(net, ["0", "1"], out=tmp_path / "z", compress="zstd"):
         x = torch.randn(3, 4)

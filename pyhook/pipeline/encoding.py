@@ -147,7 +147,12 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
     """``(q, scale)``: rows ``x`` ``[n, ...]`` as float8_e4m3fn (``kind="fp8"``) or int8, and
     one float32 scale per row, ``amax(|row|) / 448`` (``/ 127``), so that ``q * scale`` is the
     row to fp8's (int8's) precision relative to the row's largest value. A row of zeros has
-    scale 0; a row holding inf or NaN has a NaN scale (it reads back as NaN).
+    scale 0; a row holding inf or NaN has a NaN scale (it reads back as NaN). A scale is
+    rounded so that ``limit * scale`` stays finite in float32 (a row up to float32's largest
+    value reads back finite). float64 rows are scaled in float64; a finite row whose scale
+    float32 cannot hold, or whose values a float32 read-back cannot (its largest ``|value|``
+    beyond float32's largest, or under ``limit`` times its smallest subnormal), is a
+    ``ValueError``: it would read back as inf, NaN or zeros.
 
     >>> x = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]])
     >>> q, s = quantize_rows(x)
@@ -156,11 +161,27 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
     """
     stored, limit = QUANTIZE[kind]
     n = x.shape[0]
-    flat = x.detach().reshape(n, -1).to(torch.float32)
-    amax = flat.abs().amax(dim=1) if flat.shape[1] else torch.zeros(n)
-    scale = amax / limit
-    finite = torch.isfinite(scale)
-    safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    flat = x.detach().reshape(n, -1).to(work)
+    amax = flat.abs().amax(dim=1) if flat.shape[1] else torch.zeros(n, dtype=work)
+    finite = torch.isfinite(amax)
+    scale = (amax / limit).to(torch.float32)
+    if work == torch.float64:
+        # Read back in float32 (the dequant's product), so the values must fit float32 too.
+        big = float(torch.finfo(torch.float32).max)
+        lost = finite & ((amax > big) | ((scale == 0) & (amax > 0)))
+        if bool(lost.any()):
+            i = int(lost.nonzero()[0])
+            raise ValueError(
+                f"a row's largest |value| is {float(amax[i]):.3g}, which a float32 scale and a "
+                f"float32 read-back cannot hold; quantize={kind!r} keeps float64 rows whose "
+                f"largest |value| lies within {limit * 2.0**-149:.1e} .. {big:.1e} (or is 0)"
+            )
+    # Rounded up, limit * scale could overflow float32 when read back: round such scales down.
+    over = finite & (scale.to(torch.float64) * limit > torch.finfo(torch.float32).max)
+    if bool(over.any()):
+        scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale)).to(work)
     y = flat / safe[:, None]
     y = y.clamp_(-limit, limit)  # x / (amax / limit) can round to just above the limit
     if kind == "int8":
@@ -401,7 +422,10 @@ class Encoding:
             stored = ps
             extra: dict[str, list[torch.Tensor]] = {}
             if enc.get("quantize"):
-                pairs = [quantize_rows(p, enc["quantize"]) for p in ps]
+                try:
+                    pairs = [quantize_rows(p, enc["quantize"]) for p in ps]
+                except ValueError as e:
+                    raise ValueError(f"layer {name!r}: {e}") from None
                 stored = [q for q, _ in pairs]
                 extra[enc["scale"]] = [s for _, s in pairs]
                 counts[enc["scale"]] = rows[name]

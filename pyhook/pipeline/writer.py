@@ -435,6 +435,7 @@ class ShardWriter:
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
         self._check_error()
+        new: dict[str, dict[str, Any]] = {}  # checked for every layer first: all or nothing
         for name, t in batch.items():
             if t.dtype not in _DTYPE_TO_ST:
                 raise ValueError(
@@ -447,9 +448,9 @@ class ShardWriter:
                 info = self.encoding.layer_info(name, t.dtype, info)
             known = self.layers.get(name)
             if known is None:
-                self.layers[name] = info
+                new[name] = info
                 if self.encoding is not None:
-                    self.layers.update(self.encoding.reserved(info))
+                    new.update(self.encoding.reserved(info))
             elif known != info:
                 raise ValueError(
                     f"layer {name!r}: rows of shape {info['row_shape']} {info['dtype']} do not match "
@@ -458,6 +459,7 @@ class ShardWriter:
                 )
         if skipped and batch:
             raise ValueError("a skipped batch has no rows: pass batch={}")
+        self.layers.update(new)
         nbytes = sum(t.numel() * t.element_size() for t in batch.values())
         self._wait_for_room(nbytes)
         self._buffer.append((batch, int(examples), wait, skipped))
