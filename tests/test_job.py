@@ -178,14 +178,17 @@ def test_yaml_without_pyyaml_says_so(tmp_path, monkeypatch):
         {"context_size": 16, "batch_size": 5},
         {"max_length": 8, "batch_size": 7, "tokens": False},
         {"context_size": 16, "positions": "last", "stats": False, "dtype": "bfloat16"},
+        # attn_z's rows are [heads, d_head]: the plan's probe (positions="last") kept the heads
+        {"context_size": 16, "layers": ["attn_z.1", "resid_post.1"]},
     ],
-    ids=["packed", "per-example", "last-bf16"],
+    ids=["packed", "per-example", "last-bf16", "attn_z"],
 )
 def test_plan_matches_what_the_run_writes(ckpt, tmp_path, options):
+    options = dict(options)
     job = CaptureJob(
         model=str(ckpt / "model"),
         input=str(ckpt / "c.parquet"),
-        layers=LAYERS,
+        layers=options.pop("layers", LAYERS),
         shard_mb=0.02,
         out=str(tmp_path / "acts"),
         **options,
