@@ -168,6 +168,42 @@ def test_row_shape_change_is_a_clear_error(tmp_path):
             w.add({"a": torch.zeros(2, 4)}, examples=2)
 
 
+def test_a_resume_by_another_model_with_the_same_layers_is_refused(tmp_path):
+    """Two model classes with layers of the same names and widths: the second capture into the
+    directory is refused naming the models (it appended its rows to the first's before); the
+    same model resumes, also through torch.compile's wrapper."""
+    from pyhook.capture import capture
+
+    class NetA(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    class NetB(NetA):
+        pass
+
+    a, b = NetA(), NetB()
+    with capture(a, ["lin"], out=tmp_path / "a"):
+        a(torch.randn(3, 4))
+    with (
+        pytest.raises(CaptureExistsError, match="model: 'NetA' \\(stored\\) != 'NetB' \\(now\\)"),
+        capture(b, ["lin"], out=tmp_path / "a"),
+    ):
+        b(torch.randn(3, 4))
+    assert not b.lin._forward_hooks and not b._forward_pre_hooks
+    wrapped = type("OptimizedModule", (torch.nn.Module,), {})()
+    wrapped._orig_mod = a  # what torch.compile's wrapper holds
+    with capture(a, ["lin"], out=tmp_path / "a") as rec:
+        assert rec.examples_done == 3
+    assert open_capture(tmp_path / "a").index["meta"]["model"] == "NetA"
+    from pyhook.pipeline.capture import _unwrapped
+
+    assert _unwrapped(wrapped) is a
+
+
 def test_different_settings_refused_same_settings_resume(tmp_path):
     batches = _batches(6)
     # "crash" after 3 batches: abort leaves only the listed (complete) shards

@@ -226,6 +226,20 @@ def _check_json(name: str, value: Any) -> None:
         ) from None
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model a wrapper runs (torch.compile's ``_orig_mod``, DDP's ``module``): the model a
+    capture's index names, so that a resume through another wrapper is the same model."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
+
+
 class Recorder:
     """Records chosen layers' outputs over many forward passes; made by :func:`capture`.
 
@@ -421,7 +435,7 @@ class Recorder:
         self._compiled = any(
             compiled_path(model, module_path(n, m)) is not None for n, m in self._modules
         )
-        self.meta = {"model": type(model).__name__, **(meta or {})}
+        self.meta = {"model": type(_unwrapped(model)).__name__, **(meta or {})}
         self.settings = {
             "layers": self.layers,
             "positions": positions_repr(positions),

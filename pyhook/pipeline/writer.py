@@ -300,6 +300,12 @@ class ShardWriter:
             old_world = existing.get("world_size", 1)
             if old_world != self.world_size:
                 diff.append(f"world_size: {old_world} (stored) != {self.world_size} (now)")
+            # Another model whose layers happen to have the same names and widths would add
+            # its rows to this one's silently.
+            old_model = (existing.get("meta") or {}).get("model")
+            new_model = self.meta.get("model")
+            if old_model is not None and new_model is not None and old_model != new_model:
+                diff.append(f"model: {old_model!r} (stored) != {new_model!r} (now)")
             if diff:
                 raise CaptureExistsError(
                     f"{self.out!r} already holds a different capture; differences: "
