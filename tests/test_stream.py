@@ -235,6 +235,14 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"source": "c.parquet"}, TypeError, "source"),
         ({"layers": "h.0", "tee": 3}, TypeError, "tee"),
+        ({"device": "meta"}, ValueError, "device 'meta'.*no data"),
+        ({"device": "no-such-device"}, ValueError, "device must be"),
+        pytest.param(
+            {"device": "cuda"},
+            ValueError,
+            "device 'cuda'.*no usable CUDA",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here"),
+        ),
     ],
 )
 def test_bad_input_named_before_any_forward(net, tok, corpus, kw, err, match):
@@ -321,6 +329,94 @@ def test_producer_error_reaches_the_consumer(net):
     with pytest.raises(OSError, match="corpus unreadable"):
         list(pyhook.stream(net, bad(), "h.0", batch_size=4, buffer_rows=8))
     _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_producer_setup_error_reaches_the_consumer(net, monkeypatch):
+    # an error while the producer sets its pass up (the mixer, the CUDA stream) is raised in
+    # the loop as itself, not as "the producer thread died", and leaves no hook behind
+    from pyhook.pipeline import stream as stream_mod
+
+    err = RuntimeError("no generator on this device")
+
+    def broken_mixer(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(stream_mod, "Mixer", broken_mixer)
+    before = hook_snapshot(net)
+    taken = []
+    s = pyhook.stream(net, _endless(3, taken), "h.0", batch_size=4, buffer_rows=8)
+    with pytest.raises(RuntimeError, match="no generator on this device") as raised:
+        list(s)
+    assert raised.value is err and taken == []
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_close_in_the_loop_body_ends_the_loop(net):
+    before = hook_snapshot(net)
+    taken = []
+    s = pyhook.stream(net, _endless(10_000, taken), "h.0", batch_size=16, buffer_rows=32)
+    got = 0
+    for _ in s:  # ends quietly at the step after close(): no batch comes out after it
+        got += 1
+        if got == 2:
+            s.close()
+    assert got == s.batches == 2 and s.rows == 32
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+    assert len(taken) < 30
+
+
+def test_close_from_another_thread_ends_the_waiting_loop(net):
+    # a watchdog closes the stream while the trainer waits for a batch: the producer sits in
+    # the corpus until the stop (no timing), the loop then ends without an error
+    before = hook_snapshot(net)
+    in_corpus, took = threading.Event(), threading.Event()
+
+    def slow():
+        yield from _endless(3, [])  # 48 rows: one batch out, 32 held in the buffer
+        in_corpus.set()
+        s._stop.wait(10)  # the pass's stop event: set by close()
+        yield from _endless(3, [])
+
+    s = pyhook.stream(net, slow(), "h.0", batch_size=16, buffer_rows=32)
+
+    def watchdog():
+        in_corpus.wait(10)
+        took.wait(10)  # the trainer has its batch (close() drops the batches still queued)
+        s.close()
+
+    closer = threading.Thread(target=watchdog, daemon=True)
+    closer.start()
+    rows = []
+    for b in s:
+        rows.append(b["row_index"])
+        took.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert len(rows) == s.batches == 1 and len(rows[0]) == 16
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+
+
+def test_an_iterator_never_advanced_starts_nothing(net):
+    # zip(range(0), stream) makes an iterator and never advances it: no hook, no thread, no
+    # forward, and the stream is not left "being iterated"
+    _no_producer()
+    before = hook_snapshot(net)
+    taken = []
+    s = pyhook.stream(net, _endless(6, taken), "h.0", batch_size=16, buffer_rows=32)
+    for _step, _batch in zip(range(0), s):
+        pass
+    it = iter(s)
+    del it
+    assert taken == []
+    assert not any(t.name == "pyhook-stream" for t in threading.enumerate())
+    assert diff(before, hook_snapshot(net)) == []
+    rows = torch.cat([b["row_index"] for b in s])  # the first pass, all of it
+    assert sorted(map(tuple, rows.tolist())) == [(c, p) for c in range(12) for p in range(8)]
+    assert taken == list(range(6))
     assert diff(before, hook_snapshot(net)) == []
 
 

@@ -221,3 +221,49 @@ def test_an_idle_producer_keeps_no_stream_alive(gpt, monkeypatch):
     del s
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("how", ["close_iterator", "drop_iterator", "close_stream"])
+def test_a_stale_iterator_waits_for_its_own_pass_not_the_kept_threads_next(gpt, monkeypatch, how):
+    # Stream a's iterator took every batch but not the end of the pass; its producer went idle
+    # and now runs stream b's pass. Closing a's iterator (or a, or dropping the iterator) in
+    # b's loop must not wait for b's pass: that pass waits for this very loop (a deadlock).
+    import gc
+
+    monkeypatch.setattr(stream_mod, "_IDLE_SECONDS", 30.0)
+    result = []
+
+    def scenario():
+        a = pyhook.stream(gpt, _source(), "h.1", batch_size=8, buffer_rows=8)
+        it_a = iter(a)
+        for _ in range(8):  # all 64 rows; the end marker stays in the queue
+            next(it_a)
+        deadline = time.monotonic() + 10
+        while not stream_mod._Producer._idle:  # a's pass is over: its thread waits for b's
+            assert time.monotonic() < deadline, "a's producer never went idle"
+            time.sleep(0.01)
+        b = pyhook.stream(gpt, _source(), "h.0", batch_size=8, buffer_rows=8)
+        rows = 0
+        for batch in b:
+            rows += len(batch["tokens"])
+            if rows == 8:
+                if how == "close_iterator":
+                    it_a.close()
+                elif how == "drop_iterator":
+                    del it_a
+                    gc.collect()
+                else:
+                    a.close()
+        result.append(rows)
+
+    def target():
+        try:
+            scenario()
+        except BaseException as e:  # reported by the test, on its own thread
+            result.append(e)
+
+    runner = threading.Thread(target=target, name="stale-iterator-scenario", daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "closing the stale iterator deadlocked the other stream's loop"
+    assert result == [64]

@@ -223,6 +223,56 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _stream_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Where the pass runs: ``device``, or the model's. One no forward can run on is refused
+    here, naming ``device``, rather than failing in the producer thread.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.pipeline.stream import _stream_device
+        >>> _stream_device(torch.nn.Linear(2, 2), None)
+        device(type='cpu')
+        >>> _stream_device(torch.nn.Linear(2, 2), "meta")
+        Traceback (most recent call last):
+        ...
+        ValueError: device 'meta' holds no data (shapes only): activations cannot be streamed from it; use cpu or cuda
+    """
+    if device is None:
+        dev = _model_device(model)
+        given = f"{str(dev)!r} (the model's; pass device= to run elsewhere)"
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"device must be a torch.device or its name (cpu, cuda, cuda:1, ...), got "
+                f"{device!r}: {e}"
+            ) from None
+        given = repr(str(device) if isinstance(device, str) else str(dev))
+    if dev.type == "meta":
+        raise ValueError(
+            f"device {given} holds no data (shapes only): activations cannot be streamed from "
+            "it; use cpu or cuda"
+        )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {given}: this torch ({torch.__version__}) has no usable CUDA device; "
+                "use device='cpu'"
+            )
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {given}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    elif dev.type != "cpu":
+        try:  # the mixer draws with a generator on the device
+            torch.Generator(device=dev)
+        except RuntimeError as e:
+            raise ValueError(f"device {given} cannot be streamed on here: {e}") from None
+    return dev
+
+
 class Stream:
     """Shuffled batches of a model's activations over a corpus; made by :func:`stream`.
 
@@ -230,7 +280,8 @@ class Stream:
     once. Each batch is ``{layer: rows, "tokens": ids [n], "row_index": [n, 2]}`` (context or
     example, position), all rows of one token at the same index. Leaving the loop (``break``,
     an exception, Ctrl-C) stops the producer within one forward and removes every hook; so does
-    :meth:`close` (or a ``with`` block).
+    :meth:`close` (or a ``with`` block), from the loop or another thread: the loop then ends at
+    its next step. The pass starts at the first ``next()``, not at ``iter()``.
 
     Counters of the last pass: :attr:`rows`, :attr:`batches`, :attr:`examples` (examples or
     contexts run through the model), :attr:`dropped_rows` (``even_batches``),
@@ -287,8 +338,9 @@ class Stream:
         self.dropped_rows = 0
         self._keep = keep
         self._passes = 0
-        self._active: _Producer | None = None
+        self._active: _Pass | None = None
         self._stop: threading.Event | None = None
+        self._out: queue.Queue[Any] | None = None
         self.rows = self.batches = self.examples = self.examples_done = 0
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
 
@@ -321,20 +373,9 @@ class Stream:
         rec = self.recorder
         inbox: collections.deque[dict[str, torch.Tensor]] = collections.deque()
         errors: list[BaseException] = []
-        mixer = Mixer(
-            self.buffer_rows,
-            self.batch_size,
-            seed,
-            device=self.device if self.device.type != "cpu" else None,
-            drop_last=self.drop_last,
-        )
         layers = self.layers
         tee = self.tee is not None
-        side = (
-            torch.cuda.Stream(self.device)
-            if self.device.type == "cuda" and torch.cuda.is_available()
-            else None
-        )
+        side: torch.cuda.Stream | None = None
 
         def sink(batch: dict[str, Any], _examples: int) -> None:
             if not batch or stop.is_set():
@@ -370,6 +411,16 @@ class Stream:
             drain()
 
         try:
+            # set up inside the try: an error here (the device) reaches the loop as itself
+            mixer = Mixer(
+                self.buffer_rows,
+                self.batch_size,
+                seed,
+                device=self.device if self.device.type != "cpu" else None,
+                drop_last=self.drop_last,
+            )
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                side = torch.cuda.Stream(self.device)
             rec._sink = sink
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 with rec:
@@ -397,6 +448,12 @@ class Stream:
 
     # -- the consumer ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """A new pass. It starts at the first ``next()``: an iterator made but never advanced
+        (``zip(range(0), stream)``) starts no thread and registers no hook."""
+        return self._consume()
+
+    def _begin(self) -> tuple[queue.Queue[Any], threading.Event, _Pass]:
+        """Start a pass: its queue, its stop event and its producer."""
         if self._active is not None and self._active.is_alive():
             raise RuntimeError("this stream is already being iterated; finish or close() it first")
         seed = self.seed + self._passes
@@ -410,12 +467,11 @@ class Stream:
             # so that the producer's team is not throttled as one of too many (pyhook._omp).
             release_thread_team()
         t = _Producer.start(lambda: self._produce(out, stop, seed))
-        self._active, self._stop = t, stop
-        return self._consume(out, stop, t)
+        self._active, self._stop, self._out = t, stop, out
+        return out, stop, t
 
-    def _consume(
-        self, out: queue.Queue[Any], stop: threading.Event, t: _Producer
-    ) -> Iterator[dict[str, torch.Tensor]]:
+    def _consume(self) -> Iterator[dict[str, torch.Tensor]]:
+        out, stop, t = self._begin()
         current = (
             torch.cuda.current_stream(self.device)
             if self.device.type == "cuda" and torch.cuda.is_available()
@@ -431,6 +487,8 @@ class Stream:
                         break
                     except queue.Empty:
                         if not t.is_alive() and out.empty():
+                            if stop.is_set():  # close(): the producer queued no end marker
+                                return
                             raise RuntimeError("the pyhook stream's producer thread died") from None
                 if self._even_group is not None and not self._all_have(item):
                     # another rank's share is used up: every rank stops at the same batch
@@ -467,7 +525,7 @@ class Stream:
         torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=self._even_group)
         return bool(have.item())
 
-    def _shutdown(self, stop: threading.Event, t: _Producer, out: queue.Queue[Any]) -> None:
+    def _shutdown(self, stop: threading.Event, t: _Pass, out: queue.Queue[Any]) -> None:
         stop.set()
         while t.is_alive():
             try:  # unblock a producer waiting for room
@@ -477,16 +535,39 @@ class Stream:
                 pass
             t.join(0.05)
         if self._active is t:
-            self._active = self._stop = None
+            self._active = self._stop = self._out = None
 
     def close(self) -> None:
         """Stop a pass in progress: the producer ends after its current forward, the hooks are
-        removed, and a tee is closed consistent (resumable)."""
-        t, stop = self._active, self._stop
-        if t is not None and stop is not None:
-            stop.set()
-            t.join()
-            self._active = self._stop = None
+        removed, and a tee is closed consistent (resumable). Returns once all that is done.
+
+        The loop over the pass then ends quietly at its next step, whether ``close()`` was
+        called from its body or from another thread (a watchdog): the batches still queued are
+        dropped (a batch the loop had already taken comes out), and an error the producer had
+        queued before the stop is raised there. A pass that is over (its iterator took every
+        batch) is only forgotten: close() waits for no later pass that reuses its thread.
+        """
+        t, stop, out = self._active, self._stop, self._out
+        if t is None or stop is None or out is None:
+            return
+        stop.set()
+        t.join()
+        # The producer is gone: nothing else puts into its queue. The loop's next step finds
+        # the end marker the stopped producer could not queue.
+        last: Any = _DONE
+        try:
+            while True:
+                item = out.get_nowait()
+                if isinstance(item, _Failed):
+                    last = item
+        except queue.Empty:
+            pass
+        try:
+            out.put_nowait(last)
+        except queue.Full:  # another close() just did the same
+            pass
+        if self._active is t:
+            self._active = self._stop = self._out = None
 
     def __enter__(self) -> Stream:
         return self
@@ -542,20 +623,20 @@ class _Producer:
     next pass (of any stream) before it exits; its OpenMP workers are released after each pass
     (pyhook._omp), so that between passes the process has the one team it had before. A pass
     that stopped early (``break``, an exception, Ctrl-C, ``close()``) or failed lets its
-    thread end, as before. ``is_alive``/``join`` are the job's, not the thread's.
+    thread end, as before. :meth:`start` returns the pass (:class:`_Pass`), whose end is waited
+    for, not the thread's: the thread may run another stream's pass by then.
     """
 
     _idle: ClassVar[list[_Producer]] = []
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._done = threading.Event()
-        self._done.set()
+        self._jobs: queue.SimpleQueue[tuple[Any, _Pass] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="pyhook-stream", daemon=True)
 
     @classmethod
-    def start(cls, job: Any) -> _Producer:
+    def start(cls, job: Any) -> _Pass:
+        """Run ``job`` (one pass: True when it ended normally) on a kept thread or a new one."""
         with cls._lock:
             p = cls._idle.pop() if cls._idle else None
         if p is not None and not p.thread.is_alive():
@@ -563,12 +644,12 @@ class _Producer:
         fresh = p is None
         if p is None:
             p = cls()
-        p._done.clear()
+        run = _Pass()
         p.thread.name = "pyhook-stream"
-        p._jobs.put(job)
+        p._jobs.put((job, run))
         if fresh:
             p.thread.start()
-        return p
+        return run
 
     @classmethod
     def retire_idle(cls) -> None:
@@ -579,24 +660,20 @@ class _Producer:
             p._jobs.put(None)
             p.thread.join()
 
-    def is_alive(self) -> bool:
-        return not self._done.is_set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._done.wait(timeout)
-
     def _loop(self) -> None:
         while True:
             try:
-                job = self._jobs.get(timeout=_IDLE_SECONDS)
+                item = self._jobs.get(timeout=_IDLE_SECONDS)
             except queue.Empty:
                 with _Producer._lock:
                     if self in _Producer._idle:
                         _Producer._idle.remove(self)
                         return
                 continue  # taken for a pass just now: its job is coming
-            if job is None:  # retire_idle
+            if item is None:  # retire_idle
                 return
+            job, run = item
+            item = None
             keep = False
             try:
                 keep = job() is True  # the pass ended normally
@@ -607,9 +684,25 @@ class _Producer:
                     self.thread.name = "pyhook-stream (idle)"
                     with _Producer._lock:
                         _Producer._idle.append(self)
-                self._done.set()
+                run._done.set()
             if not keep:
                 return
+
+
+class _Pass:
+    """One pass on a :class:`_Producer`'s thread: ``is_alive``/``join`` are this pass's, so a
+    stream whose pass is over never waits for the next pass the same kept thread runs."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
 
 
 _IDLE_SECONDS = 30.0
@@ -716,7 +809,9 @@ def stream(
     in :attr:`Stream.dropped_rows`. Leave it off to get every row.
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
-    capture) raises here, before any forward, naming the argument.
+    capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none) raises
+    here, before any forward, naming the argument. An error once the pass runs (the corpus,
+    the model) is raised in the trainer's loop.
     """
     from .capture import Recorder
     from .runner import _Keep
@@ -751,7 +846,7 @@ def stream(
             "stream chooses the recorder's destination and mask itself (the source's keep mask); "
             "use tee= to also write the rows to disk"
         )
-    dev = torch.device(device) if device is not None else _model_device(model)
+    dev = _stream_device(model, device)
     r, world = _world(rank, world_size)
     if not isinstance(even_batches, bool):
         raise TypeError(f"even_batches must be a bool, got {even_batches!r}")
