@@ -118,17 +118,28 @@ def _eos_mid_batch(model, prompts, new=NEW):
 
 
 def _check_rows(
-    model, reader, prompts, eos, batch_size, *, new=NEW, generated_only=False, last_only=False
+    model,
+    reader,
+    prompts,
+    eos,
+    batch_size,
+    *,
+    new=NEW,
+    generated_only=False,
+    last_only=False,
+    seqs=None,
 ):
+    """Each example's rows against a plain forward over its final sequence (``seqs``, else
+    those of :func:`_final_sequences`); returns how many sequences ended early."""
     ri, tok, gen = reader.row_index, reader.tokens, reader.generated
     assert gen is not None and gen.dtype == torch.bool
     assert reader.examples == len(prompts)
+    if seqs is None:
+        seqs = _final_sequences(model, prompts, eos, batch_size, new)
     ended_early = 0
-    for e, (prompt, seq) in enumerate(
-        zip(prompts, _final_sequences(model, prompts, eos, batch_size, new))
-    ):
+    for e, (prompt, seq) in enumerate(zip(prompts, seqs)):
         ref = _forward(model, seq)
-        ended_early += int(seq[-1] == eos and len(seq) < len(prompt) + new)
+        ended_early += int(len(seq) < len(prompt) + new)
         pos = torch.arange(len(seq) - 1)  # the final token is never run through the model
         if generated_only:
             pos = pos[pos >= len(prompt)]
@@ -335,6 +346,156 @@ def test_sampling_is_seeded_per_batch(tmp_path):
             )
         runs.append(pyhook.open_capture(out).tokens)
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def _cut_at(seqs, prompts, stop):
+    """The sequences cut after the first new token in ``stop`` (that token kept)."""
+    out = []
+    for p, seq in zip(prompts, seqs):
+        tail = seq[len(p) :].tolist()
+        hits = [i for i, t in enumerate(tail) if t in stop]
+        out.append(seq[: len(p) + hits[0] + 1] if hits else seq)
+    return out
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_generation_config_argument_sets_the_eos(tmp_path, as_list):
+    # Before, only eos_token_id= (or the model's generation_config) ended a sequence: with the
+    # EOS in a generation_config= argument, the EOS row and the padding rows after it were kept.
+    model = _gpt()  # its own generation_config: EOS 0
+    eos = _eos_mid_batch(model, PROMPTS)
+    gc = transformers.GenerationConfig(eos_token_id=[38, eos] if as_list else eos, pad_token_id=eos)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=4),
+            rec,
+            max_new_tokens=NEW,
+            generation_config=gc,
+        )
+    r = pyhook.open_capture(tmp_path)
+    seqs = _final_sequences(model, PROMPTS, eos, 4)
+    if as_list:  # the second EOS ends a sequence too
+        seqs = _cut_at(seqs, PROMPTS, {38, eos})
+    assert _check_rows(model, r, PROMPTS, eos, 4, seqs=seqs) >= 1
+
+
+class _StopOn(transformers.StoppingCriteria):
+    """Per sequence: done once its last token is ``token``."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class _StopAll(transformers.StoppingCriteria):
+    """The whole batch: done once any sequence's last token is ``token`` (a plain bool)."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return bool((input_ids[:, -1] == self.token).any())
+
+
+def _plain_generate(model, prompts, batch_size, new=NEW, **kw):
+    """Plain greedy ``generate`` over the prompts in batches, left-padded by hand: each
+    example's sequence, prompt and every new token, without the padding."""
+    out = []
+    for at in range(0, len(prompts), batch_size):
+        chunk = prompts[at : at + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in chunk])
+        am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            seqs = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False, **kw)
+        out += [torch.cat([torch.tensor(p), row[width:]]) for p, row in zip(chunk, seqs)]
+    return out
+
+
+@pytest.mark.parametrize("model_eos", [True, False])
+def test_a_stopping_criterion_ends_its_sequences(tmp_path, model_eos):
+    # Before, a sequence stopped by a StoppingCriteria kept the rows after its stop: the padding
+    # generate fills it with (a model with EOS), or the tokens it runs on (a model without).
+    model = _gpt()
+    stop = _eos_mid_batch(model, PROMPTS)
+    if not model_eos:  # no EOS: generate runs a finished sequence on, unpadded
+        model.generation_config.eos_token_id = None
+    criteria = transformers.StoppingCriteriaList([_StopOn(stop)])
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        t = run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=4),
+            rec,
+            max_new_tokens=NEW,
+            stopping_criteria=criteria,
+        )
+    r = pyhook.open_capture(tmp_path)
+    # the reference: plain generate (the model's EOS 0, or none), cut by hand at the stop token
+    eos = 0 if model_eos else None
+    plain = _plain_generate(model, PROMPTS, 4, eos_token_id=eos, pad_token_id=0)
+    seqs = _cut_at(plain, PROMPTS, {stop, 0} if model_eos else {stop})
+    assert _check_rows(model, r, PROMPTS, None, 4, seqs=seqs) >= 1
+    assert t["new_tokens"] == sum(len(q) - len(p) for p, q in zip(PROMPTS, seqs))
+
+
+def test_a_criterion_that_stops_the_whole_batch(tmp_path):
+    model = _gpt()
+    stop = _eos_mid_batch(model, PROMPTS)
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=4),
+            rec,
+            max_new_tokens=NEW,
+            eos_token_id=39,
+            stopping_criteria=transformers.StoppingCriteriaList([_StopAll(stop)]),
+        )
+    r = pyhook.open_capture(tmp_path)
+    seqs = []
+    for at in range(0, len(PROMPTS), 4):  # each batch: every sequence up to the batch's stop
+        chunk = PROMPTS[at : at + 4]
+        plain = _plain_generate(model, chunk, 4, eos_token_id=39, pad_token_id=0)
+        full = _cut_at(plain, chunk, {39})
+        hits = [
+            len(c) - len(p)
+            for p, c, f in zip(chunk, _cut_at(full, chunk, {stop}), full)
+            if len(c) < len(f) or c[-1] == stop
+        ]
+        last = min(hits, default=NEW)
+        seqs += [f[: len(p) + last] for p, f in zip(chunk, full)]
+    assert _check_rows(model, r, PROMPTS, None, 4, seqs=seqs) >= 1
+
+
+def test_stops_generate_would_not_show_are_refused():
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        own = transformers.StoppingCriteriaList([transformers.MaxLengthCriteria(max_length=9)])
+        with pytest.raises(GenerateError, match=r"'stopping_criteria'.*MaxLengthCriteria.*max_new"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, stopping_criteria=own
+            )
+        eos = transformers.StoppingCriteriaList([transformers.EosTokenCriteria(eos_token_id=5)])
+        with pytest.raises(GenerateError, match=r"EosTokenCriteria.*eos_token_id"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, stopping_criteria=eos
+            )
+        with pytest.raises(GenerateError, match="'stop_strings' needs tokenizer="):
+            run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, stop_strings=["a"])
+        for key, sampling in (("num_beams", "model"), ("num_return_sequences", "sample")):
+            gc = transformers.GenerationConfig(do_sample=True, **{key: 2})
+            with pytest.raises(GenerateError, match=f"'generation_config' sets {key}=2"):
+                run_generate(
+                    model,
+                    prompt_batches(PROMPTS),
+                    rec,
+                    max_new_tokens=2,
+                    sampling=sampling,
+                    generation_config=gc,
+                )
+    assert rec.rows[POINTS[0]] == 0
 
 
 def test_bad_calls_are_refused_before_generating():
@@ -596,6 +757,51 @@ def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_p
 def test_paired_models_refuse_generate():
     with pytest.raises(ValueError, match="one model's generation"):
         pyhook.CaptureJob(model={"a": "minilm", "b": "minilm"}, generate=2)
+
+
+def test_stop_strings_end_their_sequences(tmp_path):
+    # Before, stop_strings= failed in generate (no tokenizer reached it); now a sequence ends at
+    # the token that completes a stop string, its rows after it not kept.
+    tok = word_tokenizer([*DOCS, "abcdef"])  # StopStringCriteria decodes tokens after "abcdef"
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=len(tok),
+        n_positions=64,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = [tok(" ".join(DOCS[i].split()[: 1 + i % 5]))["input_ids"] for i in range(8)]
+    eos = tok.eos_token_id
+    full = _final_sequences(model, ids, eos, 4)
+    vocab = tok.convert_ids_to_tokens(list(range(len(tok))))
+
+    def alone(t):  # no other token ends with its text, nor is the end of it
+        w = vocab[t]
+        return not any(v != w and (v.endswith(w) or w.endswith(v)) for v in vocab)
+
+    for t in sorted({x for p, s in zip(ids, full) for x in s[len(p) : -1].tolist()}):
+        cut = _cut_at(full, ids, {t})
+        if t != eos and alone(t) and sum(len(c) < len(s) for c, s in zip(cut, full)) >= 1:
+            break
+    else:
+        pytest.skip("this random model emits no usable stop word")
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        run_generate(
+            model,
+            prompt_batches(ids, batch_size=4),
+            rec,
+            max_new_tokens=NEW,
+            tokenizer=tok,
+            stop_strings=[vocab[t]],
+        )
+    r = pyhook.open_capture(tmp_path)
+    assert _check_rows(model, r, ids, eos, 4, seqs=cut) >= 1
+    for e, (p, c) in enumerate(zip(ids, cut)):
+        assert r.completion(e).split() == tok.decode(c[len(p) :].tolist()).split()
 
 
 def test_stream_refuses_generate(ckpt, tmp_path):

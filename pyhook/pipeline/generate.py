@@ -27,21 +27,23 @@ How it works, for one batch of prompts (:func:`run_generate`):
   then the final sequences are known, and the batch is written as **one** batch of the store:
   rows ordered by (example, position) as a forward over the final sequences gives them (the
   slots moved together), each with its token id, ``row_index`` (example, absolute position in
-  the unpadded sequence) and a ``__generated__`` flag; rows of a sequence past its end (after
-  EOS) are dropped;
+  the unpadded sequence) and a ``__generated__`` flag; rows of a sequence past its end are
+  dropped (its end: its first EOS, or the step a criterion of ``stopping_criteria=`` or a
+  stop string said it was done, seen by wrapping them, :class:`_Stops`);
 * statistics are those of the stored rows; the examples count once per prompt batch, so a
   killed capture resumes at the next prompt batch (a batch is never split across shards).
 
-The last token of each sequence (its EOS, or the ``max_new_tokens``-th new token) is never run
-through the model by ``generate`` (nothing is predicted after it), so it has no row; every row's
-next token is in the sequence. ``reader.text(e)`` is the prompt and its completion,
-``reader.completion(e)`` the completion alone.
+The last token of each sequence (its EOS, the token a stopping criterion or stop string ended it
+at, or the ``max_new_tokens``-th new token) is never run through the model by ``generate``
+(nothing is predicted after it), so it has no row; every row's next token is in the sequence.
+``reader.text(e)`` is the prompt and its completion, ``reader.completion(e)`` the completion
+alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +75,7 @@ _REFUSED = {
     "num_beams": "beam search reorders the sequences between steps",
     "assistant_model": "assisted decoding runs tokens through another model",
     "prompt_lookup_num_tokens": "speculative decoding runs several tokens per step",
+    "assistant_early_exit": "self-speculative decoding runs several tokens per step",
 }
 
 
@@ -145,10 +148,33 @@ def prompt_batches(
         yield Batch(input_ids, mask, mask.bool(), examples, texts)
 
 
+def _setting(model: Any, kwargs: dict[str, Any], key: str) -> Any:
+    """The value ``generate`` uses for its option ``key``, resolved as transformers resolves
+    it: ``kwargs[key]`` when given (even None), else the ``generation_config=`` argument's
+    field when set (not None), else the model's ``generation_config``.
+
+    >>> import transformers
+    >>> m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    ...     n_layer=1, n_embd=8, n_head=2, vocab_size=20, bos_token_id=3, eos_token_id=3))
+    >>> gc = transformers.GenerationConfig(eos_token_id=[5, 6])
+    >>> _setting(m, {}, "eos_token_id"), _setting(m, {"generation_config": gc}, "eos_token_id")
+    (3, [5, 6])
+    >>> _setting(m, {"generation_config": gc, "eos_token_id": 7}, "eos_token_id")
+    7
+    """
+    if key in kwargs:
+        return kwargs[key]
+    for cfg in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        value = getattr(cfg, key, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _eos_ids(model: Any, kwargs: dict[str, Any]) -> list[int]:
-    eos = kwargs.get("eos_token_id")
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    """The EOS token ids ``generate`` stops a sequence at (an int, a list or a tensor of them,
+    from ``kwargs``, the ``generation_config=`` argument or the model's)."""
+    eos = _setting(model, kwargs, "eos_token_id")
     if eos is None:
         return []
     if isinstance(eos, torch.Tensor):
@@ -158,14 +184,166 @@ def _eos_ids(model: Any, kwargs: dict[str, Any]) -> list[int]:
 
 def _pad_id(model: Any, kwargs: dict[str, Any], tokenizer: Any, eos: list[int]) -> int:
     for v in (
-        kwargs.get("pad_token_id"),
-        getattr(getattr(model, "generation_config", None), "pad_token_id", None),
+        _setting(model, kwargs, "pad_token_id"),
         getattr(tokenizer, "pad_token_id", None),
         eos[0] if eos else None,
     ):
         if v is not None:
-            return int(v)
+            return int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
     return 0
+
+
+def _generation_config(options: dict[str, Any]) -> None:
+    """``options["generation_config"]`` as a ``transformers.GenerationConfig`` (a mapping, e.g.
+    from a job's JSON ``generate_kwargs``, is made one), in place."""
+    cfg = options.get("generation_config")
+    if cfg is None:
+        options.pop("generation_config", None)
+        return
+    if isinstance(cfg, Mapping):
+        import transformers
+
+        try:
+            options["generation_config"] = transformers.GenerationConfig(**cfg)
+        except (TypeError, ValueError) as e:
+            raise GenerateError(f"generate option 'generation_config': {e}") from None
+    elif not callable(getattr(cfg, "to_dict", None)):
+        raise GenerateError(
+            "generate option 'generation_config' must be a transformers.GenerationConfig (or a "
+            f"mapping of its fields), got {type(cfg).__name__}"
+        )
+
+
+class _Watched:
+    """A stopping criterion of the user's, as ``generate`` calls it, that records what it
+    returned at each step: ``(sequence length, done [batch] bool)`` into ``seen``.
+
+    Other attributes are the criterion's own (``generate`` pads the finished sequences only
+    when a criterion has an ``eos_token_id``).
+    """
+
+    def __init__(self, inner: Any, seen: list[tuple[int, torch.Tensor]]) -> None:
+        self.inner = inner
+        self.seen = seen
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
+        done = self.inner(input_ids, scores, **kwargs)
+        n = int(input_ids.shape[0])
+        flags = torch.as_tensor(done, device=input_ids.device).to(torch.bool)
+        self.seen.append((int(input_ids.shape[1]), flags.reshape(-1).expand(n).clone()))
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "seen") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _Stops:
+    """The ways a sequence stops that its final tokens do not show: the criteria of
+    ``stopping_criteria=`` and the stop strings (``stop_strings=``), each wrapped
+    (:class:`_Watched`) so that each sequence's first step with a criterion done is known.
+
+    (EOS is seen in the tokens; ``max_new_tokens`` and ``max_time`` stop every sequence at once,
+    at the generation's last step.)
+    """
+
+    def __init__(self, criteria: list[Any]) -> None:
+        self.seen: list[tuple[int, torch.Tensor]] = []
+        self.criteria = [_Watched(c, self.seen) for c in criteria]
+
+    def reset(self) -> None:
+        """Forget the steps of the previous prompt batch."""
+        self.seen.clear()
+
+    def ends(self, width: int, steps: int, n_seq: int) -> torch.Tensor:
+        """Each sequence's new tokens up to the first step a criterion said it is done (that
+        step's token included), ``steps`` where none did."""
+        calls = sorted(length - width for length, _ in self.seen)
+        if calls != sorted(list(range(1, steps + 1)) * len(self.criteria)):
+            raise RuntimeError(
+                f"generate called the stopping criteria {len(self.seen)} time(s) for {steps} "
+                f"new token(s) and {len(self.criteria)} criteria: where each sequence stopped "
+                "is not known (one call per criterion per step is expected)"
+            )
+        ends = torch.full((n_seq,), steps, dtype=torch.long)
+        for length, done in self.seen:
+            step = length - width
+            ends = torch.where(done.to("cpu"), torch.clamp(ends, max=step), ends)
+        return ends
+
+
+# Criteria that generate makes itself from its options: one of the same class in
+# stopping_criteria= replaces generate's own (transformers keeps the user's).
+_OWN_CRITERIA = {
+    "MaxLengthCriteria": "max_new_tokens",
+    "MaxTimeCriteria": "max_time",
+    "StopStringCriteria": "stop_strings",
+    "EosTokenCriteria": "eos_token_id",
+}
+
+
+def _stops(
+    model: Any, options: dict[str, Any], tokenizer: Any, eos: list[int]
+) -> tuple[_Stops | None, dict[str, Any]]:
+    """The watched criteria of a generation (None: no criterion to watch) and the options
+    that replace ``generate``'s own (``stop_strings=None``: pyhook matches them itself)."""
+    criteria: list[Any] = []
+    given = options.get("stopping_criteria")
+    stop_strings = _setting(model, options, "stop_strings")
+    if given is None and stop_strings is None:
+        return None, {}
+    import transformers  # the criteria are transformers' own, or made like them
+
+    if given is not None:
+        if callable(given) and not isinstance(given, (list, tuple)):
+            given = [given]  # one criterion, not in a list
+        made = {  # the criteria generate makes itself here
+            "max_new_tokens": True,
+            "max_time": _setting(model, options, "max_time") is not None,
+            "stop_strings": bool(stop_strings),
+            "eos_token_id": bool(eos),
+        }
+        for c in given:
+            if not callable(c):
+                raise GenerateError(
+                    "generate option 'stopping_criteria' must hold transformers "
+                    f"StoppingCriteria (callables), got {type(c).__name__}"
+                )
+            name = type(c).__name__
+            flag = _OWN_CRITERIA.get(name)
+            if flag is not None and made[flag] and type(c) is getattr(transformers, name, None):
+                raise GenerateError(
+                    f"generate option 'stopping_criteria': its {name} would replace the one "
+                    f"generate makes from {flag} (transformers keeps only one); set {flag} "
+                    "instead"
+                )
+            criteria.append(c)
+    extra: dict[str, Any] = {}
+    if stop_strings is not None:  # matched by a watched criterion (none: nothing to match)
+        extra["stop_strings"] = None
+    if stop_strings:
+        if tokenizer is None:
+            raise GenerateError(
+                "generate option 'stop_strings' needs tokenizer= (the tokenizer whose text the "
+                "stop strings are matched in)"
+            )
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        try:
+            criteria.append(
+                transformers.StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+            )
+        except (TypeError, ValueError) as e:
+            raise GenerateError(
+                "generate option 'stop_strings': transformers' StopStringCriteria could not be "
+                f"made from them and tokenizer= ({type(e).__name__}: {e})"
+            ) from None
+    if not criteria:
+        return None, extra
+    stops = _Stops(criteria)
+    extra["stopping_criteria"] = transformers.StoppingCriteriaList(stops.criteria)
+    return stops, extra
 
 
 def _left_pad(b: Any, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,13 +381,22 @@ def _generate_kwargs(
             "generate option use_cache=False: capture runs generate with its KV cache (one "
             "token per sequence per step)"
         )
-    cfg = getattr(model, "generation_config", None)
-    for key in ("num_beams", "num_return_sequences"):
-        if sampling == "model" and int(getattr(cfg, key, 1) or 1) > 1 and key not in options:
-            raise GenerateError(
-                f"the model's generation_config sets {key}={getattr(cfg, key)}: {_REFUSED[key]}; "
-                f"pass {key}=1 (generate_kwargs), or sampling 'greedy'/'sample'"
-            )
+    # what the generation_config argument or the model's sets (generate's own resolution)
+    counts = ("num_beams", "num_return_sequences")
+    for key in (*counts, "prompt_lookup_num_tokens", "assistant_early_exit"):
+        if key in options or (key == "num_beams" and sampling != "model"):
+            continue  # given (and checked above), or set to 1 below
+        value = _setting(model, options, key)
+        if value is None or (key in counts and int(value) <= 1):
+            continue
+        arg = getattr(options.get("generation_config"), key, None) is not None
+        where = "generate option 'generation_config'" if arg else "the model's generation_config"
+        fix = f"pass {key}=1 (generate_kwargs)" if key in counts else ""
+        if key == "num_beams":
+            fix += ", or sampling 'greedy'/'sample'"
+        raise GenerateError(
+            f"{where} sets {key}={value}: {_REFUSED[key]}" + (f"; {fix}" if fix else "")
+        )
     kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad}
     if sampling == "greedy":
         kw.update(do_sample=False, num_beams=1)
@@ -219,6 +406,32 @@ def _generate_kwargs(
         raise GenerateError(f"sampling must be 'greedy', 'sample' or 'model', got {sampling!r}")
     kw.update(options)
     return kw
+
+
+def _folded(kw: dict[str, Any]) -> dict[str, Any]:
+    """``generate``'s arguments with a ``generation_config`` argument: its fields set by the
+    other arguments set in a copy of it instead (what ``generate`` does with them, without
+    its warning that passing both is deprecated). Arguments that are None stay arguments:
+    ``generate`` fills the config's unset (None) fields from the model's, and applies its
+    arguments after that."""
+    cfg = kw.get("generation_config")
+    if cfg is None:
+        return kw
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    fields = {
+        k: v
+        for k, v in kw.items()
+        if k != "generation_config" and v is not None and hasattr(cfg, k)
+    }
+    try:
+        cfg.update(**fields)
+    except (TypeError, ValueError) as e:
+        raise GenerateError(f"generate option 'generation_config': {e}") from None
+    rest = {k: v for k, v in kw.items() if k not in fields}
+    rest["generation_config"] = cfg
+    return rest
 
 
 class _Held:
@@ -399,8 +612,15 @@ def run_generate(
     from :func:`prompt_batches` or a corpus source) under the recorder ``rec`` (made by
     :func:`pyhook.capture` with no ``mask`` or ``positions``), one store batch per prompt batch.
 
-    ``max_new_tokens`` new tokens at most per prompt (fewer after EOS). ``generated_only``
-    stores only the rows of generated tokens; ``last_only`` only the last token of each step
+    ``max_new_tokens`` new tokens at most per prompt: a sequence ends sooner at its EOS
+    (``eos_token_id``, an int or a list, from ``generate_kwargs``, else a ``generation_config=``
+    there, else the model's ``generation_config``), at the step a criterion of
+    ``stopping_criteria=`` said it was done, or at the token that completes one of its
+    ``stop_strings=`` (matched with ``tokenizer``); ``max_time=`` ends them all. A criterion of
+    one of the classes ``generate`` makes itself from these options (``MaxLengthCriteria``,
+    ``EosTokenCriteria``, ...) while that option is set is refused (``GenerateError``: it would
+    replace ``generate``'s own). ``generated_only`` stores only the rows of generated tokens;
+    ``last_only`` only the last token of each step
     (the token whose output chose the next one: the prompt's last, then each generated token
     but the final one). ``sampling``: ``"greedy"`` (default), ``"sample"`` (multinomial, seeded
     per batch from ``seed`` and the batch's first example, so a resumed capture samples the
@@ -455,9 +675,13 @@ def run_generate(
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else "cpu"
-    eos = _eos_ids(model, generate_kwargs)
-    pad = _pad_id(model, generate_kwargs, tokenizer, eos)
-    kw = _generate_kwargs(model, sampling, dict(generate_kwargs), max_new_tokens, pad)
+    options = dict(generate_kwargs)
+    _generation_config(options)
+    eos = _eos_ids(model, options)
+    pad = _pad_id(model, options, tokenizer, eos)
+    kw = _generate_kwargs(model, sampling, options, max_new_tokens, pad)
+    stops, replaced = _stops(model, options, tokenizer, eos)
+    kw = _folded({**kw, **replaced})
     seeded = sampling != "greedy" or bool(kw.get("do_sample"))
     forward = wait = 0.0
     tokens = new_tokens = 0
@@ -492,6 +716,8 @@ def run_generate(
                     torch.manual_seed(seed * 1_000_003 + int(b.examples[0]))
                 # the first call's rows (the prompts): their tokens, no padding
                 rec.annotate(ids, prefill_keep, b.examples.to("cpu", torch.long))
+                if stops is not None:
+                    stops.reset()
                 seqs = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), **kw)
                 if not isinstance(seqs, torch.Tensor):  # return_dict_in_generate=True
                     seqs = seqs.sequences
@@ -505,6 +731,7 @@ def run_generate(
                     lengths,
                     prefill_keep,
                     eos,
+                    stops,
                     generated_only=generated_only,
                     stats=stats,
                     tokenizer=tokenizer,
@@ -537,6 +764,7 @@ def _join(
     lengths: torch.Tensor,
     prefill_keep: torch.Tensor,
     eos: list[int],
+    stops: _Stops | None,
     *,
     generated_only: bool,
     stats: bool,
@@ -554,13 +782,17 @@ def _join(
             "pyhook captures generate with its KV cache, one call per new token (no beam "
             "search, assisted or speculative decoding)"
         )
-    # Each sequence's end: its first EOS among the new tokens (included), else all of them.
+    # Each sequence's end: its first EOS among the new tokens (included), or the first step a
+    # stopping criterion or stop string said it was done, else all of them. (A finished
+    # sequence is padded, or without EOS runs on: nothing of it after its end is kept.)
     gen = seqs[:, width:]
     ends = torch.full((n_seq,), steps, dtype=torch.long)
     if eos:
         hit = torch.isin(gen, torch.tensor(eos, dtype=gen.dtype))
         first = torch.where(hit.any(1), hit.int().argmax(1) + 1, steps)
         ends = first.to(torch.long)
+    if stops is not None:
+        ends = torch.minimum(ends, stops.ends(width, steps, n_seq))
     last_col = width + ends - 1  # the padded column of each sequence's final token
     # Where each held row comes from: (sequence, padded column), in the steps' row order.
     r0, c0 = prefill_keep.nonzero(as_tuple=True)
