@@ -153,6 +153,12 @@ def test_a_row_up_to_float32s_largest_value_reads_back_finite(kind, backend):
     back = _backend.dequant_rows([q], [s], torch.arange(3), torch.float32)
     assert torch.isfinite(back).all()
     torch.testing.assert_close(back[:, 0], x[:, 0], rtol=1e-6, atol=0)
+    # a NaN or inf row beside them changes nothing for them
+    for odd in (float("nan"), float("inf")):
+        y = torch.cat([x, torch.tensor([[odd, 1.0, 1.0]])])
+        q, s = encoding.quantize_rows(y, kind)
+        back = _backend.dequant_rows([q], [s], torch.arange(4), torch.float32)
+        assert torch.isfinite(back[:3]).all() and torch.isnan(back[3]).all()
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])

@@ -143,6 +143,11 @@ def check_compress(compress: Any, what: str = "compress") -> str | None:
 
 
 # -- quantisation ----------------------------------------------------------------------------
+# Rows whose largest |value| is below this cannot round a scale up past float32's largest value
+# over the limit (a few float32 steps of margin).
+_NEAR_F32_MAX = float(torch.finfo(torch.float32).max) * (1 - 2.0**-20)
+
+
 def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: rows ``x`` ``[n, ...]`` as float8_e4m3fn (``kind="fp8"``) or int8, and
     one float32 scale per row, ``amax(|row|) / 448`` (``/ 127``), so that ``q * scale`` is the
@@ -177,9 +182,10 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
                 f"float32 read-back cannot hold; quantize={kind!r} keeps float64 rows whose "
                 f"largest |value| lies within {limit * 2.0**-149:.1e} .. {big:.1e} (or is 0)"
             )
-    # Rounded up, limit * scale could overflow float32 when read back: round such scales down.
-    over = finite & (scale.to(torch.float64) * limit > torch.finfo(torch.float32).max)
-    if bool(over.any()):
+    # Rounded up, limit * scale could overflow float32 when read back: round such scales down
+    # (only rows within a rounding of float32's largest value can; one reduction finds none).
+    if n and not float(amax.max()) <= _NEAR_F32_MAX:  # (a NaN or inf row hides the others)
+        over = finite & (scale.to(torch.float64) * limit > torch.finfo(torch.float32).max)
         scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale)).to(work)
     y = flat / safe[:, None]
