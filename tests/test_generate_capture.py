@@ -157,15 +157,7 @@ def _check_rows(
 def test_rows_equal_a_forward_over_each_final_sequence_with_eos_mid_batch(tmp_path):
     model = _gpt()
     eos = _eos_mid_batch(model, PROMPTS)
-    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
-        timing = run_generate(
-            model,
-            prompt_batches(PROMPTS, batch_size=4),
-            rec,
-            max_new_tokens=NEW,
-            eos_token_id=eos,
-        )
-    r = pyhook.open_capture(tmp_path)
+    r, timing = _generate_to(tmp_path, model, eos_token_id=eos)
     assert _check_rows(model, r, PROMPTS, eos, 4) >= 1  # some sequence stopped at EOS
     assert timing["tokens"] >= r.rows(POINTS[0])
     # rows in (example, position) order, as a forward over the final sequences stores them
@@ -358,6 +350,15 @@ def _cut_at(seqs, prompts, stop):
     return out
 
 
+def _generate_to(out, model, *, batch_size=4, new=NEW, **kw):
+    """run_generate over PROMPTS under a disk capture of POINTS: (the store's reader, timing)."""
+    with pyhook.capture(model, POINTS, out=out) as rec:
+        timing = run_generate(
+            model, prompt_batches(PROMPTS, batch_size=batch_size), rec, max_new_tokens=new, **kw
+        )
+    return pyhook.open_capture(out), timing
+
+
 @pytest.mark.parametrize("as_list", [False, True])
 def test_a_generation_config_argument_sets_the_eos(tmp_path, as_list):
     # Before, only eos_token_id= (or the model's generation_config) ended a sequence: with the
@@ -365,15 +366,7 @@ def test_a_generation_config_argument_sets_the_eos(tmp_path, as_list):
     model = _gpt()  # its own generation_config: EOS 0
     eos = _eos_mid_batch(model, PROMPTS)
     gc = transformers.GenerationConfig(eos_token_id=[38, eos] if as_list else eos, pad_token_id=eos)
-    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
-        run_generate(
-            model,
-            prompt_batches(PROMPTS, batch_size=4),
-            rec,
-            max_new_tokens=NEW,
-            generation_config=gc,
-        )
-    r = pyhook.open_capture(tmp_path)
+    r, _ = _generate_to(tmp_path, model, generation_config=gc)
     seqs = _final_sequences(model, PROMPTS, eos, 4)
     if as_list:  # the second EOS ends a sequence too
         seqs = _cut_at(seqs, PROMPTS, {38, eos})
@@ -424,15 +417,7 @@ def test_a_stopping_criterion_ends_its_sequences(tmp_path, model_eos):
     if not model_eos:  # no EOS: generate runs a finished sequence on, unpadded
         model.generation_config.eos_token_id = None
     criteria = transformers.StoppingCriteriaList([_StopOn(stop)])
-    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
-        t = run_generate(
-            model,
-            prompt_batches(PROMPTS, batch_size=4),
-            rec,
-            max_new_tokens=NEW,
-            stopping_criteria=criteria,
-        )
-    r = pyhook.open_capture(tmp_path)
+    r, t = _generate_to(tmp_path, model, stopping_criteria=criteria)
     # the reference: plain generate (the model's EOS 0, or none), cut by hand at the stop token
     eos = 0 if model_eos else None
     plain = _plain_generate(model, PROMPTS, 4, eos_token_id=eos, pad_token_id=0)
@@ -444,16 +429,12 @@ def test_a_stopping_criterion_ends_its_sequences(tmp_path, model_eos):
 def test_a_criterion_that_stops_the_whole_batch(tmp_path):
     model = _gpt()
     stop = _eos_mid_batch(model, PROMPTS)
-    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
-        run_generate(
-            model,
-            prompt_batches(PROMPTS, batch_size=4),
-            rec,
-            max_new_tokens=NEW,
-            eos_token_id=39,
-            stopping_criteria=transformers.StoppingCriteriaList([_StopAll(stop)]),
-        )
-    r = pyhook.open_capture(tmp_path)
+    r, _ = _generate_to(
+        tmp_path,
+        model,
+        eos_token_id=39,
+        stopping_criteria=transformers.StoppingCriteriaList([_StopAll(stop)]),
+    )
     seqs = []
     for at in range(0, len(PROMPTS), 4):  # each batch: every sequence up to the batch's stop
         chunk = PROMPTS[at : at + 4]
