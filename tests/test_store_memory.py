@@ -8,7 +8,6 @@ the producer wait instead of memory growing.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -205,80 +204,113 @@ def test_close_trims_the_heap_only_when_the_capture_left_memory_behind(tmp_path,
     assert calls == [0]
 
 
-class _Grows(torch.nn.Module):
-    """A Linear whose forward also keeps 36 MB of its own a call (the process grows during the
-    capture by memory that is the model's, not pyhook's; above glibc's largest mmap threshold,
-    32 MB, so it is always new memory whatever the heap holds)."""
+# The trim decision at close compares the process's size with its size when the capture began,
+# so these scenarios run each in a fresh process: in the suite's workers, memory that earlier
+# tests left to others (reference cycles the collector frees, a stream's kept producer thread
+# retiring with its last pass, a pool full of their batches) could be freed during the capture
+# and hide its growth (the CI flakes of these tests, three times so far).
+_TRIM_CHILD = """
+import json, sys, torch, pyhook
+from pyhook import offload
+from pyhook.capture import capture
+from pyhook.pipeline import capture as capmod
+from pyhook.store import open_capture
 
-    def __init__(self, width: int):
+rows, slack, backend, prefill, out = json.loads(sys.argv[1])
+MB = 1 << 20
+
+
+class Grows(torch.nn.Module):
+    # A Linear whose forward also keeps 36 MB of its own a call (the process grows during the
+    # capture by memory that is the model's, not pyhook's; above glibc's largest mmap threshold,
+    # 32 MB, so it is always new memory whatever the heap holds).
+    def __init__(self, width):
         super().__init__()
         self.lin = torch.nn.Linear(width, width)
-        self.kept: list[torch.Tensor] = []
+        self.kept = []
 
     def forward(self, x):
         self.kept.append(torch.ones(36 * MB // 4))
         return self.lin(x)
 
 
-def _trim_calls(tmp_path, monkeypatch, rows: int, **opts):
-    from pyhook.capture import capture
-
-    # Garbage that earlier tests of this process left in reference cycles (a traceback's frames
-    # holding tensors) is freed whenever the collector runs: run during the capture, it made the
-    # process smaller than the capture found it, whatever _Grows kept (reproduced with 320 MB
-    # of such garbage; the CI flake of test_close_still_trims_when_the_heap_held_the_rows).
-    gc.collect()
-    calls = _fake_malloc_trim(monkeypatch)
-    net = _Grows(256)
-    x = torch.randn(rows, 256)
-    with torch.no_grad(), capture(net, "lin", out=tmp_path, **opts) as rec:
-        for _ in range(4):
-            net(x)
-    assert torch.equal(open_capture(tmp_path)["lin"][: rows], net.lin(x).detach())
-    assert rec.rows["lin"] == 4 * rows
-    return calls
+calls = []
 
 
-@pytest.mark.skipif(not pyhook.native_available(), reason="the native pool maps the rows")
-def test_close_leaves_the_forwards_heap_alone_when_the_rows_were_mapped(tmp_path, monkeypatch):
-    # Issue 23 item 1 ("no slower forward after the capture"): the process grew by the model's
-    # own 144 MB, and every row buffer (2 MiB a batch) was one of the pool's mappings, unmapped
-    # at close. A malloc_trim would only have unmapped the forward's free heap pages, which the
-    # next forward faults back in (GPT-2 small: ~57,000 faults after each close); before, close
-    # trimmed here.
-    calls = _trim_calls(tmp_path, monkeypatch, 2048)
-    assert calls == []
-    assert pyhook.pool_stats()["cached_bytes"] == 0  # the pool's idle buffers went back
+class Libc:  # glibc's malloc_trim, recorded: the pads it was called with
+    def malloc_trim(self, pad):
+        calls.append(pad)
+        return 0
 
 
-def test_close_still_trims_when_the_heap_held_the_rows(tmp_path, monkeypatch):
-    # Rows under 1 MiB come from malloc's heap: once they add up to more than the slack, a
-    # capture that left the process bigger trims, as before. The reference backend takes every
-    # buffer from the heap.
-    from pyhook.pipeline import capture as capmod
-
-    monkeypatch.setattr(capmod, "_TRIM_SLACK", 64 << 10)  # 4 batches of 32 KiB rows exceed it
-    assert _trim_calls(tmp_path / "small", monkeypatch, 32) == [0]
-    monkeypatch.setattr(capmod, "_TRIM_SLACK", 32 << 20)
-    with pyhook.use_backend("reference"):
-        assert _trim_calls(tmp_path / "ref", monkeypatch, 2048) == [0]
-
-
-@pytest.mark.skipif(not pyhook.native_available(), reason="the native pool")
-def test_close_still_trims_when_the_pool_was_full_before_the_capture(tmp_path, monkeypatch):
-    # The pool's idle buffers at the start are not the capture's baseline: the close gives them
-    # back anyway. Counted in it, 250 MB of batches freed by earlier work hid the capture's
-    # growth (the CI flake of the test above, which ran after other tests in its process).
-    from pyhook.pipeline import capture as capmod
-
+if prefill:  # the pool full of earlier batches' buffers when the capture begins
+    assert pyhook.native_available()  # (loads the native core's operators)
     xs = [torch.ops.pyhook.gather_rows([torch.randn(5000, 768)], torch.arange(4096))]
     xs += [torch.ops.pyhook.gather_rows([xs[0]], torch.arange(4096)) for _ in range(19)]
     for x in xs:
         x.fill_(1.0)  # resident
     del xs
     assert pyhook.pool_stats()["cached_bytes"] >= 200 << 20
-    monkeypatch.setattr(capmod, "_TRIM_SLACK", 64 << 10)
-    assert _trim_calls(tmp_path, monkeypatch, 32) == [0]
+offload._libc = Libc()
+if slack is not None:
+    capmod._TRIM_SLACK = slack
+net = Grows(256)
+x = torch.randn(rows, 256)
+with pyhook.use_backend(backend), torch.no_grad(), capture(net, "lin", out=out) as rec:
+    for _ in range(4):
+        net(x)
+assert torch.equal(open_capture(out)["lin"][:rows], net.lin(x).detach())
+assert rec.rows["lin"] == 4 * rows
+print(json.dumps({"calls": calls, "cached": pyhook.pool_stats()["cached_bytes"]}))
+"""
+
+
+def _trim_calls(tmp_path, rows: int, *, slack=None, backend="native", prefill=False):
+    """A disk capture of 4 batches of ``rows`` rows of 256 floats by a model that keeps 144 MB
+    of its own, in a fresh process: ``(malloc_trim calls, the pool's cached bytes after)``."""
+    args = json.dumps([rows, slack, backend, prefill, str(tmp_path / "acts")])
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", _TRIM_CHILD, args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got["calls"], got["cached"]
+
+
+@pytest.mark.skipif(not pyhook.native_available(), reason="the native pool maps the rows")
+def test_close_leaves_the_forwards_heap_alone_when_the_rows_were_mapped(tmp_path):
+    # Issue 23 item 1 ("no slower forward after the capture"): the process grew by the model's
+    # own 144 MB, and every row buffer (2 MiB a batch) was one of the pool's mappings, unmapped
+    # at close. A malloc_trim would only have unmapped the forward's free heap pages, which the
+    # next forward faults back in (GPT-2 small: ~57,000 faults after each close); before, close
+    # trimmed here.
+    calls, cached = _trim_calls(tmp_path, 2048)
+    assert calls == []
+    assert cached == 0  # the pool's idle buffers went back
+
+
+@pytest.mark.skipif(not pyhook.native_available(), reason="the native backend's small rows")
+def test_close_still_trims_when_the_heap_held_the_rows(tmp_path):
+    # Rows under 1 MiB come from malloc's heap: once they add up to more than the slack, a
+    # capture that left the process bigger trims, as before.
+    assert _trim_calls(tmp_path, 32, slack=64 << 10)[0] == [0]  # 4 batches of 32 KiB rows
+
+
+def test_close_still_trims_when_the_reference_backend_held_the_rows(tmp_path):
+    # The reference backend takes every buffer from the heap.
+    assert _trim_calls(tmp_path, 2048, slack=32 << 20, backend="reference")[0] == [0]
+
+
+@pytest.mark.skipif(not pyhook.native_available(), reason="the native pool")
+def test_close_still_trims_when_the_pool_was_full_before_the_capture(tmp_path):
+    # The pool's idle buffers at the start are not the capture's baseline: the close gives them
+    # back anyway. Counted in it, 250 MB of batches freed by earlier work hid the capture's
+    # growth (the CI flake of the test above, which ran after other tests in its process).
+    assert _trim_calls(tmp_path, 32, slack=64 << 10, prefill=True)[0] == [0]
 
 
 def _add_with_a_closure(w: ShardWriter, i: int) -> None:
