@@ -515,11 +515,8 @@ def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
 DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 7))} away ." for i in range(40)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A GPT-2 LM checkpoint with a word-level tokenizer, and a JSON-lines file of prompts."""
-    root = tmp_path_factory.mktemp("gen")
-    tok = word_tokenizer(DOCS)
+def _word_gpt(tok, bos_token_id):
+    """A GPT-2 LM (3 x 32, random weights, seed 0) over ``tok``'s vocabulary and EOS."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         n_layer=3,
@@ -527,10 +524,18 @@ def ckpt(tmp_path_factory):
         n_head=4,
         vocab_size=len(tok),
         n_positions=64,
-        bos_token_id=tok.bos_token_id,
+        bos_token_id=bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(root / "model")
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A GPT-2 LM checkpoint with a word-level tokenizer, and a JSON-lines file of prompts."""
+    root = tmp_path_factory.mktemp("gen")
+    tok = word_tokenizer(DOCS)
+    _word_gpt(tok, tok.bos_token_id).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     with open(root / "prompts.jsonl", "w") as f:
         for i in range(10):
@@ -744,17 +749,7 @@ def test_stop_strings_end_their_sequences(tmp_path):
     # Before, stop_strings= failed in generate (no tokenizer reached it); now a sequence ends at
     # the token that completes a stop string, its rows after it not kept.
     tok = word_tokenizer([*DOCS, "abcdef"])  # StopStringCriteria decodes tokens after "abcdef"
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=3,
-        n_embd=32,
-        n_head=4,
-        vocab_size=len(tok),
-        n_positions=64,
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model = _word_gpt(tok, tok.eos_token_id)
     ids = [tok(" ".join(DOCS[i].split()[: 1 + i % 5]))["input_ids"] for i in range(8)]
     eos = tok.eos_token_id
     full = _final_sequences(model, ids, eos, 4)
