@@ -237,6 +237,10 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"layers": "h.0", "tee": 3}, TypeError, "tee"),
         ({"device": "meta"}, ValueError, "device 'meta'.*no data"),
         ({"device": "no-such-device"}, ValueError, "device must be"),
+        ({"drop_last": "no"}, TypeError, "drop_last must be a bool.*'no'"),
+        ({"overwrite": 1}, TypeError, "overwrite must be a bool"),
+        ({"quantise": "fp8"}, TypeError, "unknown option 'quantise'.*did you mean 'quantize'"),
+        ({"batchsize": 8}, TypeError, "unknown option 'batchsize'.*did you mean 'batch_size'"),
         pytest.param(
             {"device": "cuda"},
             ValueError,

@@ -750,6 +750,47 @@ def _rows_of(batch: dict[str, Any], layers: list[str], *, copy: bool) -> dict[st
     return rows
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Further ``stream()`` options are the recorder's (:func:`pyhook.capture`'s): an unknown
+    one is a ``TypeError`` naming it and the closest known one, before anything is made."""
+    import difflib
+    import inspect
+
+    from .capture import Recorder
+
+    known = [
+        n
+        for n, p in inspect.signature(Recorder.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in ("to", "out", "mask")
+    ]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, [*known, *_OWN_OPTIONS], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"stream() got an unknown option {name!r}{hint}; besides its own arguments it "
+                f"takes the recorder's: {', '.join(sorted(known))}"
+            )
+
+
+# stream()'s own keyword arguments, for the suggestions of _check_options.
+_OWN_OPTIONS = (
+    "batch_size",
+    "buffer_rows",
+    "seed",
+    "tee",
+    "device",
+    "dtype",
+    "positions",
+    "prefetch",
+    "drop_last",
+    "overwrite",
+    "rank",
+    "world_size",
+    "even_batches",
+)
+
+
 def stream(
     model: nn.Module,
     source: Any,
@@ -809,8 +850,9 @@ def stream(
     in :attr:`Stream.dropped_rows`. Leave it off to get every row.
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
-    capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none) raises
-    here, before any forward, naming the argument. An error once the pass runs (the corpus,
+    capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none, a flag
+    that is not a bool, an unknown option) raises here, before any forward, naming the
+    argument. An error once the pass runs (the corpus,
     the model) is raised in the trainer's loop.
     """
     from .capture import Recorder
@@ -846,10 +888,16 @@ def stream(
             "stream chooses the recorder's destination and mask itself (the source's keep mask); "
             "use tee= to also write the rows to disk"
         )
+    _check_options(options)
     dev = _stream_device(model, device)
     r, world = _world(rank, world_size)
-    if not isinstance(even_batches, bool):
-        raise TypeError(f"even_batches must be a bool, got {even_batches!r}")
+    for flag, value in (
+        ("even_batches", even_batches),
+        ("drop_last", drop_last),
+        ("overwrite", overwrite),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool (True or False), got {value!r}")
     keep = _Keep()
     rec_opts: dict[str, Any] = {"positions": positions, "dtype": dtype, "mask": keep, **options}
     if tee is not None:
