@@ -414,6 +414,18 @@ def test_tokenizers_with_another_vocabulary_are_refused(ckpts, tmp_path):
         check_tokenizers({"base": a, "chat": shuffled})
 
 
+def test_a_model_with_fewer_token_ids_than_the_corpus_uses_is_named(ckpts, tmp_path, capsys):
+    # The corpus's ids are checked against the smallest vocabulary of the models: the message
+    # says whose it is (it said "the model's", with two models).
+    tok = ckpts["tok"]
+    small = _save(ckpts["root"] / "chat-small-vocab", _llama(len(tok) - 8), tok)
+    out = tmp_path / "acts"
+    assert main(_job_args({**ckpts, "chat": small}, out)) == 2
+    err = capsys.readouterr().err
+    assert f"vocabulary size {len(tok) - 8:,} (model 'chat''s, the smallest of the models')" in err
+    assert not out.exists()
+
+
 def test_tokenizers_that_differ_in_files_but_agree_on_the_corpus_are_accepted(
     ckpts, tmp_path, reference
 ):

@@ -718,6 +718,7 @@ class CaptureJob:
                 rank=rank,
                 world_size=world,
                 vocab_size=getattr(prepared.config, "vocab_size", None) or None,
+                vocab_of=getattr(prepared.config, "vocab_of", None) or "the model's",
             )
         except SourceError as e:
             if tok_error is not None and "tokenizer" in str(e):

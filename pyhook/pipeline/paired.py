@@ -413,17 +413,21 @@ def prepare_models(models: Mapping[str, str], *, model_class: str | None = None)
         except RunnerError as e:
             raise RunnerError(f"model {name!r}: {e}") from None
     positions = [ld.max_positions for ld in loaded.values() if ld.max_positions is not None]
-    vocabs = [
-        v
-        for v in (getattr(ld.config, "vocab_size", None) for ld in loaded.values())
+    vocabs = {
+        n: v
+        for n, v in ((n, getattr(ld.config, "vocab_size", None)) for n, ld in loaded.items())
         if isinstance(v, int) and v > 0
-    ]
+    }
+    fewest = min(vocabs, key=lambda n: vocabs[n]) if vocabs else None
     smallest = min(loaded, key=lambda n: loaded[n].max_positions or float("inf"))
     return PairedLoaded(
         loaded=loaded,
         path=" ".join(f"{n}={ld.path}" for n, ld in loaded.items()),
         max_positions=min(positions) if positions else None,
-        config=_Config(min(vocabs) if vocabs else None),
+        config=_Config(
+            vocabs[fewest] if fewest is not None else None,
+            f"model {fewest!r}'s, the smallest of the models'" if fewest is not None else "",
+        ),
         display_name=f"{smallest} ({os.path.basename(loaded[smallest].path)})",
     )
 
@@ -431,6 +435,7 @@ def prepare_models(models: Mapping[str, str], *, model_class: str | None = None)
 @dataclasses.dataclass
 class _Config:
     vocab_size: int | None
+    vocab_of: str = "the model's"  # whose vocabulary size it is, for the corpus's messages
 
 
 def is_paired(model: Any) -> bool:

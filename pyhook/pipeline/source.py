@@ -195,6 +195,7 @@ class CorpusSource:
         world_size: int = 1,
         prefetch: int = 4,
         vocab_size: int | None = None,
+        vocab_of: str = "the model's",
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         for name, value, low in (
@@ -227,6 +228,7 @@ class CorpusSource:
         self.world_size = world_size
         self.prefetch = prefetch
         self.vocab_size = vocab_size
+        self.vocab_of = vocab_of  # whose vocabulary size it is, for the messages
         self._ds: Any = None  # the datasets.Dataset of an "arrow" folder, opened once
         self.columns = self._columns()
         self.column, self.pretokenized = self._pick_column(text_column)
@@ -526,7 +528,11 @@ class CorpusSource:
                 )
             if v and (min(v) < 0 or (vocab is not None and max(v) >= vocab)):
                 t = next(t for t in v if t < 0 or (vocab is not None and t >= vocab))
-                what = "negative" if t < 0 else f"not below the vocabulary size {vocab:,}"
+                what = (
+                    "negative"
+                    if t < 0
+                    else f"not below the vocabulary size {vocab:,} ({self.vocab_of})"
+                )
                 raise SourceError(
                     f"--input {self._file_label(file)}, {where(i)}, column {self.column!r}: "
                     f"token id {t} is {what} (ids go from 0 to vocab_size - 1); "
@@ -732,7 +738,7 @@ class CorpusSource:
             if i is not None and not 0 <= i < vocab:
                 raise SourceError(
                     f"the tokenizer's {what} token id {i} is not below the vocabulary size "
-                    f"{vocab:,} (the model's); is the tokenizer (--tokenizer) the model's?"
+                    f"{vocab:,} ({self.vocab_of}); is the tokenizer (--tokenizer) the model's?"
                 )
 
     def _check_encoded(self, example: int, ids: list[int]) -> None:
@@ -743,8 +749,8 @@ class CorpusSource:
         t = next(t for t in ids if t >= vocab)
         raise SourceError(
             f"--input {self.path!r}, example {example:,} (from 0), column {self.column!r}: the "
-            f"tokenizer gives token id {t}, not below the vocabulary size {vocab:,} (the "
-            "model's); is the tokenizer (--tokenizer) the model's?"
+            f"tokenizer gives token id {t}, not below the vocabulary size {vocab:,} "
+            f"({self.vocab_of}); is the tokenizer (--tokenizer) the model's?"
         )
 
     def _contexts(self) -> Iterator[tuple[int, list[int]]]:
