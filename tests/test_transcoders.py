@@ -171,6 +171,30 @@ def test_opt_sites_computed_flat_are_masked_and_annotated_like_the_others(pre_no
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_opt_flat_sites_without_token_annotations_take_the_grid_from_input_ids():
+    """tokens=False keeps no token ids, but the input_ids still say [batch, tokens]: the flat
+    sites are captured (they were refused as "not known"), and positions apply to them."""
+    model = opt()
+    ids = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(5))
+    seen: list[torch.Tensor] = []
+    fc1 = model.model.decoder.layers[1].fc1
+    h = fc1.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        h.remove()
+    flat = seen[0]
+    sites = ["mlp_in.1", "resid_post.1"]
+    with torch.no_grad(), capture(model, sites, tokens=False) as rec:
+        model(input_ids=ids)
+    assert torch.equal(rec["mlp_in.1"], flat)
+    with torch.no_grad(), capture(model, sites, tokens=False, positions="last") as rec:
+        model(input_ids=ids)
+    assert torch.equal(rec["mlp_in.1"], flat.reshape(3, 7, -1)[:, -1])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_a_flat_site_that_does_not_match_the_batch_is_refused_by_name():
     """A point registered as flat whose tensor is not [batch*tokens, ...] of this forward, in
     a masked capture: one error naming the layer, and no hook left behind."""

@@ -190,6 +190,20 @@ def layer_rows(name: str, output: Any, select: Callable[[Any], Any] | None) -> t
     return raw
 
 
+def forward_grid(
+    mask: torch.Tensor | None, ids: torch.Tensor | None, first: torch.Tensor | None
+) -> tuple[int, int] | None:
+    """A forward's ``[batch, tokens]``: its mask's, its token ids', or its first input's when
+    that is token ids or ``[batch, tokens, ...]`` embeddings; None when none of them says.
+    (The grid :func:`token_layout` views a flat point in, on the eager and compiled paths.)"""
+    for t in (mask, ids):
+        if t is not None:
+            return (int(t.shape[0]), int(t.shape[1]))
+    if first is not None and (first.dim() >= 3 or input_token_ids((first,), {}) is not None):
+        return (int(first.shape[0]), int(first.shape[1]))
+    return None
+
+
 def token_layout(
     name: str, raw: torch.Tensor, grid: tuple[int, int] | None, needed: bool
 ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ._record import (
     batch_stats,
     check_mask_tensor,
     first_input,
+    forward_grid,
     input_token_ids,
     layer_rows,
     positional_index,
@@ -140,16 +141,6 @@ class CompiledPath:
         if m is not None:
             self.mask = check_mask_tensor(mask, m)
 
-    def grid_of_forward(self) -> tuple[int, int] | None:
-        """This forward's ``[batch, tokens]`` (see the eager path's)."""
-        for t in (self.mask, self.ids):
-            if t is not None:
-                return (int(t.shape[0]), int(t.shape[1]))
-        first = self.first
-        if first is not None and (first.dim() >= 3 or input_token_ids((first,), {}) is not None):
-            return (int(first.shape[0]), int(first.shape[1]))
-        return None
-
     def make_hook(self, name: str, *, flat: bool = False) -> Callable[..., None]:
         select = self.rec.select
         reduction = self.reduction
@@ -160,7 +151,7 @@ class CompiledPath:
                 needed = (
                     self.mask is not None or reduction.positions is not None or self.ids is not None
                 )
-                raw = token_layout(name, raw, self.grid_of_forward(), needed)
+                raw = token_layout(name, raw, forward_grid(self.mask, self.ids, self.first), needed)
             t, mask = reduction.reduce_static(name, raw.detach(), self.mask)
             if t.dim() == 0:
                 t = t.reshape(1)

@@ -28,6 +28,7 @@ from ._record import (
     check_guard,
     check_mask_tensor,
     first_input,
+    forward_grid,
     input_token_ids,
     layer_rows,
     stats_later,
@@ -127,17 +128,6 @@ class EagerPath:
             )
         return m
 
-    def grid_of_forward(self) -> tuple[int, int] | None:
-        """This forward's ``[batch, tokens]``: the mask's, the token ids', or the first input's
-        when it is ``[batch, tokens, ...]`` (embeddings); None when none of them says."""
-        for t in (self.mask, self.token_ids):
-            if t is not None:
-                return (int(t.shape[0]), int(t.shape[1]))
-        first = self.first
-        if first is not None and first.dim() >= 3:
-            return (int(first.shape[0]), int(first.shape[1]))
-        return None
-
     def make_hook(self, name: str, *, flat: bool = False) -> Callable[..., None]:
         # Everything that does not change between calls is read once here: the hook runs once
         # per layer per forward, and at a few microseconds of Python it is most of the cost of
@@ -163,8 +153,8 @@ class EagerPath:
                 raw = token_layout(
                     name,
                     raw,
-                    self.grid_of_forward(),
-                    reduces or self.track or self.note is not None,
+                    forward_grid(self.mask, self.token_ids, self.first),
+                    self.mask is not None or reduction.positions is not None or self.track,
                 )
             if self.examples is None:
                 self.examples = int(raw.shape[0]) if raw.dim() else 1

@@ -227,17 +227,16 @@ def _check_json(name: str, value: Any) -> None:
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model a wrapper runs (torch.compile's ``_orig_mod``, DDP's ``module``): the model a
-    capture's index names, so that a resume through another wrapper is the same model."""
-    seen = 0
-    while seen < 8:
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
+    """The model under torch.compile's (:func:`~pyhook._compiled.unwrap_compiled`) and DDP's
+    wrappers: the model a capture's index names, so that a resume through another wrapper is
+    the same model."""
+    while True:
+        inner = unwrap_compiled(model)
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            inner = inner.module
+        if inner is model:
             return model
-        model, seen = inner, seen + 1
-    return model
+        model = inner
 
 
 class Recorder:
