@@ -145,7 +145,8 @@ def check_compress(compress: Any, what: str = "compress") -> str | None:
 # -- quantisation ----------------------------------------------------------------------------
 # Rows whose largest |value| is below this cannot round a scale up past float32's largest value
 # over the limit (a few float32 steps of margin).
-_NEAR_F32_MAX = float(torch.finfo(torch.float32).max) * (1 - 2.0**-20)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_NEAR_F32_MAX = _F32_MAX * (1 - 2.0**-20)
 
 
 def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,19 +174,18 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
     scale = (amax / limit).to(torch.float32)
     if work == torch.float64:
         # Read back in float32 (the dequant's product), so the values must fit float32 too.
-        big = float(torch.finfo(torch.float32).max)
-        lost = finite & ((amax > big) | ((scale == 0) & (amax > 0)))
+        lost = finite & ((amax > _F32_MAX) | ((scale == 0) & (amax > 0)))
         if bool(lost.any()):
             i = int(lost.nonzero()[0])
             raise ValueError(
                 f"a row's largest |value| is {float(amax[i]):.3g}, which a float32 scale and a "
                 f"float32 read-back cannot hold; quantize={kind!r} keeps float64 rows whose "
-                f"largest |value| lies within {limit * 2.0**-149:.1e} .. {big:.1e} (or is 0)"
+                f"largest |value| lies within {limit * 2.0**-149:.1e} .. {_F32_MAX:.1e} (or is 0)"
             )
     # Rounded up, limit * scale could overflow float32 when read back: round such scales down
     # (only rows within a rounding of float32's largest value can; one reduction finds none).
     if n and not float(amax.max()) <= _NEAR_F32_MAX:  # (a NaN or inf row hides the others)
-        over = finite & (scale.to(torch.float64) * limit > torch.finfo(torch.float32).max)
+        over = finite & (scale.to(torch.float64) * limit > _F32_MAX)
         scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale)).to(work)
     y = flat / safe[:, None]

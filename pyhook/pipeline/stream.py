@@ -758,37 +758,19 @@ def _check_options(options: dict[str, Any]) -> None:
 
     from .capture import Recorder
 
-    known = [
-        n
-        for n, p in inspect.signature(Recorder.__init__).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in ("to", "out", "mask")
-    ]
+    def keywords(fn: Any) -> list[str]:
+        params = inspect.signature(fn).parameters.items()
+        return [n for n, p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+    known = [n for n in keywords(Recorder.__init__) if n not in ("to", "out", "mask")]
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, [*known, *_OWN_OPTIONS], n=1)
+            close = difflib.get_close_matches(name, [*known, *keywords(stream)], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(
                 f"stream() got an unknown option {name!r}{hint}; besides its own arguments it "
                 f"takes the recorder's: {', '.join(sorted(known))}"
             )
-
-
-# stream()'s own keyword arguments, for the suggestions of _check_options.
-_OWN_OPTIONS = (
-    "batch_size",
-    "buffer_rows",
-    "seed",
-    "tee",
-    "device",
-    "dtype",
-    "positions",
-    "prefetch",
-    "drop_last",
-    "overwrite",
-    "rank",
-    "world_size",
-    "even_batches",
-)
 
 
 def stream(
