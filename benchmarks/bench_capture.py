@@ -1027,6 +1027,11 @@ def main() -> None:
         "--job-modules", type=int, nargs="*", default=[12, 48], choices=[12, 48],
         help="hooked modules of (d)",
     )
+    p.add_argument(
+        "--job-batches", type=int, default=0,
+        help="batches per loop of (d) (default 6): a capture's fixed costs (its writer thread, "
+        "the pool's first buffers, the index) are spread over this many batches",
+    )
     args = p.parse_args()
     default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -1047,6 +1052,8 @@ def main() -> None:
     args.disk_rounds = 2 if args.quick else 7
     # (d) GPT-2 small (12 x 768), 8 x 128 tokens a batch; --quick: a narrow model, few rounds.
     args.job_shape = (12, 128, 2, 4, 64, 4) if args.quick else (12, 768, 12, 8, 128, 6)
+    if args.job_batches:
+        args.job_shape = (*args.job_shape[:5], args.job_batches)
     args.job_rounds = args.job_rounds or (2 if args.quick else 7)
     print(
         f"pyhook capture benchmark: {platform.platform()}, {platform.processor() or platform.machine()}, "
