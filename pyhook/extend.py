@@ -19,6 +19,7 @@ formats and errors), with its bugs fixed:
 * hooks are removed by :meth:`HooksHandle.close`, by leaving a ``with`` block, and when the
   wrapper is garbage collected: the hooks hold only a weak reference to the wrapper, so dropping
   the last reference to it really removes them;
+* a deep copy (``copy.deepcopy``) hooks its own copy of the model, as the original's copies do;
 * bad extensions (unknown sub-module IDs, duplicate or invalid names, non-modules) raise before
   anything is registered;
 * a :class:`ModelStump` stops the forward at its head instead of running the whole model, and its
@@ -265,6 +266,25 @@ class HooksHandle(nn.Module, abc.ABC):
                 self.close()
             except Exception:
                 pass
+
+    # A deep copy of the wrapper copies the model without pyhook's hooks (see pyhook._hooks):
+    # the copy registers its sub-modules again on its own model, as hybrid_learning's copies
+    # (whose hooks are copied along with the model) capture from the copied model.
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_hook_sets"] = list(self._hook_sets)  # the IDs; the hooks stay with this wrapper
+        state["_frames"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module_ids = state.pop("_hook_sets")
+        super().__setstate__(state)
+        self._hook_sets = {}
+        self._owner_id = id(self)
+        weakref.finalize(self, _remove_all, self._hook_sets)
+        if not self._closed:
+            for module_id in module_ids:
+                HooksHandle.register_submodule(self, module_id)
 
     def _check_open(self) -> None:
         if self.__dict__.get("_closed", False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -457,6 +458,44 @@ def test_close_context_and_explicit_del():
     stump.__del__()  # hybrid_learning's own idiom (dummy_output, test_del)
     assert all_hooks(net) == 0
     stump.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    "make, read",
+    [
+        (
+            lambda net: ModelExtender(net, {"0": {"a": nn.Identity()}, "2": {"b": nn.Identity()}}),
+            lambda out, ref: ((out[1]["a"], out[1]["b"]), (ref["0"], ref["2"])),
+        ),
+        (lambda net: ActivationMapGrabber(net, ["0", "2"]), lambda out, ref: (out[1], ref)),
+        (lambda net: ModelStump(net, "2"), lambda out, ref: (out, ref["2"])),
+        (
+            lambda net: ExtendedModelStump(net, "2", lambda a: a * 2),
+            lambda out, ref: (out, ref["2"] * 2),
+        ),
+    ],
+)
+def test_deepcopy_gives_a_working_wrapper_of_the_copied_model(make, read):
+    # hybrid_learning's hooks are copied along with the model (its _HookFor points to the
+    # copied wrapper), so a deep copy captures from its own copy of the model
+    net, x = mlp(), torch.randn(2, 4)
+    wrapper = make(net)
+    twin = copy.deepcopy(wrapper)
+    assert twin.wrapped_model is not net
+    assert twin.registered_submodules == wrapper.registered_submodules
+    assert all_hooks(twin.wrapped_model) == all_hooks(net) > 0
+    with torch.no_grad():
+        for p in twin.wrapped_model.parameters():
+            p.add_(1)  # the copy's captures must come from the copy's own model
+    for w in (twin, wrapper):
+        _, ref = hand_outputs(w.wrapped_model, ["0", "2"], x)
+        got, want = read(w(x), ref)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    twin_ref = weakref.ref(twin)
+    del twin
+    gc.collect()
+    assert twin_ref() is None  # the copy's hooks go with it; the original's stay
+    assert all_hooks(net) > 0
 
 
 def test_hooks_handle_is_abstract():
