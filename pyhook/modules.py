@@ -198,16 +198,18 @@ def set_requires_grad(requires_grad: bool, *models: nn.Module | torch.Tensor) ->
         >>> net.weight.requires_grad
         False
     """
+    for i, model in enumerate(models, 2):  # all checked first: a bad one changes nothing
+        if not isinstance(model, (nn.Module, torch.Tensor)):
+            raise TypeError(
+                "set_requires_grad takes modules, parameters or tensors, got "
+                f"{type(model).__name__} as argument {i} (requires_grad is argument 1)"
+            )
     for model in models:
         if isinstance(model, nn.Module):
             for param in model.parameters():
                 param.requires_grad = requires_grad
-        elif isinstance(model, torch.Tensor):
-            model.requires_grad = requires_grad
         else:
-            raise TypeError(
-                f"set_requires_grad takes modules, parameters or tensors, got {type(model).__name__}"
-            )
+            model.requires_grad = requires_grad
 
 
 def subsequence(

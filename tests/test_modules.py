@@ -71,6 +71,13 @@ def test_set_requires_grad():
         nethook.set_requires_grad(True, "net")  # type: ignore[arg-type]
 
 
+def test_set_requires_grad_with_a_bad_argument_changes_nothing():
+    net, t = nested(), torch.zeros(2)
+    with pytest.raises(TypeError, match=r"got str as argument 4"):
+        nethook.set_requires_grad(False, net, t, "net")  # type: ignore[arg-type]
+    assert all(p.requires_grad for p in net.parameters()) and not t.requires_grad
+
+
 def keys(seq):
     return [(n, type(m).__name__) for n, m in seq.named_modules() if n]
 
