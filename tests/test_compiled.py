@@ -328,6 +328,43 @@ def test_capture_to_disk_on_a_compiled_model_matches_eager(tmp_path, gpt_parts):
         pyhook.release_compiled(model)
 
 
+@pytest.mark.parametrize("positions", ["last", [0, 3], slice(0, 9)])
+def test_capture_on_a_compiled_model_picks_positions_among_the_annotated_kept_tokens(
+    positions, gpt_parts
+):
+    """``rec.annotate(ids, keep)`` with positions: "last" is the last kept token and a list or
+    slice keeps only kept tokens, as on the eager model. The compiled graph picked them by the
+    attention mask alone, so the rows were other tokens than the row index and token ids said
+    (``last``), or included the tokens ``keep`` excluded (a list or slice)."""
+    model, ids, mask = gpt_parts
+    keep = mask.bool().clone()
+    keep[:, 0] = False  # no BOS
+    keep[0, 11] = keep[1, 7] = False  # nor each example's last valid token (an EOS, say)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[2]
+    if positions == "last":
+        want = [(0, 10), (1, 6)]
+    else:
+        cols = range(12)[positions] if isinstance(positions, slice) else positions
+        want = [(e, p) for e in range(2) for p in cols if keep[e, p]]
+    runner = torch.compile(model, backend="eager")
+    try:
+        with (
+            torch.no_grad(),
+            capture(runner, "h.1", positions=positions, mask="attention_mask") as rec,
+        ):
+            for _ in range(2):  # the second batch runs the code compiled for the first
+                rec.annotate(ids, keep)
+                runner(input_ids=ids, attention_mask=mask)
+        want = want + [(e + 2, p) for e, p in want]
+        assert rec.row_index.tolist() == [list(w) for w in want]
+        assert rec.tokens.tolist() == [int(ids[e % 2, p]) for e, p in want]
+        torch.testing.assert_close(rec["h.1"], torch.stack([ref[e % 2, p] for e, p in want]))
+        assert active_entries(model) == 0
+    finally:
+        pyhook.release_compiled(model)
+
+
 @pytest.mark.parametrize("how", HOWS + ["eager module given"])
 def test_a_disk_capture_on_a_compiled_model_traces_nothing_per_forward(tmp_path, how):
     """A batch a disk capture (or a GPU's rows) must finish after each forward is finished in

@@ -95,6 +95,9 @@ class CompiledPath:
         self.mask: torch.Tensor | None = None
         self.ids: torch.Tensor | None = None
         self.mask_pos = positional_index(rec.model, rec.mask)
+        # annotate()'s keep mask for the next forward, given to the graph when positions pick
+        # tokens by it ("last", a list or slice): drain cannot pick them again from the rows
+        self.keep: torch.Tensor | None = None
         self.drained = 0  # batches finished by drain (notes are matched to them by number)
         self.after_wrapper = False  # finish_forward, on the torch.compile wrapper, finishes
 
@@ -129,17 +132,20 @@ class CompiledPath:
         self.first = first_input(args, kwargs)
         self.ids = kwargs.get("input_ids")
         mask = self.rec.mask
-        if mask is None:
-            return
-        if callable(mask):
-            m = mask(args, kwargs)
-        else:
-            m = kwargs.get(mask)
-            pos = self.mask_pos
-            if m is None and pos is not None and len(args) > pos:
-                m = args[pos]
-        if m is not None:
-            self.mask = check_mask_tensor(mask, m)
+        if mask is not None:
+            if callable(mask):
+                m = mask(args, kwargs)
+            else:
+                m = kwargs.get(mask)
+                pos = self.mask_pos
+                if m is None and pos is not None and len(args) > pos:
+                    m = args[pos]
+            if m is not None:
+                self.mask = check_mask_tensor(mask, m)
+        keep = self.keep
+        if keep is not None:  # as the eager path: the kept tokens among the mask's
+            self.keep = None
+            self.mask = keep if self.mask is None else keep.to(self.mask.device) & self.mask
 
     def make_hook(self, name: str, *, flat: bool = False) -> Callable[..., None]:
         select = self.rec.select
@@ -272,7 +278,8 @@ class CompiledPath:
         """Rows of a token-shaped output under the annotated keep mask (not known to the graph).
 
         Only full-token layouts (flatten without positions) can be re-selected after the fact;
-        other layouts keep what the graph computed (positions chose rows already).
+        other layouts keep what the graph computed (positions chose rows already, among the
+        kept tokens where they depend on them: :attr:`keep`).
         """
         r = self.reduction
         if grid is None or r.positions is not None or not r.flatten:

@@ -724,6 +724,9 @@ class Recorder:
         if isinstance(self._path, CompiledPath):
             self._path.drain()  # batches before this one are finished: the next one is numbered
             self._notes[self._path.drained] = note
+            p = self.positions
+            if keep is not None and p is not None and not _is_int(p):
+                self._path.keep = keep  # "last", a list or a slice picks among kept tokens
         else:
             self._note = note
 
