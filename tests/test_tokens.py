@@ -187,6 +187,49 @@ def test_layers_of_different_row_layouts_get_no_token_ids():
     assert rec.tokens is None and rec.row_index is None  # rows are examples [tokens, hidden]
 
 
+class PrefixModel(nn.Module):
+    """Prepends two learned tokens (prefix tuning, soft prompts): its layers see more tokens
+    than its ``input_ids`` has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4)
+        self.prefix = nn.Parameter(torch.randn(1, 2, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        return self.lin(torch.cat([self.prefix.expand(h.shape[0], -1, -1), h], 1))
+
+
+@pytest.mark.parametrize("positions", [None, "last", 0])
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_layers_with_more_tokens_than_the_input_ids_are_captured_without_token_ids(
+    tmp_path, to, positions
+):
+    """Token ids that do not match a layer's [batch, tokens] (and no mask) describe none of its
+    rows: the rows are stored without token ids or row index. Building the row index from
+    neither raised AttributeError from the commit hook, failing every forward."""
+    torch.manual_seed(0)
+    model = PrefixModel()
+    ids = torch.randint(0, 20, (2, 5))
+    seen = []
+    h = model.lin.register_forward_hook(lambda _m, _a, o: seen.append(o.detach().clone()))
+    with torch.no_grad():
+        model(ids)
+    h.remove()
+    want = seen[0].reshape(-1, 4) if positions is None else seen[0][:, -1 if positions else 0]
+    kw = {"out": tmp_path} if to == "disk" else {}
+    with torch.no_grad(), capture(model, "lin", positions=positions, **kw) as rec:
+        model(ids)
+        model(ids)
+    r = open_capture(tmp_path) if to == "disk" else rec
+    rows = r["lin"].to_tensor() if to == "disk" else r["lin"]
+    assert torch.equal(rows, torch.cat([want, want]))
+    assert r.tokens is None and r.row_index is None
+    assert all_hooks(model) == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -785,6 +785,8 @@ class Recorder:
             token_ids = None
         if mask is not None and tuple(mask.shape) != shape:
             return extra
+        if token_ids is None and mask is None:
+            return extra  # the layers' tokens are not the input's (a prefix, say): unknown
         if note is not None and note.examples is not None:
             index = note.examples
         else:
