@@ -335,6 +335,59 @@ def test_a_layer_naming_no_model_or_missing_in_one_model_leaves_no_hook(tmp_path
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+class _Steered(torch.nn.Module):
+    """``model`` with a vector added to block 0's output: a second model that holds the first
+    (model diffing against a steered copy), sharing every module with it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+        self.v = torch.nn.Parameter(torch.randn(32, generator=torch.Generator().manual_seed(5)))
+        self.head = torch.nn.Linear(32, 3)
+
+    def _add(self, _m, _a, o):
+        return (o[0] + self.v, *o[1:]) if isinstance(o, tuple) else o + self.v
+
+    def forward(self, input_ids):
+        h = self.m.transformer.h[0].register_forward_hook(self._add)
+        try:
+            out = self.m.transformer(input_ids=input_ids).last_hidden_state
+        finally:
+            h.remove()
+        return self.head(out)
+
+
+def test_a_layer_of_a_module_both_models_hold_is_refused_naming_it(tmp_path):
+    # The hook of base/transformer.h.1 also ran in chat's forward (which runs base's blocks):
+    # the last call was kept, so base's rows were chat's, silently.
+    base = _gpt2(40)
+    chat = _Steered(base)
+    pair = Paired(base=base, chat=chat)
+    x = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    for layers in (
+        ["base/transformer.h.1"],
+        ["resid_post.0", "chat/head"],
+        [base.transformer.h[1]],
+    ):
+        with pytest.raises(
+            ValueError, match=r"also a module of model 'chat' \('m\.transformer\.h\."
+        ) as e:
+            capture(pair, layers, out=str(tmp_path / "acts"))
+        assert "layer 'base/" in str(e.value)
+        assert all_hooks(pair) == 0
+        assert not (tmp_path / "acts").exists()
+    # a layer only one of them holds: its rows, as a hand-written hook on it gives them
+    want = []
+    h = chat.head.register_forward_hook(lambda m, a, o: want.append(o))
+    with torch.no_grad():
+        chat(x)
+    h.remove()
+    with torch.no_grad(), capture(pair, ["chat/head"]) as rec:
+        pair(x)
+    torch.testing.assert_close(rec["chat/head"], want[0].reshape(-1, 3))
+    assert all_hooks(pair) == 0
+
+
 # -- tokenizers -----------------------------------------------------------------------------------
 def _variant(tok, *, pre=None, added=None, swap=None):
     """A tokenizer like ``tok``: another pre-tokenizer, an added special token, or two words'

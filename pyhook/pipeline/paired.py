@@ -62,6 +62,8 @@ class Paired(nn.Module):
     as its model returns, as a capture does not need the logits). Capturing it records layers as
     ``NAME/LAYER``; a layer given without a name (``resid_post.1``) is taken from every model.
     The models may differ in width and architecture; they must take the same inputs (token ids).
+    A captured layer must be a module of one model only (a model that holds the other, such as
+    a steered wrapper, is refused for the layers they share: a hook there runs in both).
 
     >>> import torch
     >>> from pyhook.capture import capture
@@ -206,6 +208,9 @@ class Paired(nn.Module):
                     f"{entry!r}"
                 )
         found: dict[str, Any] = {}
+        # A module held by two models (a wrapper around the other model, a shared block) runs
+        # in both forwards: a hook on it would store the last model's rows under both names.
+        held = {n: {id(m) for m in self._modules[n].modules()} for n in self._names}  # type: ignore[union-attr]
         for name in self._names:
             if not asked[name]:
                 continue
@@ -215,6 +220,21 @@ class Paired(nn.Module):
             except LayerNotFoundError as e:
                 raise type(e)(f"{name}{SEP}{e.name}", f"model {name!r}: {e.args[0]}") from None
             for layer, target in resolved:
+                module = target if isinstance(target, nn.Module) else target.module
+                other = next((n for n in self._names if n != name and id(module) in held[n]), None)
+                if other is not None:
+                    there = next(
+                        p
+                        for p, m in self._modules[other].named_modules()  # type: ignore[union-attr]
+                        if m is module
+                    )
+                    raise ValueError(
+                        f"layer '{name}{SEP}{layer}': its module is also a module of model "
+                        f"{other!r} ({there!r}), so it runs in both models' forwards and its "
+                        "rows would mix the two models' rows; pair models that share no "
+                        "module (e.g. copy.deepcopy(model) for the second), or capture a layer "
+                        "that only one model holds"
+                    )
                 if type(target).__name__ == "Point":  # its module's path within this module
                     target = dataclasses.replace(target, module_name=f"{name}.{target.module_name}")
                 found.setdefault(f"{name}{SEP}{layer}", target)
