@@ -280,6 +280,24 @@ def test_ids_at_or_above_the_vocabulary_size_are_refused(tmp_path, tok):
         open_source(tmp_path / "neg.parquet")
 
 
+def test_a_padding_id_outside_the_vocabulary_is_refused_for_token_id_corpora(tmp_path, tok):
+    """One example a row pads with the tokenizer's pad id, token-id corpora too: an id the
+    model's embedding lacks is refused naming it, before a forward looks it up."""
+    pad = tok.pad_token_id
+    rows = [[0, 0, 0], [0, 0]]  # below every vocabulary; padded to 3 tokens with the pad id
+    pq.write_table(pa.table({"input_ids": rows}), tmp_path / "ids.parquet")
+    ok = open_source(tmp_path / "ids.parquet", tokenizer=tok, vocab_size=pad + 1)
+    (batch,) = list(ok)
+    assert batch.input_ids[1].tolist() == [0, 0, pad] and pad > 0
+    with pytest.raises(SourceError) as e:
+        list(open_source(tmp_path / "ids.parquet", tokenizer=tok, vocab_size=pad))
+    text = str(e.value)
+    assert f"the tokenizer's padding token id {pad} is not below the vocabulary size" in text
+    # packed contexts pad nothing: the same tokenizer is not refused there
+    assert list(open_source(tmp_path / "ids.parquet", tokenizer=tok, vocab_size=pad,
+                            context_size=2))  # fmt: skip
+
+
 def test_a_later_parquet_file_that_differs_is_refused_at_open(tmp_path, tok):
     """Every file of a parquet folder is checked from its footer before anything runs."""
     table = pa.table({"text": DOCS})

@@ -668,7 +668,7 @@ class CorpusSource:
         start = lo + self.skip
         excluded = self._excluded()
         pad = self.special_ids()[2]
-        self._check_special_ids()
+        self._check_special_ids(padded=True)
         buf: list[tuple[int, Any]] = []
 
         def flush(buf: list[tuple[int, Any]]) -> Batch:
@@ -715,7 +715,7 @@ class CorpusSource:
         bos, eos, _ = self.special_ids()
         head = [bos] if bos is not None else []
         tail = [eos] if eos is not None else []
-        self._check_special_ids()
+        self._check_special_ids(padded=False)
         n = 0  # examples before this chunk
         for chunk in self._chunks():
             if self.pretokenized:
@@ -730,11 +730,16 @@ class CorpusSource:
                         yield head + ids + tail
             n += len(chunk)
 
-    def _check_special_ids(self) -> None:
+    def _check_special_ids(self, *, padded: bool) -> None:
+        """The tokenizer's special ids against ``vocab_size`` (an id the embedding lacks fails
+        the forward). Token-id corpora are taken as given, so only their padding (``padded``:
+        one example a row) comes from the tokenizer."""
         vocab = self.vocab_size
-        if vocab is None or self.pretokenized or self.tokenizer is None:
+        if vocab is None or self.tokenizer is None or (self.pretokenized and not padded):
             return
         for what, i in zip(("BOS", "EOS", "padding"), self.special_ids()):
+            if self.pretokenized and what != "padding":
+                continue
             if i is not None and not 0 <= i < vocab:
                 raise SourceError(
                     f"the tokenizer's {what} token id {i} is not below the vocabulary size "
