@@ -9,7 +9,9 @@
 * :func:`gather_activation` assembles the full activation: all-gather (or gather to the saving
   rank, when nothing is edited) across tensor-parallel ranks along the dimension that
   ``expected_shape`` reveals, then along the batch across data-parallel ranks; ``DTensor``
-  activations are gathered with ``full_tensor()`` and need no hint. It returns a function that
+  activations are gathered with ``full_tensor()`` and need no hint. The ranks first exchange
+  their shapes, so shards may differ in size along the gathered dimension and shapes that
+  cannot be concatenated raise the same error on every rank. It returns a function that
   re-shards an edited full tensor so that each rank keeps its own slice.
 * :class:`DistributedHookError` is raised, naming the module and the group, when a collective
   fails (typically because another rank failed or never reached the layer).
@@ -257,58 +259,102 @@ def _collective(fn: Callable[[], Any], what: str, axis: _Axis, timeout: Any) -> 
         ) from e
 
 
+# Slots for a shape in the size exchange (torch tensors have at most 64 dimensions); slot 0
+# holds the number of dimensions, so ranks whose activations differ in rank are told apart.
+_SHAPE_SLOTS = 65
+
+
+def _exchange_sizes(t: torch.Tensor, dim: int, axis: _Axis, what: str, timeout: Any) -> list[int]:
+    """The sizes along ``dim`` of every rank's ``t`` (in group order), after checking that the
+    other dimensions agree. Every rank of the group sees the same shapes, so a mismatch raises
+    the same error on all of them: none is left waiting in the gather, and no rank receives
+    data of another size than it allocated (gloo aborts the process or delivers garbage)."""
+    mine = torch.full((_SHAPE_SLOTS,), -1, dtype=torch.int64)
+    mine[0] = t.dim()
+    mine[1 : t.dim() + 1] = torch.tensor(t.shape, dtype=torch.int64)
+    mine = mine.to(t.device)  # the data gather's device (NCCL only sends device tensors)
+    every = [torch.empty_like(mine) for _ in range(axis.size)]
+    _collective(lambda: dist.all_gather(every, mine, group=axis.group), what, axis, timeout)
+    shapes = [tuple(e[1 : int(e[0]) + 1].tolist()) for e in every]
+    if any(
+        len(s) != t.dim() or any(s[i] != t.shape[i] for i in range(t.dim()) if i != dim)
+        for s in shapes
+    ):
+        raise ValueError(
+            f"{what}: the {axis.name}-parallel ranks (global ranks {axis.ranks}) hold activations "
+            f"of shapes {[list(s) for s in shapes]}; they are gathered along dimension {dim}, so "
+            "every other dimension must be the same on all of them"
+        )
+    return [s[dim] for s in shapes]
+
+
+def _padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` (contiguous) grown with zeros to ``size`` along ``dim``: all-gather needs one size."""
+    t = t.contiguous()
+    if t.shape[dim] == size:
+        return t
+    pad = list(t.shape)
+    pad[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(pad)], dim)
+
+
 class _AllGatherCat(torch.autograd.Function):
     """All-gather + concatenate, differentiable: the gradient of this rank's slice is the sum
     over ranks of their gradients for it (an all-reduce, which every backend has)."""
 
     @staticmethod
     def forward(
-        ctx: Any, t: torch.Tensor, dim: int, group: Any, rank: int, size: int
+        ctx: Any, t: torch.Tensor, dim: int, group: Any, rank: int, sizes: list[int]
     ) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.rank, ctx.size = dim, group, rank, size
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t, group=group)
-        return torch.cat(parts, dim)
+        ctx.dim, ctx.group, ctx.rank, ctx.sizes = dim, group, rank, sizes
+        src = _padded(t, dim, max(sizes))
+        parts = [torch.empty_like(src) for _ in sizes]
+        dist.all_gather(parts, src, group=group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        return torch.chunk(grad, ctx.size, ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+        mine = torch.split(grad, ctx.sizes, ctx.dim)[ctx.rank]
+        return mine.contiguous(), None, None, None, None
 
 
 def _gather_dim(
     t: torch.Tensor,
     dim: int,
     axis: _Axis,
+    sizes: list[int],
     everywhere: bool,
     differentiable: bool,
     what: str,
     timeout: Any,
 ) -> torch.Tensor | None:
-    src = t.contiguous()
+    """Concatenate the ranks' ``t`` along ``dim``; ``sizes`` from :func:`_exchange_sizes`."""
+    if everywhere and differentiable:
+        return _collective(
+            lambda: _AllGatherCat.apply(t, dim, axis.group, axis.rank, sizes),
+            what,
+            axis,
+            timeout,
+        )
+    src = _padded(t, dim, max(sizes))
     if everywhere:
-        if differentiable:
-            return _collective(
-                lambda: _AllGatherCat.apply(src, dim, axis.group, axis.rank, axis.size),
-                what,
-                axis,
-                timeout,
-            )
-        else:
-            parts = [torch.empty_like(src) for _ in range(axis.size)]
-            _collective(lambda: dist.all_gather(parts, src, group=axis.group), what, axis, timeout)
-            parts[axis.rank] = t  # keeps the autograd link to this rank's slice
-        return torch.cat(parts, dim)
-    if axis.rank == 0:
-        parts = [torch.empty_like(src) for _ in range(axis.size)]
+        parts = [torch.empty_like(src) for _ in sizes]
+        _collective(lambda: dist.all_gather(parts, src, group=axis.group), what, axis, timeout)
+    elif axis.rank == 0:
+        parts = [torch.empty_like(src) for _ in sizes]
         _collective(
             lambda: dist.gather(src, parts, group=axis.group, group_dst=0), what, axis, timeout
         )
-        parts[0] = t
-        return torch.cat(parts, dim)
-    _collective(lambda: dist.gather(src, None, group=axis.group, group_dst=0), what, axis, timeout)
-    return None
+    else:
+        _collective(
+            lambda: dist.gather(src, None, group=axis.group, group_dst=0), what, axis, timeout
+        )
+        return None
+    parts = [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+    parts[axis.rank] = t  # keeps the autograd link to this rank's slice
+    return torch.cat(parts, dim)
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -360,7 +406,7 @@ def gather_activation(
         )
     if diff:
         d = diff[0]
-        if tp_size == 1 or full_shape[d] != t.shape[d] * tp_size:
+        if tp_size == 1:  # the same on every rank (a check that may differ waits for the exchange)
             raise ValueError(
                 f"{what}: expected_shape {tuple(expected_shape or ())} gives size {full_shape[d]} "
                 f"for dimension {d} "
@@ -382,12 +428,24 @@ def gather_activation(
         )
     differentiable = everywhere and torch.is_grad_enabled() and t.requires_grad
     full: torch.Tensor | None = t
+    tp_sizes: list[int] = []
+    dp_sizes: list[int] = []
     if diff:
         assert tp is not None
-        full = _gather_dim(t, diff[0], tp, everywhere, differentiable, what, timeout)
+        d = diff[0]
+        tp_sizes = _exchange_sizes(t, d, tp, what, timeout)
+        if sum(tp_sizes) != full_shape[d]:
+            raise ValueError(
+                f"{what}: expected_shape {tuple(expected_shape or ())} gives size {full_shape[d]} "
+                f"for dimension {d} but the tensor-parallel ranks (global ranks {tp.ranks}) hold "
+                f"{tp_sizes} there (sum {sum(tp_sizes)}); the full size must be the sum of the "
+                "local sizes"
+            )
+        full = _gather_dim(t, d, tp, tp_sizes, everywhere, differentiable, what, timeout)
     if do_dp and full is not None:
         assert dp is not None
-        full = _gather_dim(full, bdim, dp, everywhere, differentiable, what, timeout)
+        dp_sizes = _exchange_sizes(full, bdim, dp, what, timeout)
+        full = _gather_dim(full, bdim, dp, dp_sizes, everywhere, differentiable, what, timeout)
     tp_rank = tp.rank if tp is not None else 0
     dp_rank = dp.rank if dp is not None else 0
     saver = tp_rank == 0 and (dp_rank == 0 or not do_dp)
@@ -396,10 +454,10 @@ def gather_activation(
         out = edited
         if do_dp:
             assert dp is not None
-            out = torch.chunk(out, dp.size, bdim)[dp.rank]
+            out = torch.split(out, dp_sizes, bdim)[dp.rank]
         if diff:
             assert tp is not None
-            out = torch.chunk(out, tp.size, diff[0])[tp.rank]
+            out = torch.split(out, tp_sizes, diff[0])[tp.rank]
         return out.contiguous()
 
     return full, reshard, saver

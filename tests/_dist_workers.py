@@ -72,20 +72,25 @@ class _ReduceFwd(torch.autograd.Function):
         return g, None
 
 
+def _shard(t: torch.Tensor, rank: int, size: int, dim: int, sizes=None) -> torch.Tensor:
+    parts = t.chunk(size, dim) if sizes is None else t.split(sizes, dim)
+    return parts[rank].clone()
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, full: nn.Linear, rank: int, size: int) -> None:
+    def __init__(self, full: nn.Linear, rank: int, size: int, sizes=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(full.weight.detach().chunk(size, 0)[rank].clone())
-        self.bias = nn.Parameter(full.bias.detach().chunk(size, 0)[rank].clone())
+        self.weight = nn.Parameter(_shard(full.weight.detach(), rank, size, 0, sizes))
+        self.bias = nn.Parameter(_shard(full.bias.detach(), rank, size, 0, sizes))
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, full: nn.Linear, rank: int, size: int, group) -> None:
+    def __init__(self, full: nn.Linear, rank: int, size: int, group, sizes=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(full.weight.detach().chunk(size, 1)[rank].clone())
+        self.weight = nn.Parameter(_shard(full.weight.detach(), rank, size, 1, sizes))
         self.bias = nn.Parameter(full.bias.detach().clone())
         self.group = group
 
@@ -94,11 +99,13 @@ class RowParallelLinear(nn.Module):
 
 
 class TPMLP(nn.Module):
-    def __init__(self, full: MLP, rank: int, size: int, group) -> None:
+    """``sizes``: the hidden features of each rank (default: equal shards)."""
+
+    def __init__(self, full: MLP, rank: int, size: int, group, sizes=None) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(full.fc1, rank, size)
+        self.fc1 = ColumnParallelLinear(full.fc1, rank, size, sizes)
         self.act = nn.ReLU()
-        self.fc2 = RowParallelLinear(full.fc2, rank, size, group)
+        self.fc2 = RowParallelLinear(full.fc2, rank, size, group, sizes)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -141,6 +148,58 @@ def scenario_tp(rank: int, world: int, tp: int, dp: int, save_on: str) -> dict:
     }
     fm.restore()
     res["hooks_left"] = _count_hooks(model)
+    return res
+
+
+# Uneven shards: hidden features and batch rows split unequally (rank 0 holds fewer).
+UNEVEN_H = [5, 11]
+UNEVEN_B = [2, 4]
+
+
+def make_input_uneven() -> torch.Tensor:
+    """A batch of sum(UNEVEN_B) rows (make_input has B rows)."""
+    x = make_input()
+    return torch.cat([x, x.flip(0)[: sum(UNEVEN_B) - B]])
+
+
+def _run_mlp(model, x, **kw) -> dict:
+    """scenario_tp's hook functions on ``model`` (a TPMLP or an MLP), forward and backward."""
+    from pyhook.flex import FlexModel, HookFunction
+
+    out: dict = {}
+    fm = FlexModel(model, out, timeout=datetime.timedelta(seconds=20), **kw)
+    fm.register_forward_hook(
+        HookFunction("fc1", expected_shape=(None, None, H), editing_function=edit)
+    )
+    fm.register_forward_pre_hook(HookFunction("act", expected_shape=(None, None, H)))
+    fm.register_forward_hook(HookFunction("fc2", editing_function=edit_plus1))
+    y = fm(x)
+    y.sum().backward()
+    res = {"y": y.detach(), "out": {k: [t.clone() for t in v] for k, v in out.items()}}
+    res["grads"] = _grads(model)
+    fm.restore()
+    return res
+
+
+def scenario_uneven(rank: int, world: int) -> dict:
+    """Unequal shards along the gathered dimension (world 2): tensor-parallel hidden features,
+    data-parallel batch rows; then data-parallel ranks whose other dimensions differ."""
+    from pyhook.flex import FlexModel, HookFunction
+
+    res: dict = {}
+    res["tp"] = _run_mlp(
+        TPMLP(make_mlp(), rank, world, None, sizes=UNEVEN_H), make_input(), tensor_parallel_size=2
+    )
+    x = make_input_uneven().split(UNEVEN_B)[rank].clone()
+    res["dp"] = _run_mlp(make_mlp(), x, data_parallel_size=2)
+    fm = FlexModel(make_mlp(), {}, data_parallel_size=2, timeout=datetime.timedelta(seconds=20))
+    fm.register_forward_hook(HookFunction("fc1"))
+    try:
+        fm(make_input()[:, : S - rank])  # a sequence length per rank: cannot be concatenated
+        res["mismatch"] = None
+    except ValueError as e:
+        res["mismatch"] = str(e)
+    fm.restore()
     return res
 
 
@@ -214,6 +273,23 @@ def _count_hooks(model):
         + len(m._backward_pre_hooks)
         for m in model.modules()
     )
+
+
+def worker_uneven(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        results = {"uneven": scenario_uneven(rank, world)}
+    except Exception:
+        results = {"exception": traceback.format_exc()}
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:

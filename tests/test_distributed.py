@@ -29,13 +29,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def ranks(request, tmp_path_factory):
+def _spawn(fn, world: int, outdir: str) -> list:
+    """Run ``fn`` on ``world`` gloo ranks; each rank's saved results, checked for exceptions."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    world = request.param
-    outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
-    ctx = mp.spawn(W.worker, args=(world, _free_port(), outdir), nprocs=world, join=False)
+    ctx = mp.spawn(fn, args=(world, _free_port(), outdir), nprocs=world, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -50,13 +48,20 @@ def ranks(request, tmp_path_factory):
     ]
     for r, res in enumerate(results):
         assert "exception" not in res, f"rank {r} raised:\n{res['exception']}"
-    return world, results
+    return results
 
 
-def reference(edit_fc1: bool = True):
-    """Single process: the full MLP with hand-written hooks doing the same edits."""
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def ranks(request, tmp_path_factory):
+    world = request.param
+    return world, _spawn(W.worker, world, str(tmp_path_factory.mktemp(f"dist{world}")))
+
+
+def reference(x=None):
+    """Single process: the full MLP with hand-written hooks doing the same edits on ``x``
+    (default ``make_input()``)."""
     mlp = W.make_mlp()
-    x = W.make_input()
+    x = W.make_input() if x is None else x
     saved: dict = {}
     ctx = type("Ctx", (), {})()
 
@@ -159,6 +164,32 @@ def test_dtensor_parallelize_module(ranks):
         _check_saved(res, saved, ["fc1", "fc2"], expect_saved=(r == 0))
         # parallelize_module's own input/output hooks on fc1 and fc2 (2 each) stay; ours are gone
         assert res["hooks_left"] == 4
+
+
+def test_uneven_shards_match_unsharded_model(tmp_path):
+    # Shards of unequal size along the gathered dimension (rank 0 holds fewer): each rank used
+    # to all-gather as many rows/features as it held, so gloo aborted the process, delivered
+    # the wrong slice or left a rank waiting while the others raised.
+    results = [r["uneven"] for r in _spawn(W.worker_uneven, 2, str(tmp_path))]
+    y_ref, saved, grads = reference()
+    h = W.UNEVEN_H
+    for r, res in enumerate(results):
+        tp = res["tp"]
+        assert _eq(tp["y"], y_ref), f"rank {r}"
+        _check_saved(tp, saved, ["fc1", "act", "fc2"], expect_saved=(r == 0))
+        assert _eq(tp["grads"]["fc1.weight"], grads["fc1.weight"].split(h, 0)[r])
+        assert _eq(tp["grads"]["fc2.weight"], grads["fc2.weight"].split(h, 1)[r])
+    y_ref, saved, grads = reference(W.make_input_uneven())
+    for r, res in enumerate(results):
+        dp = res["dp"]
+        assert _eq(dp["y"], y_ref.split(W.UNEVEN_B)[r]), f"rank {r}"
+        _check_saved(dp, saved, ["fc1", "act", "fc2"], expect_saved=(r == 0))
+    for n in grads:  # what DDP's all-reduce would give
+        assert _eq(sum(res["dp"]["grads"][n] for res in results), grads[n]), n
+    # ranks that cannot be concatenated all raise the same clear error (none hangs or aborts)
+    errors = [res["mismatch"] for res in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "HookFunction('fc1'" in errors[0] and "[[4, 3, 16], [4, 2, 16]]" in errors[0]
 
 
 def test_failing_rank_gives_clear_error_not_hang(ranks):
