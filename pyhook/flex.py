@@ -367,7 +367,8 @@ class FlexModel(nn.Module):
     hook functions of ``groups`` enabled (or all others, with ``complement=True``); the choice
     holds until the next forward, so a ``backward()`` of that output uses it too.
     :meth:`restore` removes every hook and returns the model; hooks are also removed when the
-    FlexModel is garbage collected.
+    FlexModel is garbage collected. ``copy.deepcopy`` of a FlexModel raises ``TypeError``: copy
+    ``flex_model.module`` (the copy has none of the hooks) and wrap the copy in a new FlexModel.
 
     Example::
 
@@ -483,6 +484,16 @@ class FlexModel(nn.Module):
         self._finalizer()
         self._new_registry()
         return self.module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlexModel:
+        # A copy of the wrapped model has none of pyhook's hooks (pyhook._hooks), so a copied
+        # FlexModel would list hook functions that never run; flex_model's FlexModel cannot be
+        # copied at all (its process groups cannot be). Refuse, and say what works.
+        raise TypeError(
+            "FlexModel cannot be deep-copied (nor can flex_model's: process groups cannot be "
+            "copied); copy the model instead, copy.deepcopy(flex_model.module) (a copy without "
+            "the hooks), and wrap the copy in a new FlexModel with its own hook functions"
+        )
 
     @property
     def hook_functions(self) -> list[HookFunction]:

@@ -4,6 +4,7 @@ hand-written PyTorch hook on a tiny OPT model, groups, lifetime, and bad input."
 from __future__ import annotations
 
 import collections
+import copy
 import gc
 
 import pytest
@@ -441,3 +442,21 @@ def test_backward_hook_without_gradient_is_skipped():
     assert "0" not in out and len(out["1"]) == 1
     fm.restore()
     assert_no_hooks(net)
+
+
+def test_deepcopy_is_refused_and_the_model_copies_cleanly():
+    # A deep copy used to list the hook functions while none ran on the copied model.
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    out: dict = {}
+    fm = FlexModel(net, out)
+    fm.register_forward_hook(HookFunction("0", editing_function=lambda m, x, ctx, mods: x * 0))
+    with pytest.raises(TypeError, match=r"FlexModel cannot be deep-copied.*flex_model\.module"):
+        copy.deepcopy(fm)
+    x = torch.randn(2, 3)
+    assert torch.equal(fm(x), torch.zeros(2, 3)) and len(out["0"]) == 1  # the original is intact
+    twin = copy.deepcopy(fm.module)  # the documented way: a copy without the hooks
+    plain = torch.relu(torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+    assert torch.equal(twin(x), plain) and len(out["0"]) == 1
+    fm2 = FlexModel(twin, {})
+    fm2.register_forward_hook(HookFunction("0", editing_function=lambda m, x, ctx, mods: x * 0))
+    assert torch.equal(fm2(x), torch.zeros(2, 3)) and len(out["0"]) == 1
