@@ -59,6 +59,27 @@ def test_ids_outside_the_embedding_are_refused_before_the_forward(model, tmp_pat
     torch.testing.assert_close(r["h.0"].to_tensor(), got[0].reshape(-1, 16))
 
 
+def test_ids_outside_the_smallest_vocabulary_of_paired_models_are_refused_naming_it(
+    model, tmp_path
+):
+    """A Paired module has no input embedding of its own: each model's is checked, and the
+    smallest names its model."""
+    from transformers import GPT2Config, GPT2Model
+
+    from pyhook.pipeline.paired import Paired
+
+    torch.manual_seed(1)
+    small = GPT2Model(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=40, n_positions=32))
+    pair = Paired(base=model, chat=small.eval())
+    before = hook_snapshot(pair)
+    with pytest.raises(RunnerError) as e, capture(pair, ["h.0"]) as rec:
+        run(pair, [_batch([[1, 2, 3], [4, 45, 6]], 0)], rec)
+    text = str(e.value)
+    assert "example (or context) 1, position 1: token id 45" in text, text
+    assert "model 'chat''s vocabulary (its input embedding has 40 rows" in text, text
+    assert diff(before, hook_snapshot(pair)) == []
+
+
 def _source_threads():
     return [t for t in threading.enumerate() if t.name == "pyhook-source"]
 

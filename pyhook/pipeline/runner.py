@@ -412,6 +412,15 @@ def run(
 
     annotate = getattr(rec, "annotate", None)
     vocab = _vocab_rows(model)
+    whose = "the model's"
+    from .paired import Paired
+
+    if vocab is None and isinstance(model, Paired):  # every model embeds the same ids
+        sizes = {n: _vocab_rows(model.model(n)) for n in model.names}
+        known = {n: v for n, v in sizes.items() if v is not None}
+        if known:
+            fewest = min(known, key=lambda n: known[n])
+            vocab, whose = known[fewest], f"model {fewest!r}'s"
     forward = wait = 0.0
     tokens = 0
     it = iter(batches)
@@ -426,7 +435,7 @@ def run(
                 t1 = time.perf_counter()
                 wait += t1 - t0
                 if vocab is not None:
-                    _check_ids(b, vocab)
+                    _check_ids(b, vocab, whose)
                 ids = b.input_ids.to(device, non_blocking=True)
                 attn = b.attention_mask.to(device, non_blocking=True)
                 if keep is not None:
@@ -459,7 +468,7 @@ def _vocab_rows(model: Any) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _check_ids(b: Any, vocab: int) -> None:
+def _check_ids(b: Any, vocab: int, whose: str = "the model's") -> None:
     """A batch whose token ids the embedding cannot look up is refused before its forward,
     naming the example (context): not an index error from inside the model (padding is
     looked up too, so every position is checked)."""
@@ -473,7 +482,7 @@ def _check_ids(b: Any, vocab: int) -> None:
     row, col = (int(x) for x in ((b.input_ids < 0) | (b.input_ids >= vocab)).nonzero()[0])
     raise RunnerError(
         f"example (or context) {int(b.examples[row])}, position {col}: token id "
-        f"{int(b.input_ids[row, col])} is outside the model's vocabulary (its input embedding "
+        f"{int(b.input_ids[row, col])} is outside {whose} vocabulary (its input embedding "
         f"has {vocab:,} rows: ids 0 to {vocab - 1:,}); nothing of this batch was run or stored. "
         "Are the token ids (or --tokenizer) from another model?"
     )
