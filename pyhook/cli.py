@@ -692,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG_LAYERS,
         formatter_class=fmt,
     )
-    ly.add_argument("--model", default=None, help=model_help)
+    ly.add_argument("--model", default=None, action="append", help=model_help)
     ly.add_argument("--tokenizer", default=None, help=tokenizer_help)
     ly.add_argument("--model-class", default=None, help=class_help)
     ly.add_argument("--device", default="cpu", help=device_help)
@@ -811,9 +811,26 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         _unknown_arguments(parser, args, extra)
     if args.command == "capture":
         args.job = job_from_args(args)
+    elif args.command == "layers":
+        args.model = _one_model(args.model)
     elif args.command == "inspect" and args.sample < 1:
         raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
     return args
+
+
+def _one_model(values: list[str] | None) -> str | None:
+    """``pyhook layers``'s ``--model``: one model (named models are a capture's, which names
+    each model's layers ``NAME/LAYER``: list each model on its own)."""
+    if not values:
+        return None
+    model = models_from_flags(values)
+    if isinstance(model, dict):
+        raise CLIError(
+            f"pyhook layers lists one model's modules, got {len(model)} named model(s) "
+            f"({', '.join(f'{n}={m}' for n, m in model.items())}): run it once per model with "
+            "--model DIR; a paired capture names each model's layers NAME/LAYER with these names"
+        )
+    return model
 
 
 def _report(e: BaseException) -> int:

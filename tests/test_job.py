@@ -383,6 +383,10 @@ def _errors(stderr):
         (["capture", "--positions", "first"], "--positions must be 'all', 'last' or an integer"),
         (["capture", "--batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
         (["inspect", "acts", "--sample", "0"], "--sample must be >= 1"),
+        (
+            ["layers", "--model", "base=./a", "--model", "chat=./b"],
+            "pyhook layers lists one model's modules, got 2 named model(s) (base=./a, chat=./b)",
+        ),
     ],
 )
 def test_a_bad_argument_exits_2_before_torch_is_imported(args, message):
