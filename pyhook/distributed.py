@@ -255,7 +255,9 @@ def _collective(fn: Callable[[], Any], what: str, axis: _Axis, timeout: Any) -> 
             "failed on "
             f"this rank (index {axis.rank}): {e}. Another rank probably failed or never reached "
             "this layer; "
-            f"the wait is bounded by {limit}."
+            f"the wait is bounded by {limit}. The ranks' collectives are out of step after "
+            "this: restart the ranks (or destroy and re-create the process group) before "
+            "running the model again."
         ) from e
 
 

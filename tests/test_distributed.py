@@ -199,6 +199,7 @@ def test_failing_rank_gives_clear_error_not_hang(ranks):
     err = results[0]["failure"]["error"]
     assert err is not None, "rank 0 completed a gather that rank 1 never joined"
     assert "HookFunction(''" in err and "tensor-parallel group" in err and "3 s" in err, err
+    assert "out of step" in err and "re-create the process group" in err, err  # what to do next
 
 
 def test_parallel_layout_matches_flex_model_mesh():
