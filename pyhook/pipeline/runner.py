@@ -413,10 +413,10 @@ def run(
     annotate = getattr(rec, "annotate", None)
     vocab = _vocab_rows(model)
     whose = "the model's"
-    from .paired import Paired
-
-    if vocab is None and isinstance(model, Paired):  # every model embeds the same ids
-        sizes = {n: _vocab_rows(model.model(n)) for n in model.names}
+    names = getattr(model, "names", None)
+    if vocab is None and isinstance(names, list) and callable(getattr(model, "model", None)):
+        # paired models (pipeline.paired.Paired, which imports this module): each embeds the ids
+        sizes = {n: _vocab_rows(model.model(n)) for n in names}
         known = {n: v for n, v in sizes.items() if v is not None}
         if known:
             fewest = min(known, key=lambda n: known[n])
