@@ -275,7 +275,8 @@ def _count_hooks(model):
     )
 
 
-def worker_uneven(rank: int, world: int, port: int, outdir: str) -> None:
+def _init_gloo(rank: int, world: int, port: int) -> None:
+    """One thread a rank, the gloo group over 127.0.0.1:port (collectives time out after 60 s)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -284,6 +285,10 @@ def worker_uneven(rank: int, world: int, port: int, outdir: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def worker_uneven(rank: int, world: int, port: int, outdir: str) -> None:
+    _init_gloo(rank, world, port)
     try:
         results = {"uneven": scenario_uneven(rank, world)}
     except Exception:
@@ -293,14 +298,7 @@ def worker_uneven(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    _init_gloo(rank, world, port)
     results: dict = {}
     try:
         results["tp"] = scenario_tp(rank, world, world, 1, "first")
