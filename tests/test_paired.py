@@ -389,9 +389,9 @@ def test_a_layer_of_a_module_both_models_hold_is_refused_naming_it(tmp_path):
 
 
 # -- tokenizers -----------------------------------------------------------------------------------
-def _variant(tok, *, pre=None, added=None, swap=None):
-    """A tokenizer like ``tok``: another pre-tokenizer, an added special token, or two words'
-    ids swapped."""
+def _variant(tok, *, pre=None, added=None, swap=None, eos="<|endoftext|>"):
+    """A tokenizer like ``tok``: another pre-tokenizer, an added special token, two words'
+    ids swapped, or another EOS token."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = tok.get_vocab()
@@ -404,7 +404,7 @@ def _variant(tok, *, pre=None, added=None, swap=None):
         tokenizer_object=t,
         unk_token="[UNK]",
         bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
+        eos_token=eos,
         pad_token="<|endoftext|>",
     )
     if added:
@@ -491,6 +491,33 @@ def test_tokenizers_that_differ_in_files_but_agree_on_the_corpus_are_accepted(
     assert main(_job_args({**ckpts, "chat": other}, out)) == 0
     r = open_capture(out)
     torch.testing.assert_close(r["chat/resid_post.1"].to_tensor(), reference["chat"])
+
+
+def test_a_chat_model_with_its_own_eos_is_fed_the_first_models_special_tokens(ckpts, tmp_path):
+    """A base model and its chat model whose EOS ids differ (Llama 3's and Qwen 2.5's do) get
+    the same ids, with the first model's BOS and EOS; a special id another model lacks is
+    refused, naming it."""
+    base_tok = _variant(ckpts["tok"], added="<|eot|>")
+    chat_tok = _variant(ckpts["tok"], added="<|eot|>", eos="<|eot|>")
+    eot = chat_tok.convert_tokens_to_ids("<|eot|>")
+    assert chat_tok.eos_token_id == eot != base_tok.eos_token_id
+    assert check_tokenizers({"base": base_tok, "chat": chat_tok}) is False
+    with pytest.raises(TokenizerMismatchError, match=f"'chat''s id {eot} is not a token of 'base'"):
+        check_tokenizers({"base": ckpts["tok"], "chat": chat_tok})
+    root = tmp_path / "ckpt"
+    paths = {
+        "base": _save(root / "base", _gpt2(len(base_tok)), base_tok),
+        "chat": _save(root / "chat", _llama(len(chat_tok)), chat_tok),
+    }
+    out = tmp_path / "acts"
+    assert main(_job_args({**ckpts, **paths}, out)) == 0
+    ids, first_eos = _contexts(base_tok)  # packed by hand with base's <|endoftext|>
+    keep = ids != first_eos
+    r = open_capture(out)
+    for name in ("base", "chat"):
+        torch.testing.assert_close(
+            r[f"{name}/resid_post.1"].to_tensor(), _hand_rows(paths[name], 1, ids, keep)
+        )
 
 
 def test_agreeing_tokenizer_stops_at_the_first_text_that_differs(ckpts):

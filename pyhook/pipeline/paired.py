@@ -262,7 +262,9 @@ def check_tokenizers(tokenizers: Mapping[str, Any]) -> bool:
     same serialised pipeline, and the same special tokens), so the corpus needs no check; False
     when they differ but may still agree on a corpus (then :class:`AgreeingTokenizer` checks
     every text). Raises :class:`TokenizerMismatchError` when they cannot agree: a token id
-    that means another token in one of them, or special tokens (BOS, EOS, pad) that differ.
+    that means another token in one of them, or a special token (BOS, EOS, pad) that differs
+    and is not a token of every model (differing ones are taken from the first model's
+    tokenizer, as a base model's EOS and its chat model's differ).
 
     >>> from transformers import AutoTokenizer
     >>> from pyhook.pipeline.runner import resolve_model_path
@@ -276,21 +278,28 @@ def check_tokenizers(tokenizers: Mapping[str, Any]) -> bool:
     for name in names[1:]:
         tok = tokenizers[name]
         a, b = _specials(first), _specials(tok)
-        for key in a:
-            if a[key] != b[key]:
-                what = key.removesuffix("_token_id").upper()
-                raise TokenizerMismatchError(
-                    f"the tokenizers of {names[0]!r} and {name!r} differ: {what} token id "
-                    f"{a[key]} in {names[0]!r}, {b[key]} in {name!r}; a paired capture feeds the "
-                    "same token ids to every model, so their tokenizers must agree"
-                )
+        differ = [key for key in a if a[key] != b[key]]
         sa, sb = _serialized(first), _serialized(tok)
-        if sa is not None and sa == sb:
+        if not differ and sa is not None and sa == sb:
             continue
         same = False
         va, vb = first.get_vocab(), tok.get_vocab()
         ia = {i: t for t, i in va.items()}
         ib = {i: t for t, i in vb.items()}
+        # Special tokens that differ (a base model's EOS and its chat model's, as Llama 3 and
+        # Qwen 2.5 have): the first model's are used, so each must be a token of every model.
+        for key in differ:
+            what = key.removesuffix("_token_id").upper()
+            for i in (a[key], b[key]):
+                if i is not None and (i not in ia or i not in ib):
+                    owner = names[0] if i == a[key] else name
+                    lacking = names[0] if i not in ia else name
+                    raise TokenizerMismatchError(
+                        f"the tokenizers of {names[0]!r} and {name!r} differ: {what} token id "
+                        f"{a[key]} in {names[0]!r}, {b[key]} in {name!r}, and {owner!r}'s id "
+                        f"{i} is not a token of {lacking!r}; a paired capture feeds the same "
+                        "token ids (with the first model's special tokens) to every model"
+                    )
         for i in sorted(set(ia) & set(ib)):
             if ia[i] != ib[i]:
                 raise TokenizerMismatchError(
