@@ -493,6 +493,27 @@ def test_tokenizers_that_differ_in_files_but_agree_on_the_corpus_are_accepted(
     torch.testing.assert_close(r["chat/resid_post.1"].to_tensor(), reference["chat"])
 
 
+def test_a_tokenizer_flag_no_model_would_use_is_refused(ckpts, tmp_path, capsys, reference):
+    """--tokenizer is for a model saved without one: when every model has its own, it would
+    be ignored, so it is refused (one line, nothing written)."""
+    out = tmp_path / "acts"
+    assert main([*_job_args(ckpts, out), "--tokenizer", ckpts["base"]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer" in err[0], err
+    assert "every model here has its own (base, chat)" in err[0], err
+    assert not out.exists()
+    # the control: a model saved without a tokenizer takes it, and the rows are chat's
+    bare = tmp_path / "chat-bare"
+    shutil.copytree(ckpts["chat"], bare)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / f).unlink(missing_ok=True)
+    args = _job_args({**ckpts, "chat": str(bare)}, out)
+    assert main([*args, "--tokenizer", ckpts["base"]]) == 0
+    torch.testing.assert_close(
+        open_capture(out)["chat/resid_post.1"].to_tensor(), reference["chat"]
+    )
+
+
 def test_a_chat_model_with_its_own_eos_is_fed_the_first_models_special_tokens(ckpts, tmp_path):
     """A base model and its chat model whose EOS ids differ (Llama 3's and Qwen 2.5's do) get
     the same ids, with the first model's BOS and EOS; a special id another model lacks is

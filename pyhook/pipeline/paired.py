@@ -403,8 +403,18 @@ class PairedLoaded:
 
         toks: dict[str, Any] = {}
         first_path = ""
+        owns = {
+            name: any(os.path.exists(os.path.join(ld.path, f)) for f in _TOKENIZER_FILES)
+            for name, ld in self.loaded.items()
+        }
+        if spec is not None and all(owns.values()):
+            raise RunnerError(
+                f"--tokenizer {spec!r} is for models saved without a tokenizer, and every model "
+                f"here has its own ({', '.join(self.names)}): a paired capture uses each model's "
+                "own tokenizer, checked to agree; drop --tokenizer"
+            )
         for name, ld in self.loaded.items():
-            own = any(os.path.exists(os.path.join(ld.path, f)) for f in _TOKENIZER_FILES)
+            own = owns[name]
             try:
                 tok, path = load_tokenizer(None if own else spec, ld.path)
             except RunnerError as e:
