@@ -368,7 +368,8 @@ class FlexModel(nn.Module):
     holds until the next forward, so a ``backward()`` of that output uses it too.
     :meth:`restore` removes every hook and returns the model; hooks are also removed when the
     FlexModel is garbage collected. ``copy.deepcopy`` of a FlexModel raises ``TypeError``: copy
-    ``flex_model.module`` (the copy has none of the hooks) and wrap the copy in a new FlexModel.
+    ``flex_model.module`` (the copy has none of the hooks) and wrap the copy in a new FlexModel;
+    so does pickling it (``torch.save``): save ``flex_model.module.state_dict()``.
 
     Example::
 
@@ -493,6 +494,22 @@ class FlexModel(nn.Module):
             "FlexModel cannot be deep-copied (nor can flex_model's: process groups cannot be "
             "copied); copy the model instead, copy.deepcopy(flex_model.module) (a copy without "
             "the hooks), and wrap the copy in a new FlexModel with its own hook functions"
+        )
+
+    def __copy__(self) -> FlexModel:
+        # A shallow copy shares the model, its hooks and the hook registry, as nn.Module's own
+        # copy would: defined so that pickling alone is refused below
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle (torch.save of the wrapper) would fail on a hook's closure with an
+        # AttributeError that names none of this; flex_model's cannot be pickled either
+        raise TypeError(
+            "FlexModel cannot be pickled (torch.save of the wrapper; nor can flex_model's: its "
+            "process groups cannot be); save the model, torch.save(flex_model.module.state_dict(), "
+            "path), and wrap the loaded model in a new FlexModel with its own hook functions"
         )
 
     @property

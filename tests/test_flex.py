@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import io
+import pickle
 
 import pytest
 import torch
@@ -460,3 +462,10 @@ def test_deepcopy_is_refused_and_the_model_copies_cleanly():
     fm2 = FlexModel(twin, {})
     fm2.register_forward_hook(HookFunction("0", editing_function=lambda m, x, ctx, mods: x * 0))
     assert torch.equal(fm2(x), torch.zeros(2, 3)) and len(out["0"]) == 1
+    # pickling (torch.save of the wrapper) is refused by name, not with a hook's closure
+    for save in (lambda: pickle.dumps(fm), lambda: torch.save(fm, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"FlexModel cannot be pickled.*state_dict"):
+            save()
+    shallow = copy.copy(fm)  # shares the model and its hooks, as nn.Module's copy does
+    assert torch.equal(shallow(x), torch.zeros(2, 3)) and len(out["0"]) == 2
+    assert shallow.hook_functions == fm.hook_functions
