@@ -153,6 +153,20 @@ class Paired(nn.Module):
         """``base: GPT2LMHeadModel, chat: LlamaForCausalLM`` (plans and reports show this)."""
         return ", ".join(f"{n}: {type(self._modules[n]).__name__}" for n in self._names)
 
+    # -- token ids ---------------------------------------------------------------------------
+    def _pyhook_vocab(self) -> tuple[int, str] | None:
+        """``(rows, whose)``: the fewest input-embedding rows among the models and whose they
+        are (:func:`pyhook.pipeline.runner.run` checks each batch's ids against them: every
+        model embeds the same ids); None when no model has an input embedding."""
+        from .runner import _vocab_rows
+
+        rows = {n: _vocab_rows(self._modules[n]) for n in self._names}
+        known = {n: v for n, v in rows.items() if v is not None}
+        if not known:
+            return None
+        fewest = min(known, key=lambda n: known[n])
+        return known[fewest], f"model {fewest!r}'s"
+
     # -- layers ------------------------------------------------------------------------------
     def _pyhook_resolve_layers(
         self, layers: str | nn.Module | Iterable[str | nn.Module]

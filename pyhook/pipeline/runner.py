@@ -411,16 +411,12 @@ def run(
     import torch
 
     annotate = getattr(rec, "annotate", None)
-    vocab = _vocab_rows(model)
-    whose = "the model's"
-    names = getattr(model, "names", None)
-    if vocab is None and isinstance(names, list) and callable(getattr(model, "model", None)):
-        # paired models (pipeline.paired.Paired, which imports this module): each embeds the ids
-        sizes = {n: _vocab_rows(model.model(n)) for n in names}
-        known = {n: v for n, v in sizes.items() if v is not None}
-        if known:
-            fewest = min(known, key=lambda n: known[n])
-            vocab, whose = known[fewest], f"model {fewest!r}'s"
+    vocab, whose = _vocab_rows(model), "the model's"
+    of_models = getattr(model, "_pyhook_vocab", None)
+    if vocab is None and of_models is not None:  # several models as one (pipeline.paired)
+        found = of_models()
+        if found is not None:
+            vocab, whose = found
     forward = wait = 0.0
     tokens = 0
     it = iter(batches)
