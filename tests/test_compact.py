@@ -189,6 +189,38 @@ def test_float64_rows_keep_their_range_or_fail_the_capture_by_name(kind, tmp_pat
         assert not any(m._forward_hooks for m in net.modules())
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_rows_of_float32_subnormals_keep_their_precision(kind, backend, tmp_path):
+    """A row whose scale falls under float32's smallest normal (largest |value| under about
+    5e-36) keeps fp8's (int8's) precision: its scale is rounded up, never down (a float32 row
+    under ~3e-43 read back as zeros, a float64 row of ~9e-43 a third off, before)."""
+    u = 2.0**-149  # float32's smallest subnormal: the read-back's spacing down there
+    limit = encoding.QUANTIZE[kind][1]
+    g = torch.Generator().manual_seed(0)
+    top = torch.tensor([1, 3, 37, 218, 600, 666, 4000, 1e5, 1e8], dtype=torch.float64) * u
+    rows = (torch.rand(len(top), 64, generator=g, dtype=torch.float64) * 2 - 1) * top[:, None]
+    rows[:, 0] = top
+    for dtype in (torch.float32, torch.float64):
+        x = rows.to(dtype)
+        if dtype == torch.float64:
+            x = x[4:]  # float64 rows under limit * 2^-150 are refused (the test above)
+        q, s = encoding.quantize_rows(x, kind)
+        back = _backend.dequant_rows([q], [s], torch.arange(len(x)), torch.float32)
+        assert torch.equal(
+            back, _reference.dequant_rows([q], [s], torch.arange(len(x)), torch.float32)
+        )
+        w, b = x.double(), back.double()
+        scale = w.abs().amax(dim=1, keepdim=True) / limit
+        bound = (w.abs() / 16 + scale / 1024 if kind == "fp8" else scale / 2 + 0 * w) + u
+        assert bool(((b - w).abs() <= bound * (1 + 1e-6)).all()), (dtype, (b - w).abs().max() / u)
+    net = torch.nn.Sequential(torch.nn.Identity())
+    x = rows.float()[:4]
+    with pyhook.capture(net, ["0"], out=tmp_path / "c", quantize=kind):
+        net(x)
+    back = open_capture(tmp_path / "c")["0"][:]
+    assert (back[:, 0] > 0).all()  # the largest value of each row: not read back as 0
+
+
 # -- capture: every read path returns the rows decoded -----------------------------------------
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):

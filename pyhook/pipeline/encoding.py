@@ -147,6 +147,7 @@ def check_compress(compress: Any, what: str = "compress") -> str | None:
 # over the limit (a few float32 steps of margin).
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _NEAR_F32_MAX = _F32_MAX * (1 - 2.0**-20)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
 def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +183,13 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
                 f"float32 read-back cannot hold; quantize={kind!r} keeps float64 rows whose "
                 f"largest |value| lies within {limit * 2.0**-149:.1e} .. {_F32_MAX:.1e} (or is 0)"
             )
+    # A scale under float32's smallest normal keeps few bits: rounded down (to 0 for a row under
+    # limit * 2^-150) it would clip the row's largest values or read the row back as zeros;
+    # rounded up, every value keeps fp8's (int8's) precision (rows of float32 subnormals too).
+    sub = finite & (amax > 0) & (scale < _F32_TINY)
+    if bool(sub.any()):
+        short = sub & (scale.to(torch.float64) * limit < amax.to(torch.float64))
+        scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
     # Rounded up, limit * scale could overflow float32 when read back: round such scales down
     # (only rows within a rounding of float32's largest value can; one reduction finds none).
     if n and not float(amax.max()) <= _NEAR_F32_MAX:  # (a NaN or inf row hides the others)
