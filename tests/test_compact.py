@@ -509,6 +509,16 @@ def test_nonsense_is_refused_before_any_forward(tmp_path):
     assert all_hooks(net) == 0 and not os.path.exists(tmp_path / "x")
 
 
+def test_a_quantize_list_or_per_layer_dict_is_refused_by_name(tmp_path):
+    """quantize= is one name for every layer: a list or a per-layer dict is a ValueError naming
+    the argument (a TypeError 'unhashable type' before)."""
+    net = _net()
+    for bad in (["fp8"], {"0": "fp8"}):
+        with pytest.raises(ValueError, match=r"quantize must be None, 'fp8' or 'int8', got "):
+            pyhook.capture(net, "0", out=str(tmp_path / "x"), quantize=bad)
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_an_integer_layer_is_refused_by_name_before_a_shard_is_written(tmp_path):
     class Argmax(torch.nn.Module):
         def forward(self, x):

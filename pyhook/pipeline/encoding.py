@@ -123,7 +123,7 @@ def chunk_cache_bytes(value: Any = None, what: str = "chunk_cache_bytes") -> int
 
 def check_quantize(quantize: Any, what: str = "quantize") -> str | None:
     """``None`` or a known ``quantize=`` name; ValueError naming the choices otherwise."""
-    if quantize is None or quantize in QUANTIZE:
+    if quantize is None or (isinstance(quantize, str) and quantize in QUANTIZE):
         return quantize
     raise ValueError(
         f"{what} must be None, {' or '.join(repr(k) for k in QUANTIZE)}, got {quantize!r}"
