@@ -268,6 +268,24 @@ def test_quantised_rows_on_every_read_path(stores, name, backend):
     _fp8_close(got, plain["0"].to_tensor()[idx], kind)
 
 
+@pytest.mark.parametrize("kw", [{"quantize": "fp8"}, {"compress": "zstd"}])
+def test_every_slice_reads_as_on_a_plain_layer(tmp_path, kw):
+    """Slices of a compact layer give the rows Python's slicing gives, an empty slice (h[5:2])
+    none (a RuntimeError from torch.arange before), as a plain layer does."""
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(30, 4)
+    with ShardWriter(tmp_path, shard_bytes=200, encoding=encoding.Encoding(**kw)) as w:
+        for a in range(0, 30, 10):
+            w.add({"h": x[a : a + 10]}, examples=10)
+    h = open_capture(tmp_path)["h"]
+    full = h.to_tensor()
+    for sl in (slice(5, 2), slice(30, None), slice(-3, -7), slice(5, 2, -1), slice(None, None, -4)):
+        got = h[sl]
+        assert got.shape == (len(range(30)[sl]), 4), sl
+        assert torch.equal(got, full[list(range(30)[sl])]), sl
+
+
 @pytest.mark.parametrize("name", ["fp8", "zstd"])
 def test_dataset_with_dataloader_workers(stores, name):
     plain, r = open_capture(stores["plain"]), open_capture(stores[name])

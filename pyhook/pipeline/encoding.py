@@ -746,7 +746,8 @@ class EncodedLayerData:
                 raise IndexError(f"row {index} out of range for layer {self.name!r} with {n} rows")
             return self._gather(torch.tensor([i]))[0]
         if isinstance(index, slice):
-            return self._gather(torch.arange(*index.indices(n)))
+            r = range(*index.indices(n))  # an empty slice (h[5:2]) gives no rows, as for a tensor
+            return self._gather(torch.arange(r.start, r.start + r.step * len(r), r.step))
         idx = torch.as_tensor(index)
         if idx.numel() == 0 and idx.dtype != torch.bool:
             idx = idx.long()
