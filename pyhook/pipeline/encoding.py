@@ -169,7 +169,7 @@ def quantize_rows(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, tor
     stored, limit = QUANTIZE[kind]
     n = x.shape[0]
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    flat = x.detach().reshape(n, -1).to(work)
+    flat = x.detach().reshape(n, math.prod(x.shape[1:])).to(work)  # (not -1: n may be 0)
     amax = flat.abs().amax(dim=1) if flat.shape[1] else torch.zeros(n, dtype=work)
     finite = torch.isfinite(amax)
     scale = (amax / limit).to(torch.float32)
@@ -247,7 +247,8 @@ def compress_rows(
     (7, True)
     """
     n = rows.shape[0]
-    raw = rows.detach().contiguous().reshape(n, -1).view(torch.uint8).numpy()
+    flat = rows.detach().contiguous().reshape(n, math.prod(rows.shape[1:]))  # (n may be 0)
+    raw = flat.view(torch.uint8).numpy()
     comp = _compressor(level)
     frames: list[bytes] = []
     offsets = [0]
