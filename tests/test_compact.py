@@ -501,6 +501,26 @@ def test_resume_of_a_compact_capture_and_changed_settings(tmp_path):
         _capture(part, net, xs, quantize="fp8")
 
 
+def test_a_writer_with_another_encoding_is_refused_naming_it(tmp_path):
+    """Rows added to a store of the same shape and dtype but another encoding are refused
+    naming the encodings (the message said 'rows of shape [4] float32 do not match the
+    earlier [4] float32' before)."""
+    from pyhook.store import ShardWriter
+
+    for i, (a, b) in enumerate(
+        [(None, encoding.Encoding("fp8")), (encoding.Encoding("fp8"), encoding.Encoding("int8"))]
+    ):
+        out = tmp_path / str(i)
+        with ShardWriter(out, encoding=a) as w:
+            w.add({"h": torch.randn(5, 4)}, examples=5)
+        with (
+            pytest.raises(ValueError, match=r"layer 'h': the capture stores its rows with enc"),
+            ShardWriter(out, encoding=b) as w,
+        ):
+            w.add({"h": torch.randn(5, 4)}, examples=5)
+        assert len(open_capture(out, verify=True)["h"]) == 5
+
+
 def test_plain_stores_are_unchanged(stores):
     r = open_capture(stores["plain"])
     assert r.index["format_version"] == 2

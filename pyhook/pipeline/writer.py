@@ -458,6 +458,14 @@ class ShardWriter:
                 if self.encoding is not None:
                     new.update(self.encoding.reserved(info))
             elif known != info:
+                old, now = known.get("encoding"), info.get("encoding")
+                if old != now and {**known, "encoding": None} == {**info, "encoding": None}:
+                    raise ValueError(
+                        f"layer {name!r}: the capture stores its rows with encoding "
+                        f"{old or 'none (plain rows)'}, this writer's is {now or 'none'}; "
+                        "write them with the same encoding (quantize=, compress=), or to "
+                        "another directory"
+                    )
                 raise ValueError(
                     f"layer {name!r}: rows of shape {info['row_shape']} {info['dtype']} do not match "
                     f"the earlier {known['row_shape']} {known['dtype']}; rows of one layer must share "
