@@ -208,7 +208,7 @@ def _layer_stats(reader: Any, name: str, sample: int) -> dict[str, Any]:
     data = reader[name]
     n = len(data)
     idx = torch.linspace(0, n - 1, min(n, sample)).long() if n else torch.zeros(0, dtype=torch.long)
-    rows = data[idx].float().reshape(len(idx), -1)
+    rows = data[idx].float().reshape(len(idx), -1 if len(idx) else 0)  # (a layer without rows)
     norms = rows.norm(dim=1) if len(idx) else torch.zeros(0)
     return {
         "rows": n,

@@ -575,6 +575,20 @@ def test_a_batch_without_rows_is_stored_as_in_a_plain_capture(tmp_path, kw):
             assert torch.equal(h[:], want)
 
 
+@pytest.mark.parametrize("kw", [{}, {"quantize": "fp8"}, {"compress": "zstd"}])
+def test_inspect_shows_a_layer_without_rows(tmp_path, kw, capsys):
+    """pyhook inspect of a capture whose mask kept no token (a layer of 0 rows), plain or
+    compact: its table, not a RuntimeError from reshape(0, -1)."""
+    from pyhook.cli import main
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6))
+    with pyhook.capture(net, "0", out=str(tmp_path), mask=lambda a, k: torch.zeros(2, 5) > 0, **kw):
+        net(torch.randn(2, 5, 4))
+    assert open_capture(tmp_path)["0"].shape == (0, 6)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "0" in capsys.readouterr().out
+
+
 def test_a_quantize_list_or_per_layer_dict_is_refused_by_name(tmp_path):
     """quantize= is one name for every layer: a list or a per-layer dict is a ValueError naming
     the argument (a TypeError 'unhashable type' before)."""
