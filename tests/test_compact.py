@@ -451,6 +451,40 @@ def test_the_decoded_rows_cache_is_bounded(tmp_path):
     assert torch.equal(h.to_tensor(), x)
 
 
+def test_two_threads_decoding_one_shard_keep_its_decoded_chunks(tmp_path):
+    """Thread B misses shard 0 in the cache, thread A then decodes all of it; B's entry for
+    the shard must be A's (a fresh empty one replaced it before: later reads gathered
+    uninitialised rows for chunks marked decoded, and the bound counted the shard twice)."""
+    import threading
+
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(1000, 16) + 5
+    with ShardWriter(tmp_path, encoding=encoding.Encoding(compress="zstd", chunk_bytes=640)) as w:
+        w.add({"h": x}, examples=1000)
+    h = open_capture(tmp_path)["h"]
+    cache, real_get = h._cache, h._cache.get
+    missed, a_done = threading.Event(), threading.Event()
+
+    def get(key):
+        item = real_get(key)
+        if threading.current_thread().name == "B":  # B looked and missed; A goes first
+            missed.set()
+            a_done.wait(10)
+        return item
+
+    cache.get = get
+    b = threading.Thread(target=lambda: h[0:1], name="B")
+    b.start()
+    assert missed.wait(10)
+    assert torch.equal(h[:], x)  # thread A: every chunk of the shard decoded
+    a_done.set()
+    b.join()
+    cache.get = real_get
+    assert torch.equal(h[:], x) and torch.equal(h[500:510], x[500:510])
+    assert cache.bytes == x.nbytes
+
+
 def _tensor_span(path: str, name: str) -> tuple[int, int]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

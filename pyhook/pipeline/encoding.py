@@ -570,6 +570,10 @@ class _ChunkCache:
         if nbytes > self.max_bytes:
             return None
         with self._lock:
+            item = self._items.get(key)
+            if item is not None:  # made by another thread since its get: kept, chunks and all
+                self._items.move_to_end(key)
+                return item
             while self._items and self.bytes + nbytes > self.max_bytes:
                 key_out, (old, _) = self._items.popitem(last=False)
                 self.complete.discard(key_out)
