@@ -240,6 +240,8 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"drop_last": "no"}, TypeError, "drop_last must be a bool.*'no'"),
         ({"overwrite": 1}, TypeError, "overwrite must be a bool"),
         ({"quantise": "fp8"}, TypeError, "unknown option 'quantise'.*did you mean 'quantize'"),
+        ({"quantize": "fp8"}, ValueError, "quantize= chooses how a tee stores .* pass tee="),
+        ({"compress": "zstd"}, ValueError, "compress= chooses how a tee stores .* pass tee="),
         ({"batchsize": 8}, TypeError, "unknown option 'batchsize'.*did you mean 'batch_size'"),
         pytest.param(
             {"device": "cuda"},

@@ -894,6 +894,12 @@ def stream(
         if not overwrite:
             _refuse_other_capture(tee, rec)
     else:
+        enc = [n for n in ("quantize", "compress") if options.get(n) is not None]
+        if enc:
+            raise ValueError(
+                f"{enc[0]}= chooses how a tee stores its rows; pass tee=DIR_OR_URL with it "
+                "(stream's batches are the rows as captured)"
+            )
         rec = Recorder(
             model,
             layers,
