@@ -521,6 +521,27 @@ def test_damage_to_a_compact_shard_is_detected(tmp_path, what):
             open_capture(out)["0"].to_tensor()
 
 
+def test_a_damaged_remote_compressed_shard_is_named_once(tmp_path):
+    """A compressed shard whose bytes changed in the bucket: the download's CaptureDamagedError
+    as for any store (it was wrapped again as a damaged chunk, the shard named twice)."""
+    pytest.importorskip("fsspec")
+    import fsspec
+
+    where = f"pyhook-compact/{os.getpid()}-{tmp_path.name}"
+    url = f"memory://{where}"
+    _capture(url, _net(), _inputs(), compress="zstd")
+    fs = fsspec.filesystem("memory")
+    shard = f"/{where}/shard-r000-000001.safetensors"
+    data = bytearray(fs.cat(shard))
+    data[-40] ^= 0x10
+    fs.pipe(shard, bytes(data))
+    r = open_capture(url, cache_bytes=0, prefetch=0)
+    with pytest.raises(CaptureDamagedError, match="checksum") as e:
+        r["0"][:]
+    assert str(e.value).count("shard-r000-000001") == 1 and "chunk" not in str(e.value)
+    r.close()
+
+
 def test_resume_of_a_compact_capture_and_changed_settings(tmp_path):
     net, xs = _net(), _inputs()
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")

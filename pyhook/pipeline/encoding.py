@@ -892,10 +892,12 @@ class EncodedLayerData:
         shard = self._sources[i]
         cr = int(self.encoding["chunk_rows"])
         rows = min(cr, self._rows[i] - c * cr)
+        # (a remote shard is fetched here: its own CaptureDamagedError names it already)
+        blob, offsets = self._tensor(i, self.name), self._tensor(i, self.encoding["chunks"])
         try:
             block = decompress_chunk(
-                self._tensor(i, self.name),
-                self._tensor(i, self.encoding["chunks"]),
+                blob,
+                offsets,
                 c,
                 rows,
                 self.stored_dtype,
