@@ -147,6 +147,18 @@ def test_any_iterable_of_batches_and_dtype(net, tok, corpus):
     assert torch.equal(got["h.0"], ref["h.0"]) and torch.equal(got["row_index"], ref.row_index)
 
 
+def test_float8_dtype_streams_the_rows_capture_keeps(net, tok, corpus):
+    # a dtype a capture stores: the mixing buffer's slot copy had no float8 kernel on the CPU
+    batches = list(W.source(corpus, tok, limit=6).batches())
+    ref = reference(net, batches, dtype=torch.float8_e4m3fn)
+    s = pyhook.stream(net, batches, W.LAYERS, batch_size=8, buffer_rows=16, dtype="float8_e4m3fn")
+    got = by_row_index(joined(list(s)))
+    assert got["h.0"].dtype == torch.float8_e4m3fn and s.rows == ref.rows["h.0"] > 16
+    assert torch.equal(got["row_index"], ref.row_index)
+    for layer in W.LAYERS:
+        assert torch.equal(got[layer].view(torch.uint8), ref[layer].view(torch.uint8)), layer
+
+
 # -- the tee -------------------------------------------------------------------------------------
 def _same_store(a, b):
     names = sorted(n for n in os.listdir(a) if not n.endswith(".lock"))

@@ -158,7 +158,7 @@ class Mixer:
             out = {k: v.index_select(0, slots) for k, v in self._buf.items()}
             new = self._take(b)
             for key, buf in self._buf.items():
-                buf.index_copy_(0, slots, new[key].to(buf.device))
+                _index_copy(buf, slots, new[key].to(buf.device))
             yield out
 
     def finish(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -179,6 +179,14 @@ class Mixer:
                 return
             idx = perm[i : i + b]
             yield {k: v.index_select(0, idx) for k, v in rest.items()}
+
+
+def _index_copy(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buf[slots] = rows``. One-byte floats (``dtype=float8_e4m3fn``, a dtype a capture
+    stores) are copied as their bytes: ``index_copy_`` has no kernel for them."""
+    if buf.is_floating_point() and buf.element_size() == 1:
+        buf, rows = buf.view(torch.uint8), rows.view(torch.uint8)
+    buf.index_copy_(0, slots, rows)
 
 
 def _nrows(rows: dict[str, torch.Tensor]) -> int:
