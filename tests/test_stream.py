@@ -225,6 +225,22 @@ def test_tee_resumes_after_break(net, tok, corpus, tmp_path):
             assert torch.equal(sa[key], sb[key]), (layer, key)
 
 
+def test_tee_keeps_the_skip_the_source_was_opened_with(net, tok, corpus, tmp_path):
+    # open_source(skip=5): the tee started at context 0 (its resume point replaced the skip),
+    # so teed and plain passes gave different rows and the tee was not capture's store
+    reference(net, W.source(corpus, tok, limit=12, skip=5), out=tmp_path / "cap")
+    kw = dict(batch_size=16, buffer_rows=32)
+    plain = list(pyhook.stream(net, W.source(corpus, tok, limit=12, skip=5), "h.0", **kw))
+    teed = list(
+        pyhook.stream(
+            net, W.source(corpus, tok, limit=12, skip=5), W.LAYERS, tee=tmp_path / "tee", **kw
+        )
+    )
+    assert set(joined(teed)["row_index"][:, 0].tolist()) == set(range(5, 12))
+    assert torch.equal(joined(plain)["row_index"], joined(teed)["row_index"])
+    _same_store(tmp_path / "cap", tmp_path / "tee")
+
+
 def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpus, tmp_path):
     reference(net, W.source(corpus, tok, limit=4), out=tmp_path / "t", dtype=torch.float16)
     calls = []

@@ -365,7 +365,8 @@ class Stream:
                     # the shares capture uses (the command opens the source with them)
                     clone.rank, clone.world_size, clone._count = self.rank, self.world_size, None
                 if self.tee is not None:
-                    clone.skip = skip  # as the command does on resume
+                    # as the command does on resume, after the examples the source skips itself
+                    clone.skip = src.skip + skip
                 src = clone
             it: Iterable[Any] = src
         else:
