@@ -270,6 +270,10 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"quantise": "fp8"}, TypeError, "unknown option 'quantise'.*did you mean 'quantize'"),
         ({"quantize": "fp8"}, ValueError, "quantize= chooses how a tee stores .* pass tee="),
         ({"compress": "zstd"}, ValueError, "compress= chooses how a tee stores .* pass tee="),
+        ({"rank": 2, "world_size": 2}, ValueError, r"rank must be .*\[0, world_size=2\), got 2"),
+        ({"rank": 1}, ValueError, r"rank must be .*\[0, world_size=1\), got 1"),
+        ({"rank": "1", "world_size": 2}, ValueError, "rank must be an int"),
+        ({"world_size": 0}, ValueError, "world_size must be an int >= 1"),
         ({"batchsize": 8}, TypeError, "unknown option 'batchsize'.*did you mean 'batch_size'"),
         pytest.param(
             {"device": "cuda"},

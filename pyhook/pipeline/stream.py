@@ -195,7 +195,10 @@ def _nrows(rows: dict[str, torch.Tensor]) -> int:
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None or world_size is not None:
-        return rank or 0, world_size or 1
+        from .capture import Recorder
+
+        # checked as the recorder checks them: a rank outside [0, world_size) streamed no row
+        return Recorder._dist_info(rank, world_size)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -842,7 +845,7 @@ def stream(
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
     capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none, a flag
-    that is not a bool, an unknown option) raises here, before any forward, naming the
+    that is not a bool, a ``rank`` outside ``[0, world_size)``, an unknown option) raises here, before any forward, naming the
     argument. An error once the pass runs (the corpus,
     the model) is raised in the trainer's loop.
     """
