@@ -274,6 +274,11 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"rank": 1}, ValueError, r"rank must be .*\[0, world_size=1\), got 1"),
         ({"rank": "1", "world_size": 2}, ValueError, "rank must be an int"),
         ({"world_size": 0}, ValueError, "world_size must be an int >= 1"),
+        (  # no process group: no vote, each rank would run to its own end (DDP then hangs)
+            {"rank": 0, "world_size": 2, "even_batches": True},
+            ValueError,
+            "even_batches=True.*not initialized",
+        ),
         ({"batchsize": 8}, TypeError, "unknown option 'batchsize'.*did you mean 'batch_size'"),
         pytest.param(
             {"device": "cuda"},

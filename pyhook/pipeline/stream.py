@@ -892,6 +892,13 @@ def stream(
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool (True or False), got {value!r}")
+    dist = torch.distributed
+    if even_batches and world > 1 and not (dist.is_available() and dist.is_initialized()):
+        # without a process group there is no vote: each rank would run to its own end
+        raise ValueError(
+            f"even_batches=True: the {world} ranks agree on each batch through torch.distributed, "
+            "which is not initialized; call torch.distributed.init_process_group() before stream()"
+        )
     keep = _Keep()
     rec_opts: dict[str, Any] = {"positions": positions, "dtype": dtype, "mask": keep, **options}
     if tee is not None:
@@ -922,7 +929,6 @@ def stream(
     bad = [n for n in rec.layers if n in _RESERVED]
     if bad:
         raise ValueError(f"layers: {bad[0]!r} is a key stream reserves for its own columns")
-    dist = torch.distributed
     even_group = None
     if world > 1 and dist.is_available() and dist.is_initialized():
         # Groups of their own (gloo, made by every rank here, after the checks), so that the
