@@ -302,6 +302,17 @@ def test_bad_input_named_before_any_forward(net, tok, corpus, kw, err, match):
         h.remove()
 
 
+@pytest.mark.parametrize("item", [torch.ones(2, 8, dtype=torch.long), {"input_ids": None}])
+def test_a_source_that_yields_no_batch_is_named(net, item):
+    # token ids alone (or a tokenizer's dict): an AttributeError from the runner's internals
+    before = hook_snapshot(net)
+    s = pyhook.stream(net, [item], "h.0", batch_size=4, buffer_rows=8)
+    with pytest.raises(TypeError, match="source must be .*Batch.* yielded a (Tensor|dict)"):
+        list(s)
+    _no_producer()
+    assert diff(before, hook_snapshot(net)) == []
+
+
 # -- stopping ------------------------------------------------------------------------------------
 def _endless(n_forwards, counter):
     g = torch.Generator().manual_seed(0)

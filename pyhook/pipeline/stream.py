@@ -205,6 +205,22 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _batches_of(source: Iterable[Any]) -> Iterator[Any]:
+    """The items of an iterable ``source``, each checked to be a :class:`pyhook.source.Batch`
+    (token ids alone, or a tokenizer's dict, failed in the runner as an ``AttributeError``)."""
+    from .source import Batch
+
+    for b in source:
+        if not isinstance(b, Batch):
+            raise TypeError(
+                "source must be a pyhook.source corpus or an iterable of pyhook.source.Batch "
+                f"(input_ids, attention_mask, keep, examples, texts), but it yielded a "
+                f"{type(b).__name__}; a corpus file opens with pyhook.source.open_source(path, "
+                "tokenizer=..., context_size=...)"
+            )
+        yield b
+
+
 def _skip_examples(batches: Iterable[Any], n: int) -> Iterator[Any]:
     """The batches after their first ``n`` examples (a batch that straddles is cut)."""
     from .source import Batch
@@ -373,7 +389,9 @@ class Stream:
                 src = clone
             it: Iterable[Any] = src
         else:
-            it = _skip_examples(src, skip) if skip else src
+            it = _batches_of(src)
+            if skip:
+                it = _skip_examples(it, skip)
         for b in it:
             if stop.is_set():
                 return
