@@ -107,6 +107,30 @@ def test_seeded_and_reproducible(net, tok, corpus):
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
+def test_the_largest_seed_has_a_second_pass(net):
+    # pass k draws with seed + k: seed 2**64 - 1 failed in the loop of the second pass
+    # ("Overflow when unpacking long long"); the seed wraps as the generator's 64 bits do
+    src = [_endless_batch(0)]
+    s = pyhook.stream(net, src, "h.0", batch_size=4, buffer_rows=8, seed=2**64 - 1)
+    first, second = [torch.cat([b["row_index"] for b in s]) for _ in range(2)]
+    assert len(first) == len(second) == 16
+    wrapped = torch.cat(
+        [b["row_index"] for b in pyhook.stream(net, src, "h.0", batch_size=4, buffer_rows=8)]
+    )
+    assert torch.equal(second, wrapped)  # seed 2**64 is seed 0
+
+
+def _endless_batch(i):
+    ids = torch.arange(16).reshape(2, 8) + i
+    return Batch(
+        ids,
+        torch.ones_like(ids),
+        torch.ones_like(ids, dtype=torch.bool),
+        torch.tensor([2 * i, 2 * i + 1]),
+        None,
+    )
+
+
 def test_each_iteration_is_a_new_pass(net, tok, corpus):
     s = pyhook.stream(net, W.source(corpus, tok), "h.0", batch_size=64, buffer_rows=128, seed=5)
     a, b = joined(list(s)), joined(list(s))
@@ -274,6 +298,7 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"rank": 1}, ValueError, r"rank must be .*\[0, world_size=1\), got 1"),
         ({"rank": "1", "world_size": 2}, ValueError, "rank must be an int"),
         ({"world_size": 0}, ValueError, "world_size must be an int >= 1"),
+        ({"seed": 2**64}, ValueError, "seed must be a 64-bit int"),
         (  # no process group: no vote, each rank would run to its own end (DDP then hangs)
             {"rank": 0, "world_size": 2, "even_batches": True},
             ValueError,

@@ -486,7 +486,7 @@ class Stream:
         """Start a pass: its queue, its stop event and its producer."""
         if self._active is not None and self._active.is_alive():
             raise RuntimeError("this stream is already being iterated; finish or close() it first")
-        seed = self.seed + self._passes
+        seed = (self.seed + self._passes) % 2**64  # the generator's seed is 64-bit (-1 is 2**64-1)
         self._passes += 1
         self.rows = self.batches = self.examples = self.dropped_rows = 0
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
@@ -895,6 +895,8 @@ def stream(
         )
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be a 64-bit int (-2**63 <= seed < 2**64), got {seed!r}")
     if "to" in options or "out" in options or "mask" in options:
         raise TypeError(
             "stream chooses the recorder's destination and mask itself (the source's keep mask); "
