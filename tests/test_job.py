@@ -351,6 +351,30 @@ def test_stream_hands_out_the_rows_run_writes(ckpt, tmp_path):
         torch.testing.assert_close(torch.cat(got[n])[order], r[n].to_tensor()[want_order])
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("pyhook.pipeline.stream") is None,
+    reason="pyhook.pipeline.stream is not on this branch (the lead wires it at merge)",
+)
+def test_stream_tee_is_the_store_run_writes(ckpt, tmp_path):
+    # job.stream(tee=) wrote none of the job's settings (model, corpus, context size): the store
+    # run() began was refused as a different capture, and one of another corpus was resumed
+    base = dict(model=str(ckpt / "model"), layers=LAYERS, context_size=16, batch_size=8)
+    out, full = str(tmp_path / "acts"), str(tmp_path / "full")
+    CaptureJob(input=str(ckpt / "c.parquet"), out=out, limit=3, **base).run()
+    job = CaptureJob(input=str(ckpt / "c.parquet"), out=full, **base)
+    job.run()
+    s = job.stream(batch_size=64, buffer_rows=256, tee=out)
+    rows = torch.cat([b["row_index"] for b in s])
+    a, b = open_capture(out), open_capture(full)
+    assert s.examples_done == 3 and set(rows[:, 0].tolist()) == set(range(3, b.examples))
+    assert torch.equal(a.row_index, b.row_index)
+    for n in LAYERS:
+        assert torch.equal(a[n].to_tensor(), b[n].to_tensor())
+    other = CaptureJob(input=str(ckpt / "c.txt"), out=out, **base)
+    with pytest.raises(ValueError, match=r"different capture.*input"):
+        other.stream(tee=out)
+
+
 # -- the command checks its arguments before importing torch -----------------------------------
 def _command(*args, cwd=None):
     return subprocess.run(

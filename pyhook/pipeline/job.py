@@ -738,6 +738,21 @@ class CaptureJob:
             "input": input_path,
         }
 
+    def _store_settings(self, got: dict[str, Any], model_dtype: Any) -> dict[str, Any]:
+        """The settings of this job's store beyond the recorder's own: the model, the corpus
+        and its cutting (compared on resume, by :meth:`run` and by a :meth:`stream`'s tee)."""
+        from .format import dtype_name
+
+        context_size = got["context_size"]
+        return {
+            "model_path": got["prepared"].path,
+            **({"tokenizer_path": got["tokenizer_path"]} if self.tokenizer else {}),
+            **({"model_class": self.model_class} if self.model_class else {}),
+            **got["source"].settings(),
+            "max_length": None if context_size else got["max_length"],
+            "model_dtype": dtype_name(model_dtype) if model_dtype else None,
+        }
+
     def _device(self, world: int) -> str:
         """The device, after joining the process group when torchrun started several ranks."""
         import torch
@@ -782,14 +797,7 @@ class CaptureJob:
         got = self._source(rank=rank, world=world)
         prepared, src, context_size = got["prepared"], got["source"], got["context_size"]
         unit = f"contexts of {context_size} tokens" if context_size else "examples"
-        settings: dict[str, Any] = {
-            "model_path": prepared.path,
-            **({"tokenizer_path": got["tokenizer_path"]} if self.tokenizer else {}),
-            **({"model_class": self.model_class} if self.model_class else {}),
-            **src.settings(),
-            "max_length": None if context_size else got["max_length"],
-            "model_dtype": dtype_name(model_dtype) if model_dtype else None,
-        }
+        settings = self._store_settings(got, model_dtype)
         if self.generate is not None:  # absent otherwise: stores made before compare equal
             settings.update(
                 generate=self.generate,
@@ -1149,6 +1157,17 @@ class CaptureJob:
         kw: dict[str, Any] = {"device": device, "dtype": parse_dtype(self.dtype, "dtype")}
         if self.positions != "all":
             kw["positions"] = self.positions
+        if options.get("tee") is not None:
+            # the store run() writes: its settings (a tee resumes run()'s store, and refuses one
+            # of another model or corpus, which the recorder's settings alone do not tell apart)
+            kw.update(
+                settings=self._store_settings(got, model_dtype),
+                meta={"model_path": got["prepared"].path},
+                stats=self.stats,
+                tokens=self.tokens,
+                quantize=self.quantize,
+                compress=self.compress,
+            )
         return stream(model, got["source"], layers, **{**kw, **options})
 
 
