@@ -265,6 +265,28 @@ def test_tee_keeps_the_skip_the_source_was_opened_with(net, tok, corpus, tmp_pat
     _same_store(tmp_path / "cap", tmp_path / "tee")
 
 
+def test_overwrite_replaces_the_tee_once_not_every_pass(net, tok, corpus, tmp_path):
+    # pass 2 of a stream made with overwrite=True wiped the tee pass 1 had completed, and a
+    # break in it left only a part
+    reference(net, W.source(corpus, tok, limit=4), out=tmp_path / "tee", dtype=torch.float16)
+    s = pyhook.stream(
+        net,
+        W.source(corpus, tok, limit=30, batch_size=2),
+        "h.0",
+        batch_size=16,
+        buffer_rows=32,
+        tee=tmp_path / "tee",
+        overwrite=True,
+        shard_bytes=2000,
+    )
+    assert sum(len(b["tokens"]) for b in s) > 0 and open_capture(tmp_path / "tee").examples == 30
+    for i, _ in enumerate(s):
+        if i == 1:
+            break
+    assert open_capture(tmp_path / "tee").examples == 30
+    assert list(s) == [] and s.examples_done == 30  # complete: nothing left to write
+
+
 def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpus, tmp_path):
     reference(net, W.source(corpus, tok, limit=4), out=tmp_path / "t", dtype=torch.float16)
     calls = []

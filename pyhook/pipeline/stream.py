@@ -454,6 +454,9 @@ class Stream:
             rec._sink = sink
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 with rec:
+                    # overwrite=True replaces the tee once: a later pass resumes what this one
+                    # writes (a second pass had wiped a complete tee, and a break left a part)
+                    rec.overwrite = False
                     self.examples_done = rec.examples_done if tee else 0
                     batches = self._source_batches(stop, self.examples_done)
                     run(
