@@ -142,6 +142,16 @@ def test_each_iteration_is_a_new_pass(net, tok, corpus):
     assert torch.equal(by_row_index(a)["h.0"], by_row_index(b)["h.0"])
 
 
+def test_a_second_pass_over_a_used_up_generator_says_so(net):
+    # pass 2 over a generator the first pass used up was an epoch of no batch, silently
+    s = pyhook.stream(net, _endless(2, []), "h.0", batch_size=16, buffer_rows=32)
+    assert sum(len(b["tokens"]) for b in s) == 32
+    with pytest.raises(ValueError, match="one-shot iterator .generator. that an earlier pass"):
+        list(s)
+    again = pyhook.stream(net, list(_endless(2, [])), "h.0", batch_size=16, buffer_rows=32)
+    assert [sum(len(b["tokens"]) for b in again) for _ in range(2)] == [32, 32]
+
+
 def test_mixer_output_does_not_depend_on_chunking():
     x = torch.arange(1000)
 

@@ -392,10 +392,20 @@ class Stream:
             it = _batches_of(src)
             if skip:
                 it = _skip_examples(it, skip)
+        none = True
         for b in it:
             if stop.is_set():
                 return
+            none = False
             yield b
+        if none and self._passes > 1 and self.tee is None and isinstance(src, Iterator):
+            # a generator used up by an earlier pass: this pass (an epoch) had no row, silently
+            raise ValueError(
+                f"source is a one-shot iterator ({type(src).__name__}) that an earlier pass used "
+                "up: this pass has no row. A stream iterated again needs a source it can iterate "
+                "again: a list of pyhook.source.Batch, a pyhook.source corpus, or an iterable "
+                "whose __iter__ starts over"
+            )
 
     def _produce(self, out: queue.Queue[Any], stop: threading.Event, seed: int) -> bool:
         from .runner import run
