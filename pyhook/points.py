@@ -995,8 +995,25 @@ def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | Non
         return module_inputs(model, layer)
     if is_point_name(layer, model):
         return expand_points(model, layer)
+    if _is_block_glob(model, layer):
+        return expand_points(model, layer)
     _check_point_typo(model, layer)
     return None
+
+
+def _is_block_glob(model: nn.Module, layer: str) -> bool:
+    """Whether ``layer`` is a glob over the points of blocks whose head is glob characters
+    only (``*.3``, ``*.-1``: every point of block 3, of the last block): taken as points when
+    no module name matches it (module names win) and the model has a mapping."""
+    head, _, rest = layer.partition(".")
+    if not head or any(c not in "*?" for c in head) or not re.fullmatch(r"-?\d+", rest):
+        return False
+    try:
+        _layout(model)
+    except LayerNotFoundError:
+        return False
+    rx = glob_regex(layer)
+    return not any(n and rx.match(n) for n, _ in model.named_modules())
 
 
 def module_inputs(model: nn.Module, name: str) -> list[tuple[str, Point]]:

@@ -485,6 +485,26 @@ def test_names_globs_ranges_and_transformerlens_aliases():
     ]
 
 
+def test_every_point_of_a_block_glob_in_every_tool():
+    """docs/points.md: ``*.3`` is every point of block 3 wherever a module name is taken; it
+    was taken as a module glob (matching nothing) by TraceDict and capture."""
+    model = build("gpt2")
+    block1 = [n for n, _ in points.expand_points(model, "*.1")]
+    assert len(block1) == 9
+    assert [n for n, _ in resolve_layers(model, "*.1")] == block1
+    assert [n for n, _ in resolve_layers(model, "*.-1")] == block1
+    with torch.no_grad(), pyhook.TraceDict(model, ["*.1"]) as ret:
+        model(ids())
+    assert list(ret) == block1
+    with torch.no_grad(), capture(model, "*.0", to="host") as rec:
+        model(ids())
+    assert rec.layers == [n for n, _ in points.expand_points(model, "*.0")]
+    with pytest.raises(LookupError, match="matches no standard point"):
+        pyhook.TraceDict(model, ["*.5"])
+    # a module glob that matches modules stays one
+    assert "transformer.h" in [n for n, _ in resolve_layers(model, "*.*")]
+
+
 def test_block_outputs_as_tuple_keep_the_rest_untouched():
     """GPT-Neo's blocks return (hidden, attn_weights): an edit replaces element 0 only."""
     model = build("gpt_neo")
