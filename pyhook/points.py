@@ -119,7 +119,8 @@ class Architecture:
     ``mlp_out``, ``mid`` the module whose *input* is ``resid_mid`` (``None``: a parallel
     attention block, which has no ``resid_mid``). A path may end in ``:in`` or ``:out`` to take
     the other side of the module, and in ``!`` when the model later modifies that tensor in
-    place (users are then handed a copy). ``when`` is a condition on the config (``"attr"``,
+    place (the model then goes on with a copy, so what hooks see, edit in place or return is
+    never changed by it). ``when`` is a condition on the config (``"attr"``,
     ``"not attr"``, joined by ``" or "``): rows of one key are tried in order, the first whose
     condition holds is used. ``key`` is a ``config.model_type`` or a model class name.
 
@@ -407,8 +408,9 @@ class Point:
     keyword: registered as a forward pre-hook) or ``"output"`` (the tensor is the output, or
     element 0 of an output tuple). ``inplace``: an edit is written into the tensor in place, so
     that every reader of it sees the edit (``resid_mid``, read by both the MLP branch and the
-    skip connection). ``copy``: the model modifies the tensor in place later, so hooks get a
-    copy. Tools register hooks on a Point as on a module (see :meth:`register`).
+    skip connection). ``copy``: the model modifies the tensor in place later, so it goes on
+    with a copy of what the hooks left (what they saw or returned is not changed by it). Tools
+    register hooks on a Point as on a module (see :meth:`register`).
 
     Example::
 
@@ -454,9 +456,16 @@ class Point:
 
             def on_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
                 value = output if type(output) is torch.Tensor else _output_tensor(point, output)
-                handed = value.clone() if copy else value
-                new = fn(module, args, kwargs, handed) if with_kwargs else fn(module, args, handed)
-                if new is None or new is handed:
+                new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
+                if copy:
+                    # The model modifies this tensor in place later: it goes on with a copy of
+                    # what the hook left (an in-place edit included), so neither the tensor the
+                    # hook saw nor one it returned (a stored patch) is changed by the model.
+                    kept = value if new is None else new
+                    if isinstance(kept, torch.Tensor):
+                        kept = kept.clone()
+                    return _replace_output(output, kept)
+                if new is None or new is value:
                     return None
                 return _replace_output(output, new)
 

@@ -879,6 +879,32 @@ def test_edit_at_a_site_is_a_pre_hook_edit_of_that_module(arch, site):
     assert _hooks_of(model) == before
 
 
+def test_edit_at_a_point_the_model_modifies_in_place_later():
+    """Falcon adds the attention output into its MLP output in place (``mlp!``): an in-place
+    edit there (an ablation) must reach the model, as on every other point (it was dropped),
+    and a stored patch returned by the edit must not be changed by the model (it was: the
+    attention output was added into it)."""
+    model = build("falcon")
+    d = _delta(H, 5)
+    with torch.no_grad():
+        with pyhook.Trace(model, "mlp_out.1", edit_output=lambda output: output + d):
+            want = model(ids()).logits
+
+        def in_place(output):
+            output += d
+            return output
+
+        with pyhook.Trace(model, "mlp_out.1", edit_output=in_place) as t:
+            got = model(ids()).logits
+        assert torch.equal(got, want)
+        kept = t.output.clone()
+        patch = kept.clone()
+        with pyhook.Trace(model, "mlp_out.1", edit_output=lambda output: patch):
+            again = model(ids()).logits
+    assert torch.equal(again, want)
+    assert torch.equal(patch, kept)  # the model added the attention output into a copy
+
+
 @pytest.mark.parametrize("arch", ["olmo2", "gemma2", "bert"])
 def test_mlp_in_edit_misses_the_skip_connection_unlike_resid_mid(arch):
     """An edit at mlp_in reaches the MLP only; the same edit at resid_mid (written in place)
