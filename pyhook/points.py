@@ -570,6 +570,10 @@ class _Layout:
     # resolved points, reused while their module is still in place (fewer allocations: a
     # TraceDict over hundreds of points stays as cheap as one over module names)
     made: dict[tuple[str, int | None, int], Point] = field(default_factory=dict)
+    # id(module) -> the blocks whose module tree holds it (built on first need, for the blocks
+    # in runs_of: rebuilt when a block is added, removed or replaced)
+    runs_in: dict[int, list[int]] | None = None
+    runs_of: tuple[nn.Module, ...] = ()
 
     def path(self, rel: str | None) -> str | None:
         return None if rel is None else self.prefix + rel
@@ -848,12 +852,35 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
             f"standard point {name!r}: the mapping for {arch.key!r} names {module_name!r}, which "
             f"{type(model).__name__} does not have ({e}); fix it with register_architecture",
         ) from None
+    if kind != "final" or arch.final is None:
+        _check_not_shared(layout, module, module_name, name)
     heads = _heads(model, arch, name) if kind == "attn_z" else None
     flat = kind in arch.flat
     return Point(name, module_name, module, side, inplace, copy, heads, flat)  # type: ignore[arg-type]
 
 
 _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
+
+
+def _check_not_shared(layout: _Layout, module: nn.Module, module_name: str, name: str) -> None:
+    """Refuse a point whose module runs in more than one block (a block listed twice, a module
+    shared between blocks): a hook on it would run at each, and the point hold the last call."""
+    now = tuple(layout.blocks._modules.values())
+    if layout.runs_in is None or now != layout.runs_of:
+        runs: dict[int, list[int]] = {}
+        for i, block in enumerate(now):
+            for m in block.modules():
+                runs.setdefault(id(m), []).append(i)
+        layout.runs_in, layout.runs_of = runs, now
+    blocks = layout.runs_in.get(id(module), [])
+    if len(blocks) > 1:
+        raise PointUnavailableError(
+            name,
+            f"standard point {name!r}: {module_name!r} is one module that runs in blocks "
+            f"{', '.join(map(str, blocks))} of {layout.path(layout.arch.blocks)!r}, so a hook on "
+            "it would run at each of them and hold the last call's tensor; hook the module by "
+            "name instead (Trace(..., keep_calls=True) keeps every call)",
+        )
 
 
 def _available(arch: Architecture) -> list[str]:

@@ -556,6 +556,37 @@ def test_flexmodel_hook_function_on_a_point():
     assert torch.equal(out["resid_post.0"][0], t.output)
 
 
+def test_a_point_on_a_module_that_runs_in_several_blocks_is_refused():
+    """A block listed twice (a looped model) or a module shared by two blocks runs at each: a
+    point on it held the last call's tensor (resid_post.0 was block 2's output), silently.
+    Refused by name, before any hook; the points of the other blocks stay."""
+    model = copy.deepcopy(build("llama"))
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[0], layers[1], layers[0]])
+    model.config.num_hidden_layers = 3
+    before = _hooks_of(model)
+    for name in ("resid_post.0", "embed", "mlp_out.2", "attn_z.0"):
+        with pytest.raises(points.PointUnavailableError, match="runs in blocks 0, 2"):
+            pyhook.TraceDict(model, [name])
+        with pytest.raises(points.PointUnavailableError, match="runs in blocks 0, 2"):
+            capture(model, ["resid_post.1", name], to="host")
+    assert _hooks_of(model) == before
+    with torch.no_grad(), pyhook.Trace(model, "resid_post.1") as t:
+        out = model(ids(), output_hidden_states=True)
+    assert torch.equal(t.output, out.hidden_states[2])
+    shared = copy.deepcopy(build("llama"))
+    shared.model.layers[1].mlp = shared.model.layers[0].mlp
+    with pytest.raises(points.PointUnavailableError, match="runs in blocks 0, 1"):
+        pyhook.Trace(shared, "mlp_out.1")
+    assert points.resolve_point(shared, "resid_post.1").module is shared.model.layers[1]
+    # a block replaced in place after the points were first resolved
+    looped = copy.deepcopy(build("llama"))
+    assert points.resolve_point(looped, "resid_post.1").module is looped.model.layers[1]
+    looped.model.layers[1] = looped.model.layers[0]
+    with pytest.raises(points.PointUnavailableError, match="runs in blocks 0, 1"):
+        pyhook.Trace(looped, "resid_post.1")
+
+
 def test_unknown_architecture_gets_a_one_line_error_and_no_hook():
     class Block(torch.nn.Module):
         def __init__(self):
