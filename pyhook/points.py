@@ -733,8 +733,8 @@ def _glob_head_matches(name: str) -> bool:
 
 def is_point_name(name: Any, model: nn.Module | None = None) -> bool:
     """Whether ``name`` is spelled as a standard point (canonical, TransformerLens alias, range
-    or glob). With ``model``, a name that is also a real module path of it is *not* a point
-    (module names win).
+    or glob). With ``model``, a name that is also a real module path of it (a glob: that matches
+    one) is *not* a point (module names win).
 
     Example::
 
@@ -755,7 +755,14 @@ def is_point_name(name: Any, model: nn.Module | None = None) -> bool:
         return False
     if not ok or model is None:
         return ok
-    return head not in model._modules
+    if head not in model._modules:
+        return True
+    # A child has the point's first part (MPT's and many models' `blocks`, as TransformerLens
+    # names start): the name is a point unless it is (a glob: matches) a module path.
+    if _GLOB.search(name):
+        rx = glob_regex(name)
+        return not any(n and rx.match(n) for n, _ in model.named_modules())
+    return _lookup(model, name) is None
 
 
 def _index(layout: _Layout, text: str, name: str) -> int:

@@ -505,6 +505,29 @@ def test_every_point_of_a_block_glob_in_every_tool():
     assert "transformer.h" in [n for n, _ in resolve_layers(model, "*.*")]
 
 
+def test_transformerlens_aliases_on_a_model_with_a_blocks_child():
+    """MPT's base model (and many models of one's own) keeps its blocks in a child named
+    ``blocks``, the first part of TransformerLens' names: ``blocks.1.hook_resid_post`` is no
+    module path there, so it is the point (it was taken as a module name, and not found);
+    ``blocks.1`` and the module glob ``blocks.*`` stay modules."""
+    model = build("mpt").transformer
+    assert type(model).__name__ == "MptModel" and "blocks" in model._modules
+    with (
+        torch.no_grad(),
+        pyhook.TraceDict(model, ["blocks.1.hook_resid_post", "resid_post.1"]) as r,
+    ):
+        model(ids())
+    assert r["blocks.1.hook_resid_post"].output is r["resid_post.1"].output
+    names = ["blocks.*.hook_mlp_out", "blocks.0.attn.hook_z"]
+    with torch.no_grad(), capture(model, names, to="host") as rec:
+        model(ids())
+    assert rec.layers == ["blocks.0.hook_mlp_out", "blocks.1.hook_mlp_out", "blocks.0.attn.hook_z"]
+    assert points.is_point_name("blocks.1.hook_resid_post", model)
+    assert not points.is_point_name("blocks.*", model)
+    assert [n for n, _ in resolve_layers(model, "blocks.*")] == ["blocks.0", "blocks.1"]
+    assert resolve_layers(model, "blocks.1")[0][1] is model.blocks[1]
+
+
 def test_block_outputs_as_tuple_keep_the_rest_untouched():
     """GPT-Neo's blocks return (hidden, attn_weights): an edit replaces element 0 only."""
     model = build("gpt_neo")
