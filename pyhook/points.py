@@ -326,13 +326,26 @@ def register_architecture(
         if not isinstance(value, str) or not value:
             raise TypeError(f"{field_name} must be a dotted module path (str), got {value!r}")
     sites = {"attn_in": attn_in, "attn_z": attn_z, "mlp_in": mlp_in, "mlp_hidden": mlp_hidden}
-    for field_name, value in sites.items():
+    for field_name, value in (("mid", mid), ("final", final), *sites.items()):
         if value is not None and (not isinstance(value, str) or not value):
             raise TypeError(
                 f"{field_name} must be a dotted module path (str) or None, got {value!r}"
             )
+    paths = {"attn": attn, "mlp": mlp, "mid": mid, "final": final, **sites}
+    for field_name, value in paths.items():
+        if value is not None:
+            try:
+                _side(value, "output")
+            except ValueError as e:
+                raise ValueError(f"{field_name}: {e}") from None
+    if when is not None and (not isinstance(when, str) or not when.strip()):
+        raise TypeError(
+            f"when must be a condition on the config (str, e.g. 'attr' or 'not attr'), got {when!r}"
+        )
     if isinstance(heads, bool) or not isinstance(heads, (str, int)) or heads == "":
         raise TypeError(f"heads must be a config attribute (str) or a number, got {heads!r}")
+    if isinstance(heads, int) and heads < 1:
+        raise ValueError(f"heads must be a positive number of attention heads, got {heads}")
     if isinstance(flat, str) or not all(isinstance(k, str) for k in flat):
         raise TypeError(f"flat must be a sequence of point kinds, got {flat!r}")
     unknown = [k for k in flat if k not in LAYER_KINDS]

@@ -1057,6 +1057,28 @@ def test_attn_z_edit_of_the_wrong_shape_is_refused():
     assert _hooks_of(model) == before
 
 
+def test_register_architecture_checks_every_argument_naming_it():
+    """mid / final / when / heads / a path's suffix were not checked: the mistake surfaced at
+    the first trace as a raw AttributeError ('bool' object has no attribute 'endswith'), a
+    ZeroDivisionError (heads=0) or a torch unflatten error; now refused by name, registering
+    nothing."""
+    base = dict(blocks="stack", attn="mix", mlp="ff", mid="norm2", attn_z="mix")
+    bad = [
+        (dict(mid=False), TypeError, "mid must be a dotted module path"),
+        (dict(final=7), TypeError, "final must be a dotted module path"),
+        (dict(when=["use_parallel_residual"]), TypeError, "when must be a condition"),
+        (dict(heads=0), ValueError, "heads must be a positive number"),
+        (dict(heads=-2), ValueError, "heads must be a positive number"),
+        (dict(mid="norm2:inn"), ValueError, "mid: bad point path 'norm2:inn'"),
+        (dict(attn="mix:outt"), ValueError, "attn: bad point path"),
+    ]
+    before = list(points._USER_ROWS)
+    for kw, error, message in bad:
+        with pytest.raises(error, match=message):
+            points.register_architecture("NoSuchNet", **{**base, **kw})
+    assert points._USER_ROWS == before
+
+
 def test_register_architecture_sites_are_optional():
     class Block(torch.nn.Module):
         def __init__(self):
