@@ -666,6 +666,22 @@ def test_job_resumes_at_the_next_prompt_batch(ckpt, tmp_path):
         torch.testing.assert_close(a.stats(name)["var"], b.stats(name)["var"])
 
 
+def test_text_of_a_truncated_prompt_is_the_part_that_was_continued(ckpt, tmp_path):
+    # Before, reader.text(e) joined the completion to the whole prompt line, though the model
+    # continued only its first max_length tokens: the completion followed text never run.
+    out = tmp_path / "acts"
+    _job(ckpt, out, max_length=2).run()
+    r = pyhook.open_capture(out)
+    with open(ckpt / "prompts.jsonl") as f:
+        prompts = [json.loads(line)["text"] for line in f]
+    assert any(len(p.split()) > 2 for p in prompts)
+    for e, p in enumerate(prompts):
+        kept = " ".join(p.split()[:2])
+        assert r.text(e) == kept + r.completion(e), (r.text(e), p)
+        prompt_rows = (r.row_index[:, 0] == e) & ~r.generated
+        assert int(prompt_rows.sum()) == len(kept.split())
+
+
 def test_job_refuses_a_different_generation_in_out(ckpt, tmp_path):
     _job(ckpt, tmp_path, limit=2).run()
     with pytest.raises(ValueError, match="generate 4 now, 5 when stored"):

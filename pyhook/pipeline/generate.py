@@ -904,10 +904,34 @@ def _texts(
             completion = both[len(decoded) :]
         else:
             completion = tokenizer.decode(new_ids, skip_special_tokens=False)
-        prompt = b.texts[row] if b.texts is not None else decoded
+        if b.texts is None:
+            prompt = decoded
+        elif getattr(b, "truncated", 0):  # some prompt of the batch was cut to max_length
+            prompt = _run_part(b.texts[row], int(lengths[row]), tokenizer, decoded)
+        else:
+            prompt = b.texts[row]
         full.append(prompt + completion)
         prompt_bytes.append(len(prompt.encode("utf-8")))
     return full, prompt_bytes
+
+
+def _run_part(text: str, n_tokens: int, tokenizer: Any, decoded: str) -> str:
+    """The part of a prompt ``text`` that its ``n_tokens`` run tokens are: the text itself,
+    or for a prompt truncated to fewer tokens (``max_length``) the text up to the end of its
+    last token kept (``decoded``, those tokens decoded, without offsets to cut it at)."""
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True, verbose=False)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    except Exception:  # a tokenizer without offsets (a slow one)
+        try:
+            ids, offsets = tokenizer(text, verbose=False)["input_ids"], None
+        except Exception:
+            return text
+    if len(ids) <= n_tokens:
+        return text
+    if offsets is None:
+        return decoded
+    return text[: max((int(end) for _, end in offsets[:n_tokens]), default=0)]
 
 
 generated = annotations.generated  # documented in pyhook.annotations
