@@ -500,6 +500,23 @@ def test_bad_calls_are_refused_before_generating():
         run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2)
 
 
+def test_num_return_sequences_1_is_what_the_refusal_says_to_pass(tmp_path):
+    # Before, a model whose generation_config sets num_return_sequences=2 was refused with
+    # "pass num_return_sequences=1 (generate_kwargs)", and passing it was refused in turn.
+    model = _gpt()
+    model.generation_config.do_sample = True  # (transformers refuses 2 for greedy itself)
+    model.generation_config.num_return_sequences = 2
+    with pyhook.capture(model, POINTS) as rec:
+        with pytest.raises(GenerateError, match="pass num_return_sequences=1"):
+            run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+        run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, num_return_sequences=1)
+        with pytest.raises(GenerateError, match="num_return_sequences"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, num_return_sequences=2
+            )
+    assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -374,7 +374,9 @@ def _generate_kwargs(
     model: Any, sampling: str, options: dict[str, Any], max_new_tokens: int, pad: int
 ) -> dict[str, Any]:
     for key in options:
-        if key in _REFUSED and not (key == "num_beams" and options[key] == 1):
+        if key in _REFUSED and not (
+            key in ("num_beams", "num_return_sequences") and options[key] == 1
+        ):
             raise GenerateError(f"generate option {key!r} cannot be captured: {_REFUSED[key]}")
     if options.get("use_cache") is False:
         raise GenerateError(
