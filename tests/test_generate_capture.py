@@ -517,6 +517,32 @@ def test_num_return_sequences_1_is_what_the_refusal_says_to_pass(tmp_path):
     assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
 
 
+def test_chunked_prefill_is_refused_naming_the_option():
+    # Before, prefill_chunk_size (the prompt run in several calls) failed inside the hooks
+    # with "output shape (6, 2, 32) does not start with the mask's [batch, tokens]".
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        with pytest.raises(GenerateError, match="'prefill_chunk_size' cannot be captured"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, prefill_chunk_size=2
+            )
+        gc = {"prefill_chunk_size": 2}
+        with pytest.raises(GenerateError, match=r"prefill_chunk_size=2.*prefill_chunk_size=None"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, generation_config=gc
+            )
+        assert rec.rows[POINTS[0]] == 0
+        run_generate(
+            model,
+            prompt_batches(PROMPTS),
+            rec,
+            max_new_tokens=2,
+            generation_config=gc,
+            prefill_chunk_size=None,
+        )
+    assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -76,6 +76,7 @@ _REFUSED = {
     "assistant_model": "assisted decoding runs tokens through another model",
     "prompt_lookup_num_tokens": "speculative decoding runs several tokens per step",
     "assistant_early_exit": "self-speculative decoding runs several tokens per step",
+    "prefill_chunk_size": "chunked prefill runs each prompt in several calls of the model",
 }
 
 
@@ -375,7 +376,8 @@ def _generate_kwargs(
 ) -> dict[str, Any]:
     for key in options:
         if key in _REFUSED and not (
-            key in ("num_beams", "num_return_sequences") and options[key] == 1
+            (key in ("num_beams", "num_return_sequences") and options[key] == 1)
+            or (key == "prefill_chunk_size" and options[key] is None)
         ):
             raise GenerateError(f"generate option {key!r} cannot be captured: {_REFUSED[key]}")
     if options.get("use_cache") is False:
@@ -385,7 +387,7 @@ def _generate_kwargs(
         )
     # what the generation_config argument or the model's sets (generate's own resolution)
     counts = ("num_beams", "num_return_sequences")
-    for key in (*counts, "prompt_lookup_num_tokens", "assistant_early_exit"):
+    for key in (*counts, "prompt_lookup_num_tokens", "assistant_early_exit", "prefill_chunk_size"):
         if key in options or (key == "num_beams" and sampling != "model"):
             continue  # given (and checked above), or set to 1 below
         value = _setting(model, options, key)
@@ -394,6 +396,8 @@ def _generate_kwargs(
         arg = getattr(options.get("generation_config"), key, None) is not None
         where = "generate option 'generation_config'" if arg else "the model's generation_config"
         fix = f"pass {key}=1 (generate_kwargs)" if key in counts else ""
+        if key == "prefill_chunk_size":
+            fix = "pass prefill_chunk_size=None (generate_kwargs)"
         if key == "num_beams":
             fix += ", or sampling 'greedy'/'sample'"
         raise GenerateError(
