@@ -543,6 +543,20 @@ def test_chunked_prefill_is_refused_naming_the_option():
     assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
 
 
+def test_prompt_batches_refuses_a_prompt_that_is_not_a_list_of_prompts():
+    # Before, one prompt string was taken as a list of one-character prompts (one example a
+    # character), a text "12" among token-id prompts as the ids [1, 2], and one flat list of
+    # ids failed with "TypeError: 'int' object is not iterable".
+    tok = word_tokenizer(["a b c"])
+    with pytest.raises(GenerateError, match=r"got one str: pass \[prompt\]"):
+        list(prompt_batches("a b", tokenizer=tok))
+    with pytest.raises(GenerateError, match=r"prompt 1: .*text among prompts given as token ids"):
+        list(prompt_batches([[5, 6], "12"]))
+    with pytest.raises(GenerateError, match=r"prompt 0: .*got 5; .*\[\[5, 6, 7\]\]"):
+        list(prompt_batches([5, 6, 7]))
+    assert [b.input_ids.tolist() for b in prompt_batches(torch.tensor([[1, 2]]))] == [[[1, 2]]]
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

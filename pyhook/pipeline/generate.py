@@ -128,6 +128,11 @@ def prompt_batches(
 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise GenerateError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(prompts, (str, bytes)):
+        raise GenerateError(
+            "prompts must be a list of prompts (strings or lists of token ids), got one "
+            f"{type(prompts).__name__}: pass [prompt]"
+        )
     prompts = list(prompts)
     for start in range(skip, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -138,7 +143,7 @@ def prompt_batches(
             texts = list(chunk)
             ids = [list(tokenizer(p)["input_ids"]) for p in chunk]
         else:
-            ids = [[int(t) for t in p] for p in chunk]  # type: ignore[union-attr]
+            ids = [_prompt_ids(p, start + i) for i, p in enumerate(chunk)]
         width = max(1, max(len(i) for i in ids))
         input_ids = torch.zeros(len(ids), width, dtype=torch.long)
         mask = torch.zeros(len(ids), width, dtype=torch.long)
@@ -147,6 +152,20 @@ def prompt_batches(
             mask[row, : len(seq)] = 1
         examples = torch.arange(start, start + len(ids), dtype=torch.long)
         yield Batch(input_ids, mask, mask.bool(), examples, texts)
+
+
+def _prompt_ids(p: Any, i: int) -> list[int]:
+    """Prompt ``i`` given as token ids: a list of ints (or a 1-D tensor)."""
+    if not isinstance(p, str):
+        try:
+            return [int(t) for t in p]
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    got = "text among prompts given as token ids" if isinstance(p, str) else repr(p)[:40]
+    raise GenerateError(
+        f"prompt {i}: a prompt is a string or a list of token ids (all of one kind), got {got}; "
+        "one prompt of token ids is a list in the list of prompts: [[5, 6, 7]]"
+    )
 
 
 def _setting(model: Any, kwargs: dict[str, Any], key: str) -> Any:
