@@ -739,6 +739,25 @@ def test_text_of_a_truncated_prompt_is_the_part_that_was_continued(ckpt, tmp_pat
         assert int(prompt_rows.sum()) == len(kept.split())
 
 
+def test_exclude_special_tokens_drops_generated_special_tokens_too(ckpt, tmp_path):
+    # Before, `exclude_special_tokens` dropped the prompts' special tokens only: the rows of
+    # special tokens the model generated (here its <|endoftext|>, run on with no EOS) stayed.
+    kw = dict(generate_kwargs={"eos_token_id": None}, limit=8)
+    _job(ckpt, tmp_path / "all", exclude_special_tokens=False, **kw).run()
+    _job(ckpt, tmp_path / "some", exclude_special_tokens=True, **kw).run()
+    a, b = pyhook.open_capture(tmp_path / "all"), pyhook.open_capture(tmp_path / "some")
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt / "model")
+    special = torch.tensor(tok.all_special_ids)
+    hit = torch.isin(a.tokens, special)
+    assert bool((hit & a.generated).any())  # the model generated some
+    assert not bool(torch.isin(b.tokens, special).any())
+    assert torch.equal(b.row_index, a.row_index[~hit])
+    assert torch.equal(b.generated, a.generated[~hit])
+    for name in POINTS:
+        assert torch.equal(b[name].to_tensor(), a[name].to_tensor()[~hit])
+        assert int(b.stats(name)["count"]) == int((~hit).sum())
+
+
 def test_job_refuses_a_different_generation_in_out(ckpt, tmp_path):
     _job(ckpt, tmp_path, limit=2).run()
     with pytest.raises(ValueError, match="generate 4 now, 5 when stored"):

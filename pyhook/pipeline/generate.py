@@ -631,6 +631,7 @@ def run_generate(
     device: Any = None,
     on_batch: Callable[[Any, float], None] | None = None,
     on_generated: Callable[[int], None] | None = None,
+    exclude_tokens: Any = None,
     **generate_kwargs: Any,
 ) -> dict[str, float]:
     """Run ``model.generate`` over the prompt ``batches`` (:class:`pyhook.source.Batch`, e.g.
@@ -653,7 +654,9 @@ def run_generate(
     ``generate_kwargs`` go to ``generate`` (``temperature=``, ``eos_token_id=``, ...).
     ``on_batch(batch, seconds)`` is called after each prompt batch, right after
     ``on_generated(new_tokens)`` (the tokens the batch generated, its EOS included).
-    ``tokenizer`` decodes the completions into the stored texts. ``stats`` (default: the
+    ``tokenizer`` decodes the completions into the stored texts. ``exclude_tokens`` (token ids,
+    e.g. the special tokens) have no row, prompt or generated (a job's
+    ``exclude_special_tokens``). ``stats`` (default: the
     recorder's) stores the statistics of the kept rows. Returns timings like
     :func:`pyhook.runner.run` (``forward`` seconds, ``wait``, ``tokens`` run through the
     model) plus ``new_tokens``.
@@ -708,6 +711,8 @@ def run_generate(
     stops, replaced = _stops(model, options, tokenizer, eos)
     kw = _folded({**kw, **replaced})
     seeded = sampling != "greedy" or bool(kw.get("do_sample"))
+    if exclude_tokens is not None:
+        exclude_tokens = torch.as_tensor(exclude_tokens, dtype=torch.long).reshape(-1).cpu()
     forward = wait = 0.0
     tokens = new_tokens = 0
     it = iter(batches)
@@ -761,6 +766,7 @@ def run_generate(
                     stats=stats,
                     tokenizer=tokenizer,
                     tokens=steps.tokens,
+                    exclude=exclude_tokens,
                 )
             # the batch's rows are counted by the writer's budget from here on
             steps.held.uncharge()
@@ -795,6 +801,7 @@ def _join(
     stats: bool,
     tokenizer: Any,
     tokens: bool,
+    exclude: torch.Tensor | None = None,
 ) -> tuple[dict[str, Any], int, dict[str, torch.Tensor], Any, int, int]:
     """The held rows of one prompt batch as one store batch: ``(rows, examples, extra,
     wait, tokens run, new tokens)``; rows ordered by (example, position), past-the-end rows
@@ -829,6 +836,8 @@ def _join(
     valid = col < last_col[slot]  # the final token is never run; nothing after it is kept
     if generated_only:
         valid &= col >= width
+    if exclude is not None and exclude.numel():  # e.g. special tokens, generated ones too
+        valid &= ~torch.isin(seqs[slot, col], exclude)
     start = width - lengths  # the first prompt column of each sequence
     key = slot * (width + steps + 1) + col
     sel = valid.nonzero(as_tuple=True)[0]
@@ -862,14 +871,19 @@ def _join(
     # gap). On the writer thread for a disk capture.
     held.place()
     assert held.out is not None
-    kept = held.pk + ends - 1  # each sequence's rows: its kept prompt rows, then its new ones
-    offsets = torch.cumsum(kept, 0) - kept
-    if int(kept.sum()) != n_rows:  # pragma: no cover - the two layouts describe the same rows
-        raise RuntimeError(f"generate capture: {int(kept.sum())} rows placed, {n_rows} kept")
+    # each kept row's place in the buffers (as _Held.place put it), in the stored order; runs
+    # of consecutive places are moved together to the front
+    placed = torch.cat(
+        [held.prefill_dest.to("cpu")] + [held.base + held.pk + (s - 1) for s in range(1, steps)]
+    )[perm]
+    run_start = torch.ones(n_rows, dtype=torch.bool)
+    run_start[1:] = placed[1:] != placed[:-1] + 1
+    starts = run_start.nonzero(as_tuple=True)[0]
+    lens = torch.diff(starts, append=torch.tensor([n_rows]))
     moves = [
-        (int(src), int(dst), int(k))
-        for src, dst, k in zip(held.base.tolist(), offsets.tolist(), kept.tolist())
-        if k and src != dst
+        (int(placed[d]), int(d), int(k))
+        for d, k in zip(starts.tolist(), lens.tolist())
+        if int(placed[d]) != d
     ]
     bufs = held.out
     out = {name: buf[:n_rows] for name, buf in bufs.items()}

@@ -1054,6 +1054,7 @@ class CaptureJob:
                         device=device,
                         on_batch=on_batch,
                         on_generated=on_generated,
+                        exclude_tokens=src._excluded(),
                         **(self.generate_kwargs or {}),
                     )
                 else:
