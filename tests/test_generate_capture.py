@@ -557,6 +557,19 @@ def test_prompt_batches_refuses_a_prompt_that_is_not_a_list_of_prompts():
     assert [b.input_ids.tolist() for b in prompt_batches(torch.tensor([[1, 2]]))] == [[[1, 2]]]
 
 
+@pytest.mark.parametrize("opts", [{"generated_only": True}, {"last_only": True}])
+def test_tokens_run_count_every_prompt_token(opts):
+    # Before, the returned "tokens" (run through the model, as runner.run counts them) left
+    # out the prompt tokens that were run but not stored (generated_only, last_only).
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        t = run_generate(
+            model, prompt_batches(PROMPTS), rec, max_new_tokens=3, eos_token_id=None, **opts
+        )
+    assert t["tokens"] == sum(map(len, PROMPTS)) + len(PROMPTS) * 2
+    assert t["new_tokens"] == len(PROMPTS) * 3
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -830,7 +830,6 @@ def _join(
     r0, c0 = prefill_keep.nonzero(as_tuple=True)
     slots = [r0] + [torch.arange(n_seq)] * (steps - 1)
     cols = [c0] + [torch.full((n_seq,), width + s - 1, dtype=torch.long) for s in range(1, steps)]
-    counts = [int(r0.numel())] + [n_seq] * (steps - 1)
     slot = torch.cat(slots)
     col = torch.cat(cols)
     valid = col < last_col[slot]  # the final token is never run; nothing after it is kept
@@ -903,7 +902,7 @@ def _join(
         if fill_stats is not None:
             fill_stats()
 
-    run = int(counts[0]) + n_seq * (steps - 1)
+    run = int(lengths.sum()) + n_seq * (steps - 1)  # every prompt token, kept or not
     if rec.to == "disk":
         return out, n_seq, extra, fill, run, int(ends.sum())
     fill()
