@@ -570,6 +570,21 @@ def test_tokens_run_count_every_prompt_token(opts):
     assert t["new_tokens"] == len(PROMPTS) * 3
 
 
+def test_bad_eos_and_pad_ids_are_refused_naming_the_option():
+    # Before: pad_token_id=[1, 2] (e.g. from --generate-kwargs) raised a raw TypeError from
+    # int(), eos_token_id="x" "invalid literal for int()", and eos_token_id=[1.5] stopped at 1.
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        for key, value in (
+            ("pad_token_id", [1, 2]),
+            ("eos_token_id", "x"),
+            ("eos_token_id", [1.5]),
+        ):
+            with pytest.raises(GenerateError, match=f"generate option '{key}' must be a token id"):
+                run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, **{key: value})
+    assert rec.rows[POINTS[0]] == 0
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -43,6 +43,7 @@ alone.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -191,6 +192,20 @@ def _setting(model: Any, kwargs: dict[str, Any], key: str) -> Any:
     return None
 
 
+def _token_id(v: Any, key: str) -> int:
+    """One token id of the option ``key`` (an int, or a one-element tensor)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        return int(v.reshape(-1)[0])
+    if not isinstance(v, (bool, torch.Tensor)):
+        with contextlib.suppress(TypeError):
+            return operator.index(v)  # an int, a numpy integer
+    raise GenerateError(
+        f"generate option {key!r} must be a token id (an int)"
+        + (" or a list of them" if key == "eos_token_id" else "")
+        + f", got {v!r}"
+    )
+
+
 def _eos_ids(model: Any, kwargs: dict[str, Any]) -> list[int]:
     """The EOS token ids ``generate`` stops a sequence at (an int, a list or a tensor of them,
     from ``kwargs``, the ``generation_config=`` argument or the model's)."""
@@ -198,8 +213,9 @@ def _eos_ids(model: Any, kwargs: dict[str, Any]) -> list[int]:
     if eos is None:
         return []
     if isinstance(eos, torch.Tensor):
-        return [int(x) for x in eos.reshape(-1).tolist()]
-    return [int(x) for x in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+        eos = list(eos.reshape(-1))
+    items = eos if isinstance(eos, (list, tuple)) else [eos]
+    return [_token_id(x, "eos_token_id") for x in items]
 
 
 def _pad_id(model: Any, kwargs: dict[str, Any], tokenizer: Any, eos: list[int]) -> int:
@@ -209,7 +225,7 @@ def _pad_id(model: Any, kwargs: dict[str, Any], tokenizer: Any, eos: list[int]) 
         eos[0] if eos else None,
     ):
         if v is not None:
-            return int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
+            return _token_id(v, "pad_token_id")
     return 0
 
 
