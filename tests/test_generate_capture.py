@@ -860,6 +860,28 @@ def test_model_without_generation_head_is_refused_before_its_weights(ckpt, tmp_p
     assert len(lines) == 1 and "no generation head" in lines[0], proc.stderr
 
 
+def test_encoder_decoder_models_are_refused_before_generating():
+    # Before, a T5 model (it can generate) failed inside the capture: "generate ran the model 2
+    # time(s) for -3 new token(s)" for its encoder blocks, a mask shape error for its decoder's.
+    from types import SimpleNamespace
+
+    from pyhook.pipeline.job import JobError, _check_generation_model
+
+    cfg = transformers.T5Config(
+        vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    t5 = transformers.T5ForConditionalGeneration(cfg).eval()
+    rec = pyhook.capture(t5, "encoder.block.0")
+    with rec, pytest.raises(GenerateError, match="encoder-decoder model"):
+        run_generate(t5, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+    prepared = SimpleNamespace(
+        model_class=transformers.T5ForConditionalGeneration, config=cfg, max_positions=None
+    )
+    with pytest.raises(JobError, match="t5-tiny is an encoder-decoder model"):
+        _check_generation_model(prepared, 3, None, "t5-tiny")
+
+
 def test_paired_models_refuse_generate():
     with pytest.raises(ValueError, match="one model's generation"):
         pyhook.CaptureJob(model={"a": "minilm", "b": "minilm"}, generate=2)

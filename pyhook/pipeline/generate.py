@@ -698,6 +698,11 @@ def run_generate(
             f"{type(model).__name__} has no generate(): capture during generation needs a model "
             "with a generation head (e.g. AutoModelForCausalLM, GPT2LMHeadModel)"
         )
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise GenerateError(
+            f"{type(model).__name__} is an encoder-decoder model: capture during generation "
+            "takes a decoder-only (causal) language model, e.g. AutoModelForCausalLM"
+        )
     if rec.positions is not None or not rec.flatten:
         raise GenerateError(
             "run_generate: capture with positions=None and flatten=True (keep only the last "

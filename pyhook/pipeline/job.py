@@ -1460,6 +1460,11 @@ def _check_generation_model(prepared: Any, new: int, max_length: int | None, nam
             "generation head (cannot generate); pick a class that has one with `model_class` "
             "(e.g. AutoModelForCausalLM) or a causal language model"
         )
+    if getattr(prepared.config, "is_encoder_decoder", False):
+        raise JobError(
+            f"`generate`: {name} is an encoder-decoder model; capture during generation takes "
+            "a decoder-only (causal) language model"
+        )
     limit = prepared.max_positions
     if limit is not None and new >= limit:
         raise JobError(
