@@ -340,6 +340,27 @@ def test_sampling_is_seeded_per_batch(tmp_path):
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
+def test_do_sample_of_a_generation_config_argument_samples_as_the_option_does():
+    # Before, generation_config={"do_sample": True} was overridden by the default greedy
+    # sampling (silently greedy), though do_sample=True given as an option samples.
+    model = _gpt()
+
+    def tokens(seed=3, **kw):
+        with pyhook.capture(model, POINTS[:1]) as rec:
+            run_generate(
+                model, prompt_batches(PROMPTS, batch_size=3), rec, max_new_tokens=NEW, seed=seed,
+                eos_token_id=None, **kw,
+            )  # fmt: skip
+        return rec.tokens
+
+    greedy = tokens()
+    option = tokens(do_sample=True, temperature=2.0)
+    config = tokens(generation_config={"do_sample": True, "temperature": 2.0})
+    assert not torch.equal(option, greedy)
+    assert torch.equal(config, option)  # the same samples: seeded the same way
+    assert torch.equal(tokens(generation_config={"do_sample": False}, sampling="sample"), greedy)
+
+
 def _cut_at(seqs, prompts, stop):
     """The sequences cut after the first new token in ``stop`` (that token kept)."""
     out = []

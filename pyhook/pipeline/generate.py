@@ -445,6 +445,8 @@ def _generate_kwargs(
         kw.update(do_sample=True, num_beams=1)
     elif sampling != "model":
         raise GenerateError(f"sampling must be 'greedy', 'sample' or 'model', got {sampling!r}")
+    if getattr(options.get("generation_config"), "do_sample", None) is not None:
+        kw.pop("do_sample", None)  # the generation_config argument's, as a do_sample option's
     kw.update(options)
     return kw
 
@@ -731,7 +733,9 @@ def run_generate(
     kw = _generate_kwargs(model, sampling, options, max_new_tokens, pad)
     stops, replaced = _stops(model, options, tokenizer, eos)
     kw = _folded({**kw, **replaced})
-    seeded = sampling != "greedy" or bool(kw.get("do_sample"))
+    seeded = sampling != "greedy" or bool(
+        getattr(kw.get("generation_config"), "do_sample", None) or kw.get("do_sample")
+    )
     if exclude_tokens is not None:
         exclude_tokens = torch.as_tensor(exclude_tokens, dtype=torch.long).reshape(-1).cpu()
     forward = wait = 0.0
