@@ -500,6 +500,22 @@ def test_stops_generate_would_not_show_are_refused():
     assert rec.rows[POINTS[0]] == 0
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "sample"])
+def test_beam_search_of_a_generation_config_argument_is_refused(sampling):
+    # Before, generation_config={"num_beams": 4} was silently run greedy (or sampled) with one
+    # beam under sampling 'greedy'/'sample'; only the model's own num_beams is overridden.
+    model = _gpt()
+    with pyhook.capture(model, POINTS) as rec:
+        with pytest.raises(GenerateError, match=r"'generation_config' sets num_beams=4: beam"):
+            run_generate(
+                model, prompt_batches(PROMPTS), rec, max_new_tokens=2, sampling=sampling,
+                generation_config={"num_beams": 4},
+            )  # fmt: skip
+        model.generation_config.num_beams = 4  # the model's: greedy/sample run one beam
+        run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, sampling=sampling)
+    assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
+
+
 def test_bad_calls_are_refused_before_generating():
     model = _gpt()
     with pyhook.capture(model, POINTS) as rec:

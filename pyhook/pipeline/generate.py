@@ -423,17 +423,17 @@ def _generate_kwargs(
     # what the generation_config argument or the model's sets (generate's own resolution)
     counts = ("num_beams", "num_return_sequences")
     for key in (*counts, "prompt_lookup_num_tokens", "assistant_early_exit", "prefill_chunk_size"):
-        if key in options or (key == "num_beams" and sampling != "model"):
-            continue  # given (and checked above), or set to 1 below
+        arg = getattr(options.get("generation_config"), key, None) is not None
+        if key in options or (key == "num_beams" and sampling != "model" and not arg):
+            continue  # given (and checked above), or the model's, set to 1 below
         value = _setting(model, options, key)
         if value is None or (key in counts and int(value) <= 1):
             continue
-        arg = getattr(options.get("generation_config"), key, None) is not None
         where = "generate option 'generation_config'" if arg else "the model's generation_config"
         fix = f"pass {key}=1 (generate_kwargs)" if key in counts else ""
         if key == "prefill_chunk_size":
             fix = "pass prefill_chunk_size=None (generate_kwargs)"
-        if key == "num_beams":
+        if key == "num_beams" and not arg:
             fix += ", or sampling 'greedy'/'sample'"
         raise GenerateError(
             f"{where} sets {key}={value}: {_REFUSED[key]}" + (f"; {fix}" if fix else "")
