@@ -622,6 +622,24 @@ def test_bad_eos_and_pad_ids_are_refused_naming_the_option():
     assert rec.rows[POINTS[0]] == 0
 
 
+def test_generate_that_raises_before_running_leaves_no_annotation_behind():
+    # Before, the prompts' annotation (their token ids, keep mask and example numbers) stayed
+    # on the recorder when generate refused an option before its first call, and the next
+    # plain forward of the same shape was stored as those prompts: their tokens and examples.
+    model = _gpt()
+    prompts = [[1, 2, 3]] * 5 + [[4, 5, 6], [7, 8, 9]]
+    with pyhook.capture(model, POINTS[:1]) as rec:
+        with pytest.raises(ValueError, match="not_an_option"):
+            run_generate(
+                model, prompt_batches(prompts, skip=5), rec, max_new_tokens=2, not_an_option=1
+            )
+        ids = torch.tensor([[10, 11, 12], [13, 14, 15]])
+        with torch.no_grad():
+            model(ids)
+    assert rec.tokens.tolist() == ids.reshape(-1).tolist()
+    assert rec.row_index[:, 0].tolist() == [0, 0, 0, 1, 1, 1]
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -617,6 +617,7 @@ class _Steps:
         if self.rec._hold is not None:
             raise RuntimeError("run_generate: this recorder is already holding a generation")
         self.rec._hold = self.held
+        self.notes = set(getattr(self.rec, "_notes", {}))  # a compiled path's, by batch
         # The steps' own token annotations (a host copy of each step's ids) are not needed:
         # the joined batch gets its token ids from the final sequences.
         self.tokens, self.rec._tokens = self.rec._tokens, False
@@ -627,6 +628,12 @@ class _Steps:
         self.rec._tokens = self.tokens
         if exc_type is not None:  # nothing of this batch is stored: give the buffers back
             self.held.drop()
+            # and the prompts' annotation, when generate raised before running the model: the
+            # next forward under this recorder is not this batch
+            self.rec._note = None
+            notes = getattr(self.rec, "_notes", {})
+            for key in set(notes) - self.notes:
+                notes.pop(key, None)
 
 
 def _resolved(p: Any) -> torch.Tensor:
