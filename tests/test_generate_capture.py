@@ -640,6 +640,32 @@ def test_generate_that_raises_before_running_leaves_no_annotation_behind():
     assert rec.row_index[:, 0].tolist() == [0, 0, 0, 1, 1, 1]
 
 
+def test_a_generation_that_raised_counts_no_skipped_examples(tmp_path):
+    # Before, a step that raised inside the model left its forward open: the next forward (or
+    # the end of the with block) counted the batch's 4 prompts as skipped, so examples_done
+    # moved past prompts never stored and a resume from it left them out.
+    model = _gpt()
+    calls = []
+
+    def boom(_m, _a, _o):
+        calls.append(1)
+        if len(calls) == 3:  # in the third step of the first prompt batch
+            raise RuntimeError("boom")
+
+    h = model.transformer.h[1].register_forward_hook(boom)
+    rec = pyhook.capture(model, POINTS, out=tmp_path)
+    with rec, pytest.raises(RuntimeError, match="boom"):
+        run_generate(model, prompt_batches(PROMPTS, batch_size=4), rec, max_new_tokens=NEW)
+    h.remove()
+    assert rec.skipped == 0 and pyhook.open_capture(tmp_path).examples == 0
+    with pyhook.capture(model, POINTS, out=tmp_path) as rec:
+        batches = prompt_batches(PROMPTS, batch_size=4, skip=rec.examples_done)
+        run_generate(model, batches, rec, max_new_tokens=NEW, eos_token_id=None)
+    r = pyhook.open_capture(tmp_path)
+    assert r.examples == len(PROMPTS)
+    assert r.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
+
+
 def test_old_stores_have_no_generated_flag_nor_completion(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 3))
     with pyhook.capture(net, "0", out=tmp_path) as rec:

@@ -634,6 +634,9 @@ class _Steps:
             notes = getattr(self.rec, "_notes", {})
             for key in set(notes) - self.notes:
                 notes.pop(key, None)
+            # a step that raised is no batch the caller's loop went on from (its prompts are
+            # not consumed: examples_done resumes at them), so not counted as skipped
+            self.rec.retry()
 
 
 def _resolved(p: Any) -> torch.Tensor:
