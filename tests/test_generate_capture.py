@@ -963,6 +963,41 @@ def test_encoder_decoder_models_are_refused_before_generating():
         _check_generation_model(prepared, 3, None, "t5-tiny")
 
 
+def test_bidirectional_encoders_are_refused_unless_decoders(ckpt, tmp_path, monkeypatch):
+    # Before, an encoder loaded as a causal LM (MiniLM with --model-class
+    # AutoModelForCausalLM, as the refusal of BertModel suggests) was captured: its rows were
+    # generate's step by step ones, 0.38 away from a forward over the final sequence, whose
+    # tokens also see the later ones.
+    from pyhook.cli import main
+    from pyhook.pipeline import runner
+
+    def no_weights(*_a, **_k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(runner, "load_weights", no_weights)
+    code = main(
+        [
+            "capture", "--model", "minilm", "--model-class", "AutoModelForCausalLM",
+            "--input", str(ckpt / "prompts.jsonl"), "--generate", "3", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 2
+    torch.manual_seed(0)
+    for is_decoder in (False, True):
+        cfg = transformers.BertConfig(
+            vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, is_decoder=is_decoder, pad_token_id=0,
+        )  # fmt: skip
+        bert = transformers.BertLMHeadModel(cfg).eval()
+        with pyhook.capture(bert, "bert.encoder.layer.0") as rec:
+            if is_decoder:  # causal: captured
+                run_generate(bert, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+            else:
+                with pytest.raises(GenerateError, match="bidirectional encoder"):
+                    run_generate(bert, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+        assert (rec.row_index is not None) == is_decoder
+
+
 def test_paired_models_refuse_generate():
     with pytest.raises(ValueError, match="one model's generation"):
         pyhook.CaptureJob(model={"a": "minilm", "b": "minilm"}, generate=2)

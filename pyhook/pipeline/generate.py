@@ -111,6 +111,30 @@ def can_generate(model_class: Any, config: Any = None) -> bool:
         return False
 
 
+def _bidirectional(config: Any) -> bool:
+    """Whether ``config`` is an encoder's (BERT, RoBERTa, ...: a masked-LM family) loaded as a
+    causal LM without ``is_decoder=True``: its attention sees the later tokens, so a forward
+    over a sequence does not give what ``generate``'s steps (each seeing the earlier ones)
+    give.
+
+    >>> import transformers
+    >>> cfg = transformers.BertConfig()
+    >>> _bidirectional(cfg), _bidirectional(transformers.BertConfig(is_decoder=True))
+    (True, False)
+    >>> _bidirectional(transformers.GPT2Config())
+    False
+    """
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    if getattr(config, "is_decoder", False) or getattr(config, "causal", False):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers without its auto mappings
+        return False
+    return getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
 def prompt_batches(
     prompts: Sequence[str | Sequence[int]],
     *,
@@ -714,6 +738,13 @@ def run_generate(
         raise GenerateError(
             f"{type(model).__name__} is an encoder-decoder model: capture during generation "
             "takes a decoder-only (causal) language model, e.g. AutoModelForCausalLM"
+        )
+    if _bidirectional(getattr(model, "config", None)):
+        raise GenerateError(
+            f"{type(model).__name__} is a bidirectional encoder (is_decoder=False): a forward "
+            "over the final sequence would let each token see the later ones, which generate's "
+            "steps do not; capture during generation takes a causal language model (or an "
+            "encoder configured with is_decoder=True)"
         )
     if rec.positions is not None or not rec.flatten:
         raise GenerateError(

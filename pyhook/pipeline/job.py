@@ -1451,7 +1451,7 @@ def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dic
 def _check_generation_model(prepared: Any, new: int, max_length: int | None, name: str) -> None:
     """`generate` needs a model with a generation head, and room for the new tokens in its
     positions (checked before the weights load)."""
-    from .generate import can_generate
+    from .generate import _bidirectional, can_generate
 
     cls = prepared.model_class
     if not can_generate(cls, prepared.config):
@@ -1459,6 +1459,12 @@ def _check_generation_model(prepared: Any, new: int, max_length: int | None, nam
             f"`generate`: {name} loads as {getattr(cls, '__name__', cls)}, which has no "
             "generation head (cannot generate); pick a class that has one with `model_class` "
             "(e.g. AutoModelForCausalLM) or a causal language model"
+        )
+    if _bidirectional(prepared.config):
+        raise JobError(
+            f"`generate`: {name} is a bidirectional encoder ({prepared.config.model_type}, "
+            "is_decoder false): its rows over a sequence would not be those generate computes "
+            "step by step; use a causal (decoder-only) language model"
         )
     if getattr(prepared.config, "is_encoder_decoder", False):
         raise JobError(
