@@ -874,12 +874,43 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
         ) from None
     if kind != "final" or arch.final is None:
         _check_not_shared(layout, module, module_name, name)
+    if kind in _FEED_FORWARD_KINDS:
+        _check_not_chunked(model, f"{blocks}.{layer}", module_name, name)
     heads = _heads(model, arch, name) if kind == "attn_z" else None
     flat = kind in arch.flat
     return Point(name, module_name, module, side, inplace, copy, heads, flat)  # type: ignore[arg-type]
 
 
 _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
+
+
+# The points a block computes inside its feed-forward, which BERT-like blocks run in chunks of
+# tokens when config.chunk_size_feed_forward > 0 (transformers' apply_chunking_to_forward)
+_FEED_FORWARD_KINDS = frozenset({"resid_mid", "mlp_in", "mlp_hidden", "mlp_out"})
+
+
+def _check_not_chunked(model: nn.Module, block: str, module_name: str, name: str) -> None:
+    """Refuse a feed-forward point of a block that runs its feed-forward in chunks of tokens
+    (``chunk_size_feed_forward > 0`` on the block or a module between it and the point's): the
+    point's module runs once a chunk, so a hook on it would hold the last chunk's tokens."""
+    parts = module_name[len(block) + 1 :].split(".") if module_name != block else []
+    path = block
+    for part in ["", *parts]:
+        path = f"{path}.{part}" if part else path
+        try:
+            m = get_module(model, path)
+        except LookupError:  # pragma: no cover - the point's own module was found above
+            return
+        size = getattr(m, "chunk_size_feed_forward", 0)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            raise PointUnavailableError(
+                name,
+                f"standard point {name!r}: {type(m).__name__} {path!r} runs its feed-forward in "
+                f"chunks of {size} tokens (config.chunk_size_feed_forward={size}), so "
+                f"{module_name!r} runs once a chunk and a hook on it would hold the last chunk's "
+                "tokens; load the model with chunk_size_feed_forward=0 (the same outputs, one "
+                "call a block)",
+            )
 
 
 def _check_not_shared(layout: _Layout, module: nn.Module, module_name: str, name: str) -> None:

@@ -610,6 +610,42 @@ def test_a_point_on_a_module_that_runs_in_several_blocks_is_refused():
         pyhook.Trace(looped, "resid_post.1")
 
 
+def test_a_feed_forward_point_of_a_chunked_feed_forward_is_refused():
+    """BERT-like blocks with config.chunk_size_feed_forward > 0 run their feed-forward once a
+    chunk of tokens: resid_mid, mlp_in, mlp_hidden and mlp_out held the last chunk's tokens
+    (2 of 6), silently, in Trace and in capture. Refused by name, before any hook; the points
+    outside the feed-forward stay exact."""
+    cfg = T.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=50, chunk_size_feed_forward=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.BertModel(cfg).eval()
+    x = torch.randint(0, 50, (2, 6))
+    before = _hooks_of(model)
+    for name in ("resid_mid.1", "mlp_in.0", "mlp_hidden.1", "mlp_out.1"):
+        with pytest.raises(points.PointUnavailableError, match="chunk_size_feed_forward=2"):
+            pyhook.TraceDict(model, ["resid_post.0", name])
+        with pytest.raises(points.PointUnavailableError, match="chunks of 2 tokens"):
+            capture(model, ["resid_post.0", name], to="host")
+    assert _hooks_of(model) == before
+    with torch.no_grad(), pyhook.TraceDict(model, ["attn_out.1", "resid_post.1"]) as t:
+        out = model(x, output_hidden_states=True)
+    assert torch.equal(t["resid_post.1"].output, out.hidden_states[2])
+    assert t["attn_out.1"].output.shape == (2, 6, 16)
+    # DistilBERT chunks in its FFN module, below the block
+    dcfg = T.DistilBertConfig(
+        dim=16, n_layers=1, n_heads=2, hidden_dim=32, vocab_size=50, chunk_size_feed_forward=3
+    )
+    with pytest.raises(points.PointUnavailableError, match="FFN .*chunks of 3 tokens"):
+        pyhook.Trace(T.DistilBertModel(dcfg), "mlp_hidden.0")
+    # unchunked, the same points resolve
+    cfg.chunk_size_feed_forward = 0
+    with torch.no_grad(), pyhook.Trace(T.BertModel(cfg).eval(), "mlp_out.1") as t:
+        pass
+    assert t.layer == "mlp_out.1"
+
+
 def test_unknown_architecture_gets_a_one_line_error_and_no_hook():
     class Block(torch.nn.Module):
         def __init__(self):
@@ -1076,7 +1112,7 @@ def test_register_architecture_checks_every_argument_naming_it():
     for kw, error, message in bad:
         with pytest.raises(error, match=message):
             points.register_architecture("NoSuchNet", **{**base, **kw})
-    assert points._USER_ROWS == before
+    assert before == points._USER_ROWS
 
 
 def test_register_architecture_sites_are_optional():

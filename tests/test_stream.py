@@ -146,7 +146,7 @@ def test_a_second_pass_over_a_used_up_generator_says_so(net):
     # pass 2 over a generator the first pass used up was an epoch of no batch, silently
     s = pyhook.stream(net, _endless(2, []), "h.0", batch_size=16, buffer_rows=32)
     assert sum(len(b["tokens"]) for b in s) == 32
-    with pytest.raises(ValueError, match="one-shot iterator .generator. that an earlier pass"):
+    with pytest.raises(ValueError, match=r"one-shot iterator .generator. that an earlier pass"):
         list(s)
     again = pyhook.stream(net, list(_endless(2, [])), "h.0", batch_size=16, buffer_rows=32)
     assert [sum(len(b["tokens"]) for b in again) for _ in range(2)] == [32, 32]
@@ -364,7 +364,7 @@ def test_a_source_that_yields_no_batch_is_named(net, item):
     # token ids alone (or a tokenizer's dict): an AttributeError from the runner's internals
     before = hook_snapshot(net)
     s = pyhook.stream(net, [item], "h.0", batch_size=4, buffer_rows=8)
-    with pytest.raises(TypeError, match="source must be .*Batch.* yielded a (Tensor|dict)"):
+    with pytest.raises(TypeError, match=r"source must be .*Batch.* yielded a (Tensor|dict)"):
         list(s)
     _no_producer()
     assert diff(before, hook_snapshot(net)) == []

@@ -876,8 +876,8 @@ def stream(
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
     capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none, a flag
-    that is not a bool, a ``rank`` outside ``[0, world_size)``, an unknown option) raises here, before any forward, naming the
-    argument. An error once the pass runs (the corpus,
+    that is not a bool, a ``rank`` outside ``[0, world_size)``, an unknown option) raises
+    here, before any forward, naming the argument. An error once the pass runs (the corpus,
     the model) is raised in the trainer's loop.
     """
     from .capture import Recorder
