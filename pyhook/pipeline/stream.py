@@ -871,8 +871,9 @@ def stream(
 
     ``even_batches=True`` (several ranks): every rank yields as many batches as the rank with
     the fewest, for a trainer with a collective per step (DDP), which would wait forever for a
-    rank that has run out; the ranks agree once per batch, and the rows they drop are counted
-    in :attr:`Stream.dropped_rows`. Leave it off to get every row.
+    rank that has run out; the ranks agree once per batch, and the rows of the batch each rank
+    had in hand then are counted in :attr:`Stream.dropped_rows` (a lower bound: the rest of its
+    share is not run to be counted). Leave it off to get every row.
 
     Bad input (an unknown layer, ``buffer_rows < batch_size``, a tee holding a different
     capture, a ``device`` no forward can run on: ``meta``, CUDA where torch has none, a flag
