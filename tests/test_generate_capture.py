@@ -340,6 +340,62 @@ def test_sampling_is_seeded_per_batch(tmp_path):
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
+def test_sampling_seeds_only_the_generators_it_draws_from(tmp_path, monkeypatch):
+    """Each prompt batch samples from torch.manual_seed(seed * 1_000_003 + its first example)'s
+    draws (the reference: generate by hand after that seed), without reseeding every CUDA
+    device (torch.manual_seed did, and fork_rng restored only the model's), and leaves the
+    caller's CPU generator as it was."""
+    model = _gpt()
+    seeded_all = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeded_all.append(s))
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    seeded_all.clear()
+    out = tmp_path / "s"
+    with pyhook.capture(model, POINTS[:1], out=out) as rec:
+        run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=3),
+            rec,
+            max_new_tokens=NEW,
+            sampling="sample",
+            seed=5,
+            temperature=2.0,
+        )
+    assert seeded_all == []
+    assert torch.equal(torch.random.get_rng_state(), state)
+    expect = []
+    for at in range(0, len(PROMPTS), 3):
+        chunk = PROMPTS[at : at + 3]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in chunk])
+        am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        torch.manual_seed(5 * 1_000_003 + at)
+        with torch.no_grad():
+            seqs = model.generate(
+                ids, attention_mask=am, max_new_tokens=NEW, do_sample=True, temperature=2.0,
+                pad_token_id=0, eos_token_id=0,
+            )  # fmt: skip
+        for p, row in zip(chunk, seqs):
+            tail = row[width:].tolist()
+            if 0 in tail:
+                tail = tail[: tail.index(0) + 1]
+            expect += list(p) + tail[:-1]  # the last token is never run through the model
+    assert pyhook.open_capture(out).tokens.tolist() == expect
+
+
+def test_a_generate_option_of_the_wrong_type_is_named():
+    """generate takes options unchecked: a wrong type failed deep in transformers with a bare
+    TypeError ('>' not supported between 'float' and 'str'), a traceback from the command."""
+    model = _gpt()
+    with pyhook.capture(model, POINTS[:1], to="host") as rec:
+        with pytest.raises(GenerateError, match=r"generate options max_time .*TypeError"):
+            run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2, max_time="x")
+        assert rec.rows[POINTS[0]] == 0
+        run_generate(model, prompt_batches(PROMPTS), rec, max_new_tokens=2)
+    assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
+
+
 def test_do_sample_of_a_generation_config_argument_samples_as_the_option_does():
     # Before, generation_config={"do_sample": True} was overridden by the default greedy
     # sampling (silently greedy), though do_sample=True given as an option samples.
@@ -719,6 +775,17 @@ def _job(ckpt, out, **kw):
         out=str(out),
     )
     return pyhook.CaptureJob(**{**opts, **kw})
+
+
+def test_command_names_a_generate_option_of_the_wrong_type(ckpt, tmp_path, capsys):
+    from pyhook.cli import main
+
+    args = ["capture", "--model", str(ckpt / "model"), "--input", str(ckpt / "prompts.jsonl")]
+    args += ["--generate", "3", "--layers", POINTS[0], "--out", str(tmp_path / "o"), "--quiet"]
+    code = main([*args, "--generate-kwargs", '{"max_time": "x"}'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "max_time" in err[0] and "TypeError" in err[0]
 
 
 def test_command_stores_rows_texts_and_completions(ckpt, tmp_path, capsys):

@@ -663,6 +663,27 @@ class _Steps:
             self.rec.retry()
 
 
+def _forked_rng(device: Any) -> Any:
+    """``torch.random.fork_rng`` over the generators :func:`_seed` sets for ``device``: the
+    CPU's, and the device's own when it is a CUDA device (no other CUDA device's)."""
+    dev = torch.device(device)
+    return torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [])
+
+
+def _seed(device: Any, value: int) -> None:
+    """Seed the generators ``generate`` draws from on ``device`` (the CPU's, and the CUDA
+    device's) with ``value``, as ``torch.manual_seed`` would for them, leaving every other
+    device's generator as it was (``torch.manual_seed`` reseeds all CUDA devices, and
+    :func:`_forked_rng` restores only the model's)."""
+    dev = torch.device(device)
+    torch.random.default_generator.manual_seed(value)
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            torch.cuda.manual_seed(value)
+    elif dev.type != "cpu":  # another accelerator: its generator, as torch.manual_seed seeds it
+        torch.manual_seed(value)
+
+
 def _resolved(p: Any) -> torch.Tensor:
     """A step's rows: a tensor, or a pending host copy (waited for)."""
     return p if isinstance(p, torch.Tensor) else p.wait()[0]
@@ -799,22 +820,27 @@ def run_generate(
                 prefill_keep[:] = False
             if isinstance(rec.mask, _Keep):
                 rec.mask.current = None
-            fork = (
-                torch.random.fork_rng(
-                    devices=[torch.device(device)] if torch.device(device).type == "cuda" else []
-                )
-                if seeded
-                else contextlib.nullcontext()
-            )
+            fork = _forked_rng(device) if seeded else contextlib.nullcontext()
             on_cpu = torch.device(device).type == "cpu"
             with _Steps(rec, prefill_keep, max_new_tokens, on_cpu) as steps, fork, torch.no_grad():
                 if seeded:
-                    torch.manual_seed(seed * 1_000_003 + int(b.examples[0]))
+                    _seed(device, seed * 1_000_003 + int(b.examples[0]))
                 # the first call's rows (the prompts): their tokens, no padding
                 rec.annotate(ids, prefill_keep, b.examples.to("cpu", torch.long))
                 if stops is not None:
                     stops.reset()
-                seqs = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), **kw)
+                try:
+                    seqs = model.generate(
+                        input_ids=ids.to(device), attention_mask=am.to(device), **kw
+                    )
+                except TypeError as e:
+                    if not options:
+                        raise
+                    # most likely an option of the wrong type, which generate takes unchecked
+                    raise GenerateError(
+                        f"model.generate failed with the generate options "
+                        f"{', '.join(sorted(options))} (check their types): TypeError: {e}"
+                    ) from e
                 if not isinstance(seqs, torch.Tensor):  # return_dict_in_generate=True
                     seqs = seqs.sequences
                 seqs = seqs.to("cpu")
