@@ -286,6 +286,24 @@ def test_every_slice_reads_as_on_a_plain_layer(tmp_path, kw):
         assert torch.equal(got, full[list(range(30)[sl])]), sl
 
 
+@pytest.mark.parametrize("kw", [{"quantize": "fp8"}, {"compress": "zstd"}])
+def test_astype_reads_floating_layers_in_a_floating_dtype_only(tmp_path, kw):
+    """astype(int32) or astype(float8) of a compressed float layer cast silently (a quantised
+    one refused them in its own words; dataset(dtype=) refuses them too): both now refuse,
+    naming the layer and the dtypes it reads in."""
+    from pyhook.store import ShardWriter
+
+    x = torch.randn(12, 4)
+    with ShardWriter(tmp_path, encoding=encoding.Encoding(**kw)) as w:
+        w.add({"h": x}, examples=12)
+    h = open_capture(tmp_path)["h"]
+    assert torch.equal(h.astype("bfloat16")[:], h.to_tensor().bfloat16())
+    assert torch.equal(h.astype(torch.float32)[:], h.to_tensor())
+    for bad in ("int32", "float8_e4m3fn", torch.int64):
+        with pytest.raises(ValueError, match=r"astype\(.*layer 'h' holds float32 rows"):
+            h.astype(bad)
+
+
 @pytest.mark.parametrize("name", ["fp8", "zstd"])
 def test_dataset_with_dataloader_workers(stores, name):
     plain, r = open_capture(stores["plain"]), open_capture(stores[name])

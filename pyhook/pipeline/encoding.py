@@ -684,6 +684,17 @@ class EncodedLayerData:
         trainer in bfloat16, without a float32 copy). Shares the decoded-chunk cache."""
         d = parse_dtype(dtype, "dtype")
         assert d is not None
+        held = _dtype(self._info["dtype"])
+        if d != held and (
+            d not in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+            or not held.is_floating_point
+        ):
+            # as dataset(dtype=): floating-point layers read in a floating dtype of 2 bytes or more
+            raise ValueError(
+                f"astype({str(d).replace('torch.', '')}): layer {self.name!r} holds "
+                f"{str(held).replace('torch.', '')} rows; its rows are read as float64, float32, "
+                "float16 or bfloat16 (a floating-point layer) or as they are stored"
+            )
         return EncodedLayerData(
             self.name, self._sources, self._info, self._rows, dtype=d, _cache=self._cache
         )
