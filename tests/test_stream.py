@@ -319,6 +319,10 @@ def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpu
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"source": "c.parquet"}, TypeError, "source"),
         ({"layers": "h.0", "tee": 3}, TypeError, "tee"),
+        # a tee that cannot be a store was refused only in the loop, after the first forward
+        ({"tee": __file__}, ValueError, "tee .*test_stream.py' is a file, not a directory"),
+        ({"tee": ""}, ValueError, "tee is an empty path"),
+        ({"tee": "/proc/pyhook-tee"}, ValueError, "cannot write to tee '/proc/pyhook-tee'"),
         ({"device": "meta"}, ValueError, "device 'meta'.*no data"),
         ({"device": "no-such-device"}, ValueError, "device must be"),
         ({"drop_last": "no"}, TypeError, "drop_last must be a bool.*'no'"),

@@ -152,6 +152,31 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(out)
 
 
+def check_out_dir(out: str, what: str, error: type[Exception]) -> None:
+    """A store's folder ``out`` (the argument ``what``) must be, or be creatable as, a writable
+    folder; else ``error`` naming it. A URL passes (the writer checks it, naming what is
+    wrong: a missing fsspec backend, credentials, the bucket)."""
+    if _is_url(out):
+        return
+    if not out:
+        raise error(f"{what} is an empty path; give the folder of the store")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise error(f"{what} {out!r} is a file, not a directory")
+    base = _existing_dir(out)
+    import tempfile
+
+    try:  # a real write (os.access says yes to root everywhere, /proc included)
+        if not os.path.isdir(base):
+            raise NotADirectoryError(0, "not a directory")
+        with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
+            pass
+    except OSError as e:
+        raise error(
+            f"cannot write to {what} {out!r}: {base!r} is not a writable directory "
+            f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
+        ) from None
+
+
 def _existing_dir(path: str) -> str:
     """The nearest existing ancestor of ``path`` (itself when it exists)."""
     path = os.path.abspath(path)
@@ -643,23 +668,7 @@ class CaptureJob:
     def _check_out(self, out: str) -> None:
         """``out`` must be (or be creatable as) a writable folder. A URL is checked by the
         writer, which names what is wrong (a missing fsspec backend, credentials, the bucket)."""
-        if _is_url(out):
-            return
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise JobError(f"`out` {out!r} is a file, not a directory")
-        base = _existing_dir(out)
-        import tempfile
-
-        try:  # a real write (os.access says yes to root everywhere, /proc included)
-            if not os.path.isdir(base):
-                raise NotADirectoryError(0, "not a directory")
-            with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
-                pass
-        except OSError as e:
-            raise JobError(
-                f"cannot write to `out` {out!r}: {base!r} is not a writable directory "
-                f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
-            ) from None
+        check_out_dir(out, "`out`", JobError)
 
     def _source(self, *, rank: int, world: int) -> dict[str, Any]:
         """The model's config and tokenizer and the corpus, all checked before the weights."""
