@@ -396,6 +396,22 @@ def test_a_generate_option_of_the_wrong_type_is_named():
     assert rec.row_index[:, 0].unique().tolist() == list(range(len(PROMPTS)))
 
 
+def test_prompts_past_the_model_positions_are_named():
+    """A prompt + new tokens past GPT-2's 64 positions failed with a bare IndexError (index out
+    of range in self) from its position embedding; the command refused it up front, the
+    Python call did not. Named now, with the limit, and nothing stored."""
+    model = _gpt()
+    long = (list(range(1, 40)) * 2)[:62]
+    with pyhook.capture(model, POINTS[:1], to="host") as rec:
+        with pytest.raises(
+            GenerateError, match=r"example 0: the longest prompt \(62 tokens\) .* 64 positions"
+        ):
+            run_generate(model, prompt_batches([[5, 6], long]), rec, max_new_tokens=4)
+        assert rec.rows[POINTS[0]] == 0
+        run_generate(model, prompt_batches([[5, 6], long]), rec, max_new_tokens=2)
+    assert rec.row_index[:, 0].unique().tolist() == [0, 1]
+
+
 def test_do_sample_of_a_generation_config_argument_samples_as_the_option_does():
     # Before, generation_config={"do_sample": True} was overridden by the default greedy
     # sampling (silently greedy), though do_sample=True given as an option samples.

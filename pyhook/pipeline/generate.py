@@ -833,6 +833,18 @@ def run_generate(
                     seqs = model.generate(
                         input_ids=ids.to(device), attention_mask=am.to(device), **kw
                     )
+                except IndexError as e:
+                    # an absolute position embedding indexed past its end (GPT-2's wpe)
+                    from .runner import max_positions
+
+                    limit = max_positions(getattr(model, "config", None))
+                    if limit is None or ids.shape[1] + max_new_tokens <= limit:
+                        raise
+                    raise GenerateError(
+                        f"prompts from example {int(b.examples[0])}: the longest prompt "
+                        f"({ids.shape[1]} tokens) + max_new_tokens={max_new_tokens} exceeds the "
+                        f"model's {limit} positions; shorten the prompts or ask fewer new tokens"
+                    ) from e
                 except TypeError as e:
                     if not options:
                         raise
