@@ -171,6 +171,45 @@ def test_mixer_output_does_not_depend_on_chunking():
     assert sorted(torch.cat([t["x"] for t in a]).tolist()) == list(range(1000))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_mixer_finish_gives_the_concatenation_s_batches_without_copying_the_buffer(
+    monkeypatch, dtype
+):
+    """The end of a pass: the rows held (the buffer's, then the staged ones) come out as the
+    batches of their shuffled concatenation (the reference, made here with the same seeded
+    draws), without that concatenation: it copied the whole buffer, twice its memory."""
+    cap, b, seed = 256, 48, 11
+    x = torch.arange(1000 + 30, dtype=torch.float32)
+    m = Mixer(cap, b, seed=seed)
+    list(m.add({"x": x[:1000].to(dtype), "i": torch.arange(1000)}))
+    staged = m._n_staged
+    list(m.add({"x": x[1000:].to(dtype), "i": torch.arange(1000, 1030)}))
+    assert m._filled == cap and 0 < m._n_staged < b and staged != m._n_staged
+    held = {k: v.clone() for k, v in m._buf.items()}
+    late = {k: torch.cat([p[k] for p in m._staged]) for k in held}
+    gen = torch.Generator().manual_seed(0)
+    gen.set_state(m._gen.get_state())
+    allocated = []
+    real_cat, real_empty = torch.cat, torch.empty
+    monkeypatch.setattr(
+        torch, "cat", lambda t, *a, **k: allocated.append(real_cat(t, *a, **k)) or allocated[-1]
+    )
+    monkeypatch.setattr(
+        torch, "empty", lambda *a, **k: allocated.append(real_empty(*a, **k)) or allocated[-1]
+    )
+    got = list(m.finish())
+    monkeypatch.undo()
+    assert max((len(t) for t in allocated), default=0) <= b  # nothing the size of the buffer
+    rest = {k: torch.cat([held[k], late[k]]) for k in held}
+    perm = torch.randperm(len(rest["i"]), generator=gen)
+    want = [{k: v[perm[i : i + b]] for k, v in rest.items()} for i in range(0, len(perm), b)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["x"].dtype == dtype
+        assert torch.equal(g["i"], w["i"]) and torch.equal(g["x"].float(), w["x"].float())
+    assert torch.equal(got[0]["x"].float(), x.to(dtype).float()[got[0]["i"]])
+
+
 def test_any_iterable_of_batches_and_dtype(net, tok, corpus):
     batches = list(W.source(corpus, tok).batches())
     ref = reference(net, batches, dtype=torch.float16)

@@ -165,20 +165,36 @@ class Mixer:
         """The rows still held, shuffled, in batches (the last one shorter unless drop_last)."""
         if self._buf is None:
             return
-        parts = [{k: v[: self._filled] for k, v in self._buf.items()}]
-        if self._n_staged:
-            parts.append(self._take(self._n_staged))
-        rest = {k: torch.cat([p[k].to(v.device) for p in parts]) for k, v in self._buf.items()}
+        # The rows held are the buffer's, then the staged ones (fewer than a batch once the
+        # buffer is full): each batch is gathered from the two, as from their concatenation,
+        # which would copy the whole buffer (twice its memory at the end of every pass).
+        filled = self._filled
+        held = {k: v[:filled] for k, v in self._buf.items()}
+        staged = self._take(self._n_staged) if self._n_staged else None
+        if staged is not None:
+            staged = {k: staged[k].to(v.device) for k, v in held.items()}
         self._buf, self._filled = None, 0
-        total = _nrows(rest)
+        total = filled + (_nrows(staged) if staged is not None else 0)
         perm = torch.randperm(total, generator=self._gen, device=self._gen.device)
-        perm = perm.to(next(iter(rest.values())).device)
+        perm = perm.to(next(iter(held.values())).device)
         b = self.batch_size
         for i in range(0, total, b):
             if self.drop_last and i + b > total:
                 return
             idx = perm[i : i + b]
-            yield {k: v.index_select(0, idx) for k, v in rest.items()}
+            if staged is None:
+                yield {k: v.index_select(0, idx) for k, v in held.items()}
+                continue
+            late = idx >= filled
+            at_late = late.nonzero().squeeze(1)
+            at_held = (~late).nonzero().squeeze(1)
+            out = {}
+            for k, v in held.items():
+                rows = torch.empty((len(idx), *v.shape[1:]), dtype=v.dtype, device=v.device)
+                _index_copy(rows, at_held, v.index_select(0, idx[at_held]))
+                _index_copy(rows, at_late, staged[k].index_select(0, idx[at_late] - filled))
+                out[k] = rows
+            yield out
 
 
 def _index_copy(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
