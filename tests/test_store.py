@@ -113,6 +113,12 @@ def test_layerdata_indexing_across_shards(tmp_path):
     assert torch.equal(a[-1], full[-1]) and torch.equal(a[5], full[5])
     idx = torch.tensor([13, 0, 7, 3, 3, -2])
     assert torch.equal(a[idx], full[idx])
+    # an index of several dims gives [*idx.shape, *row], as a tensor (and a compact layer)
+    # does; it was "gather_rows: idx must be 1-D"
+    grid = torch.tensor([[13, 0], [7, -2], [3, 3]])
+    assert torch.equal(a[grid], full[grid]) and a[grid].shape == (3, 2, *full.shape[1:])
+    assert a[[[1, 2], [3, 4]]].shape == (2, 2, *full.shape[1:])
+    assert a[torch.zeros(2, 0, dtype=torch.long)].shape == (2, 0, *full.shape[1:])
     with pytest.raises(IndexError):
         a[len(full)]
 

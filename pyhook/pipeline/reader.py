@@ -280,6 +280,8 @@ class LayerData:
         return self._gather(torch.as_tensor(index, dtype=torch.long))
 
     def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() > 1:  # as a tensor indexed so: [*idx.shape, *row_shape]
+            return self._gather(idx.reshape(-1)).reshape(*idx.shape, *self.row_shape)
         n = len(self)
         idx = torch.where(idx < 0, idx + n, idx)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
