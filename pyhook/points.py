@@ -1040,6 +1040,11 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         >>> [n for n, _ in expand_points(model, "resid_post.1:3")], [n for n, _ in expand_points(model, "*.-1")][:2]
         (['resid_post.1', 'resid_post.2'], ['resid_pre.3', 'attn_in.3'])
     """
+    if not isinstance(pattern, str):
+        raise TypeError(
+            f"expand_points takes one point name, range or glob (str), got "
+            f"{type(pattern).__name__} {pattern!r}; expand several with one call each"
+        )
     layout = _layout(model)
     parts = _split(pattern)
     if parts is not None:

@@ -477,6 +477,9 @@ def test_names_globs_ranges_and_transformerlens_aliases():
         pyhook.Trace(model, "resid_post.2")
     with pytest.raises(LookupError, match="matches no standard point"):
         points.expand_points(model, "resid_post.5:9")
+    # a list (as TraceDict takes) was a raw TypeError from the regex ('expected string')
+    with pytest.raises(TypeError, match=r"one point name, range or glob \(str\), got list"):
+        points.expand_points(model, ["resid_post.0", "resid_post.1"])
     # module names win over point spellings, module globs are unchanged
     assert not points.is_point_name("transformer.h.*", model)
     assert [n for n, _ in resolve_layers(model, "transformer.h.*")] == [
