@@ -874,8 +874,8 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
         ) from None
     if kind != "final" or arch.final is None:
         _check_not_shared(layout, module, module_name, name)
-    if kind in _FEED_FORWARD_KINDS:
-        _check_not_chunked(model, f"{blocks}.{layer}", module_name, name)
+    if layer is not None and module_name.startswith(f"{blocks}.{layer}."):
+        _check_called_whole(model, kind, f"{blocks}.{layer}", module_name, name)
     heads = _heads(model, arch, name) if kind == "attn_z" else None
     flat = kind in arch.flat
     return Point(name, module_name, module, side, inplace, copy, heads, flat)  # type: ignore[arg-type]
@@ -889,20 +889,28 @@ _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
 _FEED_FORWARD_KINDS = frozenset({"resid_mid", "mlp_in", "mlp_hidden", "mlp_out"})
 
 
-def _check_not_chunked(model: nn.Module, block: str, module_name: str, name: str) -> None:
-    """Refuse a feed-forward point of a block that runs its feed-forward in chunks of tokens
-    (``chunk_size_feed_forward > 0`` on the block or a module between it and the point's): the
-    point's module runs once a chunk, so a hook on it would hold the last chunk's tokens."""
+def _check_called_whole(
+    model: nn.Module, kind: str, block: str, module_name: str, name: str
+) -> None:
+    """Refuse a point whose module its parent does not call once with the whole tensor:
+
+    * a feed-forward point below a module that runs it in chunks of tokens
+      (``chunk_size_feed_forward > 0``: BERT's layer, DistilBERT's FFN): the module runs once
+      a chunk, and a hook on it would hold the last chunk's tokens;
+    * a projection that Bloom's attention or MLP applies slice by slice with ``F.linear``
+      (``pretraining_tp > 1`` and ``slow_but_exact``): the module is never called, and a hook
+      on it never runs.
+    """
     parts = module_name[len(block) + 1 :].split(".") if module_name != block else []
     path = block
-    for part in ["", *parts]:
+    for part in ["", *parts[:-1]]:  # the block and the module's ancestors below it
         path = f"{path}.{part}" if part else path
         try:
             m = get_module(model, path)
         except LookupError:  # pragma: no cover - the point's own module was found above
             return
         size = getattr(m, "chunk_size_feed_forward", 0)
-        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        if kind in _FEED_FORWARD_KINDS and type(size) is int and size > 0:
             raise PointUnavailableError(
                 name,
                 f"standard point {name!r}: {type(m).__name__} {path!r} runs its feed-forward in "
@@ -910,6 +918,15 @@ def _check_not_chunked(model: nn.Module, block: str, module_name: str, name: str
                 f"{module_name!r} runs once a chunk and a hook on it would hold the last chunk's "
                 "tokens; load the model with chunk_size_feed_forward=0 (the same outputs, one "
                 "call a block)",
+            )
+        tp = getattr(m, "pretraining_tp", 1)
+        if getattr(m, "slow_but_exact", False) is True and type(tp) is int and tp > 1:
+            raise PointUnavailableError(
+                name,
+                f"standard point {name!r}: {type(m).__name__} {path!r} applies the weights of "
+                f"{module_name!r} in {tp} slices with F.linear (config.pretraining_tp={tp}, "
+                "slow_but_exact=True) and never calls it, so a hook on it would never run; load "
+                "the model with slow_but_exact=False (or pretraining_tp=1)",
             )
 
 

@@ -640,11 +640,44 @@ def test_a_feed_forward_point_of_a_chunked_feed_forward_is_refused():
     dcfg = T.DistilBertConfig(
         dim=16, n_layers=1, n_heads=2, hidden_dim=32, vocab_size=50, chunk_size_feed_forward=3
     )
-    with pytest.raises(points.PointUnavailableError, match="FFN .*chunks of 3 tokens"):
-        pyhook.Trace(T.DistilBertModel(dcfg), "mlp_hidden.0")
+    distil = T.DistilBertModel(dcfg).eval()
+    with pytest.raises(points.PointUnavailableError, match=r"FFN .*chunks of 3 tokens"):
+        pyhook.Trace(distil, "mlp_hidden.0")
+    # its FFN module itself is called once with every token: its input and output stay
+    with torch.no_grad(), pyhook.TraceDict(distil, ["mlp_in.0", "mlp_out.0"]) as t:
+        distil(x)
+    assert t["mlp_in.0"].output.shape == t["mlp_out.0"].output.shape == (2, 6, 16)
     # unchunked, the same points resolve
     cfg.chunk_size_feed_forward = 0
     with torch.no_grad(), pyhook.Trace(T.BertModel(cfg).eval(), "mlp_out.1") as t:
+        pass
+    assert t.layer == "mlp_out.1"
+
+
+def test_a_projection_bloom_applies_in_slices_is_refused():
+    """Bloom with pretraining_tp > 1 and slow_but_exact=True applies self_attention.dense and
+    mlp.dense_4h_to_h with F.linear, slice by slice, never calling them: attn_out, attn_z,
+    mlp_hidden and mlp_out never ran (Trace left .output unset, a capture stored no row).
+    Refused by name, before any hook; the block's other points stay exact."""
+    cfg = T.BloomConfig(
+        hidden_size=16, n_layer=2, n_head=2, vocab_size=50, pretraining_tp=2, slow_but_exact=True
+    )
+    torch.manual_seed(0)
+    model = T.BloomModel(cfg).eval()
+    before = _hooks_of(model)
+    for name in ("attn_out.0", "attn_z.1", "mlp_hidden.0", "mlp_out.1"):
+        with pytest.raises(points.PointUnavailableError, match=r"pretraining_tp=2.*never calls"):
+            pyhook.TraceDict(model, ["resid_post.0", name])
+        with pytest.raises(points.PointUnavailableError, match="slow_but_exact=False"):
+            capture(model, [name], to="host")
+    assert _hooks_of(model) == before
+    x = torch.randint(0, 50, (2, 5))
+    with torch.no_grad(), pyhook.TraceDict(model, ["attn_in.1", "mlp_in.1", "resid_post.0"]) as t:
+        out = model(x, output_hidden_states=True)
+    assert torch.equal(t["resid_post.0"].output, out.hidden_states[1])
+    assert t["mlp_in.1"].output.shape == t["attn_in.1"].output.shape == (2, 5, 16)
+    cfg.slow_but_exact = False  # the sliced path off: the projections are called
+    with torch.no_grad(), pyhook.Trace(T.BloomModel(cfg).eval(), "mlp_out.1") as t:
         pass
     assert t.layer == "mlp_out.1"
 
