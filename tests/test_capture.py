@@ -321,6 +321,28 @@ def test_forward_that_raises_commits_nothing_and_exception_removes_hooks():
     assert all_hooks(model) == 0
 
 
+def test_settings_may_add_to_what_a_resume_compares_not_contradict_it(tmp_path):
+    """capture(quantize='fp8', settings={'quantize': None}) stored quantize: None in the index,
+    so a later plain capture resumed the fp8 store (mixed encodings in one store); a caller's
+    settings that contradict the capture's own are refused by name, equal ones and new keys
+    pass."""
+    net = nn.Sequential(nn.Linear(4, 8))
+    for key, value, kw in (
+        ("quantize", None, {"quantize": "fp8"}),
+        ("compress", "zstd", {}),
+        ("layers", ["1"], {}),
+        ("dtype", "float16", {}),
+    ):
+        with pytest.raises(ValueError, match=rf"settings\['{key}'\] = .* contradicts"):
+            capture(net, "0", out=tmp_path / key, settings={key: value}, **kw)
+        assert all_hooks(net) == 0 and not (tmp_path / key).exists()
+    with capture(
+        net, "0", out=tmp_path / "ok", quantize="fp8", settings={"quantize": "fp8", "run": 3}
+    ):
+        net(torch.randn(2, 4))
+    assert open_capture(tmp_path / "ok").index["settings"]["run"] == 3
+
+
 def test_disk_destination_equals_host_and_resumes(tmp_path):
     model = gpt2()
     batches = gpt_batches(n=5)

@@ -435,7 +435,7 @@ class Recorder:
             compiled_path(model, module_path(n, m)) is not None for n, m in self._modules
         )
         self.meta = {"model": type(_unwrapped(model)).__name__, **(meta or {})}
-        self.settings = {
+        own = {
             "layers": self.layers,
             "positions": positions_repr(positions),
             "mask": mask
@@ -444,8 +444,16 @@ class Recorder:
             "flatten": flatten,
             "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
             **self._encoding.settings(),  # only when set: plain captures resume as before
-            **(settings or {}),
         }
+        for key in ("layers", "mask", "flatten", "dtype", "quantize", "compress"):
+            # what the resume check compares: a caller's settings may add to it, not hide it
+            if settings and key in settings and settings[key] != own.get(key):
+                raise ValueError(
+                    f"settings[{key!r}] = {settings[key]!r} contradicts the capture's own "
+                    f"{key} ({own.get(key)!r}), which its resume check compares; drop it from "
+                    "settings"
+                )
+        self.settings = {**own, **(settings or {})}
         self._max_inflight_bytes = max_inflight_bytes
         # Made on first use: host captures of CPU tensors never need the engine.
         self._offloader_: Offloader | None = None
