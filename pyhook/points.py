@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -669,7 +670,7 @@ def architecture_of(model: nn.Module) -> Architecture:
 def _layout(model: nn.Module) -> _Layout:
     layout = _CACHE.get(model)
     if layout is not None and _lookup(model, layout.prefix + layout.arch.blocks) is layout.blocks:
-        layout.n = len(layout.blocks)  # blocks may have been added or removed since
+        layout.n = _blocks_run(model, layout)  # blocks may have been added or removed since
         return layout
     keys = _keys_of(model)
     config = getattr(model, "config", None)
@@ -682,9 +683,36 @@ def _layout(model: nn.Module) -> _Layout:
                 continue
             blocks = get_module(model, prefix + row.blocks)
             layout = _Layout(row, prefix, blocks, len(blocks))  # type: ignore[arg-type]
+            layout.n = _blocks_run(model, layout)
             _CACHE[model] = layout
             return layout
     raise _unknown(model, keys)
+
+
+def _blocks_run(model: nn.Module, layout: _Layout) -> int:
+    """How many of the blocks a forward runs: all, except in a model whose forward runs
+    ``layers[: config.num_hidden_layers]`` (Llama and most decoders in transformers) with a
+    config asking for fewer (a model cut short by its config): the later blocks never run."""
+    n = len(layout.blocks)
+    path = layout.prefix + layout.arch.blocks
+    owner = _lookup(model, path.rpartition(".")[0]) if "." in path else model
+    config = getattr(owner, "config", None)
+    want = getattr(config, "num_hidden_layers", None)
+    if type(want) is int and 0 <= want < n and _slices_by_config(type(owner)):
+        return want
+    return n
+
+
+@functools.cache
+def _slices_by_config(cls: type) -> bool:
+    """Whether ``cls.forward`` runs its blocks as ``...[: self.config.num_hidden_layers]``."""
+    import inspect
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\[\s*:\s*self\.config\.num_hidden_layers\s*\]", source) is not None
 
 
 def _unknown(model: nn.Module, keys: list[str]) -> UnknownArchitectureError:
@@ -784,7 +812,12 @@ def _index(layout: _Layout, text: str, name: str) -> int:
         raise LayerNotFoundError(
             name,
             f"standard point {name!r}: {type(layout.blocks).__name__} at "
-            f"{layout.path(layout.arch.blocks)!r} has {layout.n} blocks (0..{layout.n - 1})",
+            f"{layout.path(layout.arch.blocks)!r} has {layout.n} blocks (0..{layout.n - 1})"
+            + (
+                f" that run: config.num_hidden_layers={layout.n} of its {len(layout.blocks)}"
+                if layout.n < len(layout.blocks)
+                else ""
+            ),
         )
     return i % layout.n
 

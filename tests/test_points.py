@@ -682,6 +682,38 @@ def test_a_projection_bloom_applies_in_slices_is_refused():
     assert t.layer == "mlp_out.1"
 
 
+def test_a_model_cut_short_by_its_config_has_the_blocks_that_run():
+    """Llama (and most decoders) run layers[: config.num_hidden_layers]: with 2 of 3 blocks
+    run, resid_post.-1 named block 2, which never ran (Trace left .output unset; a capture of
+    'resid_post.*' had a layer of no rows). The points count the blocks that run; a later one
+    is refused saying why."""
+    model = copy.deepcopy(build("llama"))
+    n = len(model.model.layers)
+    model.config.num_hidden_layers = n - 1
+    seen = {}
+    last = model.model.layers[n - 2]
+    h = last.register_forward_hook(
+        lambda m, a, o: seen.update(out=o[0] if isinstance(o, tuple) else o)
+    )
+    try:
+        with torch.no_grad(), pyhook.TraceDict(model, ["resid_post.-1", "final"]) as t:
+            model(ids())
+    finally:
+        h.remove()
+    assert torch.equal(t["resid_post.-1"].output, seen["out"])
+    assert [n for n, _ in points.expand_points(model, "resid_post.*")] == [
+        f"resid_post.{i}" for i in range(n - 1)
+    ]
+    with pytest.raises(LookupError, match=rf"config.num_hidden_layers={n - 1} of its {n}"):
+        pyhook.Trace(model, f"resid_post.{n - 1}")
+    with capture(model, "resid_post.*", to="host") as rec:
+        model(ids())
+    assert rec.layers == [f"resid_post.{i}" for i in range(n - 1)]
+    assert all(rec.rows[k] > 0 for k in rec.layers)
+    model.config.num_hidden_layers = n  # every block runs again
+    assert len(points.expand_points(model, "resid_post.*")) == n
+
+
 def test_unknown_architecture_gets_a_one_line_error_and_no_hook():
     class Block(torch.nn.Module):
         def __init__(self):
