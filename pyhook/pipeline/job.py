@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._names import check_model_name
+from ._paths import _existing_dir, _is_url, check_out_dir
 
 __all__ = [
     "CaptureJob",
@@ -127,11 +128,6 @@ def _got(v: Any) -> str:
     return text if len(text) <= 60 else f"a {type(v).__name__}"
 
 
-def _is_url(path: str) -> bool:
-    # pyhook.store.is_url's test, without importing the store (and torch) to check an argument
-    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
-
-
 def _human(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -150,42 +146,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
     out += [fmt.format(*map(str, r)) for r in rows]
     return "\n".join(out)
-
-
-def check_out_dir(out: str, what: str, error: type[Exception]) -> None:
-    """A store's folder ``out`` (the argument ``what``) must be, or be creatable as, a writable
-    folder; else ``error`` naming it. A URL passes (the writer checks it, naming what is
-    wrong: a missing fsspec backend, credentials, the bucket)."""
-    if _is_url(out):
-        return
-    if not out:
-        raise error(f"{what} is an empty path; give the folder of the store")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise error(f"{what} {out!r} is a file, not a directory")
-    base = _existing_dir(out)
-    import tempfile
-
-    try:  # a real write (os.access says yes to root everywhere, /proc included)
-        if not os.path.isdir(base):
-            raise NotADirectoryError(0, "not a directory")
-        with tempfile.TemporaryFile(dir=base, prefix=".pyhook-probe-"):
-            pass
-    except OSError as e:
-        raise error(
-            f"cannot write to {what} {out!r}: {base!r} is not a writable directory "
-            f"({(e.strerror or str(e)).lower()}); choose a folder you can write to"
-        ) from None
-
-
-def _existing_dir(path: str) -> str:
-    """The nearest existing ancestor of ``path`` (itself when it exists)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 def _shown(path: str) -> str:

@@ -957,7 +957,7 @@ def stream(
                 f"tee must be a directory path or URL (str or os.PathLike), got {type(tee).__name__}"
             )
         tee = os.fspath(tee)
-        from .job import check_out_dir
+        from ._paths import check_out_dir
 
         check_out_dir(tee, "tee", ValueError)  # a file, '', a folder no one can write to
         rec = Recorder(
