@@ -588,6 +588,10 @@ class _Layout:
     # in runs_of: rebuilt when a block is added, removed or replaced)
     runs_in: dict[int, list[int]] | None = None
     runs_of: tuple[nn.Module, ...] = ()
+    block_at: dict[int, list[int]] = field(default_factory=dict)  # id(block) -> its places
+    # (config,) when the module that holds the blocks runs layers[: config.num_hidden_layers],
+    # () when it runs them all, None until known (see _blocks_run)
+    sliced_by: tuple[Any, ...] | None = None
 
     def path(self, rel: str | None) -> str | None:
         return None if rel is None else self.prefix + rel
@@ -694,12 +698,16 @@ def _blocks_run(model: nn.Module, layout: _Layout) -> int:
     ``layers[: config.num_hidden_layers]`` (Llama and most decoders in transformers) with a
     config asking for fewer (a model cut short by its config): the later blocks never run."""
     n = len(layout.blocks)
-    path = layout.prefix + layout.arch.blocks
-    owner = _lookup(model, path.rpartition(".")[0]) if "." in path else model
-    config = getattr(owner, "config", None)
-    want = getattr(config, "num_hidden_layers", None)
-    if type(want) is int and 0 <= want < n and _slices_by_config(type(owner)):
-        return want
+    if layout.sliced_by is None:  # the config of the module that runs the blocks, if it slices
+        path = layout.prefix + layout.arch.blocks
+        owner = _lookup(model, path.rpartition(".")[0]) if "." in path else model
+        config = getattr(owner, "config", None)
+        sliced = config is not None and _slices_by_config(type(owner))
+        layout.sliced_by = (config,) if sliced else ()
+    if layout.sliced_by:
+        want = getattr(layout.sliced_by[0], "num_hidden_layers", None)
+        if type(want) is int and 0 <= want < n:
+            return want
     return n
 
 
@@ -967,13 +975,20 @@ def _check_not_shared(layout: _Layout, module: nn.Module, module_name: str, name
     """Refuse a point whose module runs in more than one block (a block listed twice, a module
     shared between blocks): a hook on it would run at each, and the point hold the last call."""
     now = tuple(layout.blocks._modules.values())
-    if layout.runs_in is None or now != layout.runs_of:
-        runs: dict[int, list[int]] = {}
+    if now != layout.runs_of:  # the blocks changed (or are new): where each block is
+        at: dict[int, list[int]] = {}
         for i, block in enumerate(now):
-            for m in block.modules():
-                runs.setdefault(id(m), []).append(i)
-        layout.runs_in, layout.runs_of = runs, now
-    blocks = layout.runs_in.get(id(module), [])
+            at.setdefault(id(block), []).append(i)
+        layout.block_at, layout.runs_of, layout.runs_in = at, now, None
+    blocks = layout.block_at.get(id(module))  # a block (resid_pre/post, embed)
+    if blocks is None:  # a module inside a block: where each block's modules are, once
+        if layout.runs_in is None:
+            runs: dict[int, list[int]] = {}
+            for i, block in enumerate(now):
+                for m in block.modules():
+                    runs.setdefault(id(m), []).append(i)
+            layout.runs_in = runs
+        blocks = layout.runs_in.get(id(module), [])
     if len(blocks) > 1:
         raise PointUnavailableError(
             name,
@@ -1137,7 +1152,10 @@ def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | Non
         return module_inputs(model, layer)
     if is_point_name(layer, model):
         return expand_points(model, layer)
-    if _is_block_glob(model, layer):
+    head = layer.partition(".")[0]
+    if not head or head in model._modules:  # a module name (the common case): nothing more
+        return None
+    if not head.strip("*?") and _is_block_glob(model, layer):
         return expand_points(model, layer)
     _check_point_typo(model, layer)
     return None
