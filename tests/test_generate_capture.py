@@ -321,22 +321,26 @@ def test_compiled_model_gives_the_rows_of_the_eager_one(tmp_path):
         torch.testing.assert_close(a[name].to_tensor(), b[name].to_tensor(), rtol=1e-5, atol=1e-5)
 
 
+def _sampled_capture(model, out, seed):
+    """A capture of PROMPTS generated with sampling (batches of 3, temperature 2), to ``out``."""
+    with pyhook.capture(model, POINTS[:1], out=out) as rec:
+        run_generate(
+            model,
+            prompt_batches(PROMPTS, batch_size=3),
+            rec,
+            max_new_tokens=NEW,
+            sampling="sample",
+            seed=seed,
+            temperature=2.0,
+        )
+    return pyhook.open_capture(out)
+
+
 def test_sampling_is_seeded_per_batch(tmp_path):
     model = _gpt()
-    runs = []
-    for k, seed in enumerate((3, 3, 4)):
-        out = tmp_path / str(k)
-        with pyhook.capture(model, POINTS[:1], out=out) as rec:
-            run_generate(
-                model,
-                prompt_batches(PROMPTS, batch_size=3),
-                rec,
-                max_new_tokens=NEW,
-                sampling="sample",
-                seed=seed,
-                temperature=2.0,
-            )
-        runs.append(pyhook.open_capture(out).tokens)
+    runs = [
+        _sampled_capture(model, tmp_path / str(k), seed).tokens for k, seed in enumerate((3, 3, 4))
+    ]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
@@ -351,17 +355,7 @@ def test_sampling_seeds_only_the_generators_it_draws_from(tmp_path, monkeypatch)
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
     seeded_all.clear()
-    out = tmp_path / "s"
-    with pyhook.capture(model, POINTS[:1], out=out) as rec:
-        run_generate(
-            model,
-            prompt_batches(PROMPTS, batch_size=3),
-            rec,
-            max_new_tokens=NEW,
-            sampling="sample",
-            seed=5,
-            temperature=2.0,
-        )
+    stored = _sampled_capture(model, tmp_path / "s", 5)
     assert seeded_all == []
     assert torch.equal(torch.random.get_rng_state(), state)
     expect = []
@@ -381,7 +375,7 @@ def test_sampling_seeds_only_the_generators_it_draws_from(tmp_path, monkeypatch)
             if 0 in tail:
                 tail = tail[: tail.index(0) + 1]
             expect += list(p) + tail[:-1]  # the last token is never run through the model
-    assert pyhook.open_capture(out).tokens.tolist() == expect
+    assert stored.tokens.tolist() == expect
 
 
 def test_a_generate_option_of_the_wrong_type_is_named():
