@@ -674,8 +674,7 @@ def architecture_of(model: nn.Module) -> Architecture:
 def _layout(model: nn.Module) -> _Layout:
     layout = _CACHE.get(model)
     if layout is not None and _lookup(model, layout.prefix + layout.arch.blocks) is layout.blocks:
-        layout.n = _blocks_run(model, layout)  # blocks may have been added or removed since
-        return layout
+        return _refresh(model, layout)
     keys = _keys_of(model)
     config = getattr(model, "config", None)
     for key in keys:
@@ -687,10 +686,22 @@ def _layout(model: nn.Module) -> _Layout:
                 continue
             blocks = get_module(model, prefix + row.blocks)
             layout = _Layout(row, prefix, blocks, len(blocks))  # type: ignore[arg-type]
-            layout.n = _blocks_run(model, layout)
             _CACHE[model] = layout
-            return layout
+            return _refresh(model, layout)
     raise _unknown(model, keys)
+
+
+def _refresh(model: nn.Module, layout: _Layout) -> _Layout:
+    """``layout`` with what depends on its blocks brought up to date (blocks may have been
+    added, removed or replaced since): how many run, and where each block is."""
+    layout.n = _blocks_run(model, layout)
+    now = tuple(layout.blocks._modules.values())
+    if now != layout.runs_of:
+        at: dict[int, list[int]] = {}
+        for i, block in enumerate(now):
+            at.setdefault(id(block), []).append(i)
+        layout.block_at, layout.runs_of, layout.runs_in = at, now, None
+    return layout
 
 
 def _blocks_run(model: nn.Module, layout: _Layout) -> int:
@@ -705,7 +716,13 @@ def _blocks_run(model: nn.Module, layout: _Layout) -> int:
         sliced = config is not None and _slices_by_config(type(owner))
         layout.sliced_by = (config,) if sliced else ()
     if layout.sliced_by:
-        want = getattr(layout.sliced_by[0], "num_hidden_layers", None)
+        config = layout.sliced_by[0]
+        try:  # the instance's own value, past transformers' (slow) __getattribute__
+            want = object.__getattribute__(config, "__dict__").get("num_hidden_layers")
+        except AttributeError:  # pragma: no cover - a config without a __dict__
+            want = None
+        if want is None:
+            want = getattr(config, "num_hidden_layers", None)
         if type(want) is int and 0 <= want < n:
             return want
     return n
@@ -915,7 +932,7 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
         ) from None
     if kind != "final" or arch.final is None:
         _check_not_shared(layout, module, module_name, name)
-    if layer is not None and module_name.startswith(f"{blocks}.{layer}."):
+    if kind not in _BLOCK_KINDS:  # a site inside block `layer`: called once, whole?
         _check_called_whole(model, kind, f"{blocks}.{layer}", module_name, name)
     heads = _heads(model, arch, name) if kind == "attn_z" else None
     flat = kind in arch.flat
@@ -923,6 +940,7 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
 
 
 _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
+_BLOCK_KINDS = frozenset({"embed", "resid_pre", "resid_post", "final"})  # a block's own tensors
 
 
 # The points a block computes inside its feed-forward, which BERT-like blocks run in chunks of
@@ -974,17 +992,11 @@ def _check_called_whole(
 def _check_not_shared(layout: _Layout, module: nn.Module, module_name: str, name: str) -> None:
     """Refuse a point whose module runs in more than one block (a block listed twice, a module
     shared between blocks): a hook on it would run at each, and the point hold the last call."""
-    now = tuple(layout.blocks._modules.values())
-    if now != layout.runs_of:  # the blocks changed (or are new): where each block is
-        at: dict[int, list[int]] = {}
-        for i, block in enumerate(now):
-            at.setdefault(id(block), []).append(i)
-        layout.block_at, layout.runs_of, layout.runs_in = at, now, None
     blocks = layout.block_at.get(id(module))  # a block (resid_pre/post, embed)
     if blocks is None:  # a module inside a block: where each block's modules are, once
         if layout.runs_in is None:
             runs: dict[int, list[int]] = {}
-            for i, block in enumerate(now):
+            for i, block in enumerate(layout.runs_of):
                 for m in block.modules():
                     runs.setdefault(id(m), []).append(i)
             layout.runs_in = runs
