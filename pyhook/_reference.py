@@ -55,11 +55,20 @@ def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tenso
     out = torch.empty((idx.numel(), *row_shape), dtype=first.dtype)
     if len(parts) == 1:
         return torch.index_select(first, 0, idx, out=out) if idx.numel() else out
+    if not idx.numel():
+        return out
+    # index_select, not ``out[sel] = ...`` (index_put has no uint16/uint32/uint64 kernel):
+    # each part's rows, then back in idx order.
     part_of = torch.bucketize(idx.contiguous(), torch.tensor(starts[1:]), right=True)
+    order, pieces = [], []
     for i in part_of.unique().tolist():
         sel = (part_of == i).nonzero().squeeze(1)
-        out[sel] = parts[i].index_select(0, idx[sel] - starts[i])
-    return out
+        order.append(sel)
+        pieces.append(parts[i].index_select(0, idx[sel] - starts[i]))
+    perm = torch.cat(order)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    return torch.cat(pieces).index_select(0, inverse)
 
 
 def gather_rows_into(parts: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor) -> None:

@@ -125,6 +125,17 @@ def test_expanded_and_conj_parts(backend):
     assert torch.equal(gather_rows([z], [5, 1]), z[[5, 1]].resolve_conj())
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_rows_of_several_parts(backend, dtype):
+    # The reference wrote each part's rows with out[sel] = ..., and index_put has no kernel
+    # for these dtypes: NotImplementedError where the native kernel gave the rows.
+    parts = [torch.arange(6).reshape(3, 2).to(dtype), torch.arange(6, 10).reshape(2, 2).to(dtype)]
+    idx = torch.tensor([4, 0, 3, 0])
+    out = gather_rows(parts, idx)
+    assert out.dtype == dtype
+    assert torch.equal(out.to(torch.int64), torch.tensor([[8, 9], [0, 1], [6, 7], [0, 1]]))
+
+
 def test_output_is_owned(backend):
     parts = make_parts(torch.float32, sizes=(6,))
     before = parts[0].clone()
