@@ -52,13 +52,12 @@ def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tenso
             f"gather_rows: index {int(idx[k])} (at position {k} of idx) is out of range for "
             f"{total} rows; valid indices are 0..{total - 1}"
         )
-    out = torch.empty((idx.numel(), *row_shape), dtype=first.dtype)
-    if len(parts) == 1:
-        return torch.index_select(first, 0, idx, out=out) if idx.numel() else out
     if not idx.numel():
-        return out
-    # index_select, not ``out[sel] = ...`` (index_put has no uint16/uint32/uint64 kernel):
-    # each part's rows, then back in idx order.
+        return torch.empty((0, *row_shape), dtype=first.dtype)
+    # index_select only, never ``out=`` (no autograd through it) nor ``out[sel] = ...``
+    # (index_put has no uint16/uint32/uint64 kernel): each part's rows, then back in idx order.
+    if len(parts) == 1:
+        return first.index_select(0, idx)
     part_of = torch.bucketize(idx.contiguous(), torch.tensor(starts[1:]), right=True)
     order, pieces = [], []
     for i in part_of.unique().tolist():

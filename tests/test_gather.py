@@ -136,6 +136,18 @@ def test_unsigned_rows_of_several_parts(backend, dtype):
     assert torch.equal(out.to(torch.int64), torch.tensor([[8, 9], [0, 1], [6, 7], [0, 1]]))
 
 
+@pytest.mark.parametrize("nparts", [1, 2])
+def test_parts_that_require_grad_give_a_differentiable_gather(backend, nparts):
+    # One part went to index_select(out=...), which refuses autograd: a RuntimeError, where
+    # two parts gave rows that backpropagate.
+    w = torch.randn(4, 3, requires_grad=True)
+    parts = [w[:2], w[2:]] if nparts == 2 else [w]
+    out = gather_rows(parts, [3, 0, 3])
+    assert torch.equal(out, w.detach()[[3, 0, 3]])
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.tensor([1.0, 0.0, 0.0, 2.0]).unsqueeze(1).expand(4, 3))
+
+
 def test_output_is_owned(backend):
     parts = make_parts(torch.float32, sizes=(6,))
     before = parts[0].clone()
