@@ -95,7 +95,10 @@ def dequant_rows(
     [[2.0, 0.0], [1.0, -2.0]]
     """
     # Gathered as bytes (index_select has no float8 kernel), then widened: exact.
-    raw = gather_rows([p.view(torch.uint8) for p in parts], idx).view(parts[0].dtype)
+    try:
+        raw = gather_rows([p.view(torch.uint8) for p in parts], idx).view(parts[0].dtype)
+    except IndexError as e:  # named as the native kernel names it
+        raise IndexError(str(e).replace("gather_rows:", "dequant_rows:", 1)) from None
     scale = gather_rows([s.reshape(-1, 1) for s in scales], idx)
     scale = scale.reshape(-1, *([1] * (raw.dim() - 1)))
     return (raw.to(torch.float32) * scale).to(dtype)

@@ -99,6 +99,17 @@ def test_dequant_rows_every_fp8_value_and_extreme_scales(native, dtype):
     assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))  # -0 stays -0
 
 
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_dequant_rows_out_of_range_is_named_by_either_backend(backend, bad):
+    # The reference said "gather_rows: index ..." where the native kernel says "dequant_rows:".
+    q, s = [torch.zeros(4, 2, dtype=torch.int8)], [torch.ones(4)]
+    msg = rf"^dequant_rows: index {bad} \(at position 1 of idx\) is out of range for 4 rows"
+    with pytest.raises(IndexError, match=msg):
+        _backend.dequant_rows(q, s, [0, bad])
+    with pytest.raises(IndexError, match=msg):
+        _backend.dequant_rows_into(q, s, [0, bad], torch.empty(2, 2))
+
+
 def test_dequant_rows_errors_and_opcheck(native):
     q = [torch.zeros(4, 2, dtype=F8)]
     s = [torch.ones(4)]
