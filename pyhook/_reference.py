@@ -29,6 +29,10 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
+# Unsigned dtypes gathered as the signed dtype of their size (the same bits).
+_SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
 def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """Rows ``idx`` of ``torch.cat(parts)``, without concatenating: a fresh contiguous tensor.
 
@@ -40,6 +44,9 @@ def gather_rows(parts: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tenso
     [[8.0, 9.0], [0.0, 1.0], [6.0, 7.0]]
     """
     first = parts[0]
+    if first.dtype in _SIGNED_OF:  # index_select has no kernel for 1-D unsigned parts
+        signed = _SIGNED_OF[first.dtype]
+        return gather_rows([p.view(signed) for p in parts], idx).view(first.dtype)
     row_shape = tuple(first.shape[1:])
     starts = [0]
     for p in parts:

@@ -148,6 +148,18 @@ def test_parts_that_require_grad_give_a_differentiable_gather(backend, nparts):
     assert torch.equal(w.grad, torch.tensor([1.0, 0.0, 0.0, 2.0]).unsqueeze(1).expand(4, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("nparts", [1, 2])
+def test_unsigned_parts_without_a_row_shape(backend, dtype, nparts):
+    # index_select has no kernel for 1-D uint16/uint32/uint64 tensors: the reference raised
+    # NotImplementedError where the native kernel gave the values.
+    x = torch.tensor([7, 65535, 0, 3]).to(dtype)
+    parts = [x[:1], x[1:]] if nparts == 2 else [x]
+    out = gather_rows(parts, [1, 3, 1, 0])
+    assert out.dtype == dtype
+    assert out.to(torch.int64).tolist() == [65535, 3, 65535, 7]
+
+
 def test_output_is_owned(backend):
     parts = make_parts(torch.float32, sizes=(6,))
     before = parts[0].clone()
