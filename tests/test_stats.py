@@ -161,6 +161,28 @@ def test_native_row_stats_against_float64_reference(dtype, shape):
     assert _backend.row_stats(rows[:0]).tolist() == [[0.0] * (2 + 2 * shape[1])]
 
 
+@pytest.mark.parametrize("backend_name", ["native", "reference"])
+def test_an_infinite_column_mean_stays_infinite_in_a_batch_of_many_blocks(backend_name):
+    # Blocks of rows were merged with mean += (block mean - mean) * share: an inf in an
+    # earlier block made inf - inf, a NaN mean, where one block (or the float64 mean) gives inf.
+    from pyhook import _backend
+    from pyhook.pipeline._record import batch_stats
+
+    if backend_name == "native" and not _backend.native_available():
+        pytest.skip("needs the native kernel")
+    x = torch.zeros(300, 700)  # 93 rows a block
+    x[150, 0] = float("inf")  # block 2 of 4
+    x[10, 1] = -float("inf")  # block 1
+    x[5, 2], x[250, 2] = float("inf"), float("inf")
+    x[5, 3], x[250, 3] = float("inf"), -float("inf")
+    x[5, 4] = float("nan")
+    with _backend.use_backend(backend_name):
+        mean = batch_stats(x)[0, 2 : 2 + 700]
+    want = x.double().mean(0)
+    assert want[:3].tolist() == [float("inf"), -float("inf"), float("inf")]
+    torch.testing.assert_close(mean, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_stats_are_of_the_stored_dtype(tmp_path):
     torch.manual_seed(0)
     net = Offset()

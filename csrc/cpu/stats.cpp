@@ -99,7 +99,10 @@ __attribute__((always_inline)) inline void columns_stats_body(const T* x, int64_
       for (int64_t j = 0; j < w; ++j) {
         const double delta = bs[j] - mu[j];  // the block's mean minus the running mean
         q[j] += bq[j] + delta * delta * cross;
-        mu[j] += delta * share;
+        // An infinite mean stays infinite (inf - inf would make it NaN): the sum of the two
+        // means has the mean's value where either is inf or NaN.
+        mu[j] = std::isfinite(bs[j]) && std::isfinite(mu[j]) ? mu[j] + delta * share
+                                                              : mu[j] + bs[j];
       }
     }
     done += k;

@@ -421,10 +421,16 @@ def _host_stats(x: torch.Tensor, out: np.ndarray) -> None:
             np.add.reduce(b, axis=0, out=m2)
         else:
             total = done + k
+            # An infinite mean stays infinite (inf - inf would make it NaN): the sum of the
+            # two means has the mean's value where either is inf or NaN.
+            odd = ~(np.isfinite(col) & np.isfinite(mean))
+            summed = (mean + col)[odd] if odd.any() else None
             col -= mean  # the block's mean minus the running mean
             m2 += np.add.reduce(b, axis=0)
             m2 += col * col * (done * k / total)
             mean += col * (k / total)
+            if summed is not None:
+                mean[odd] = summed
         done += k
     out[0] = float(n)
     out[1] = norms
