@@ -649,6 +649,10 @@ def gather_rows_into(
             f"gather_rows_into: `out` must be a contiguous {parts[0].dtype} tensor of shape "
             f"{shape} on {parts[0].device}, got {got}"
         )
+    # As the native kernel checks (its message): writing into a part would make the result
+    # depend on the copy order.
+    if out.numel() and any(p.numel() and torch._C._is_alias_of(p, out) for p in parts):
+        raise RuntimeError("gather_rows_into: `out` (layer 0) shares memory with a part")
     if _gather_native(parts, idx) and out.is_cpu:
         torch.ops.pyhook.gather_rows_into.default(parts, idx, out)
     else:

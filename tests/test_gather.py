@@ -160,6 +160,17 @@ def test_unsigned_parts_without_a_row_shape(backend, dtype, nparts):
     assert out.to(torch.int64).tolist() == [65535, 3, 65535, 7]
 
 
+def test_into_a_part_is_refused_by_either_backend(backend):
+    # The native kernel refuses an `out` that shares memory with a part; the reference wrote
+    # the rows into it (x reversed in place).
+    x = torch.arange(10.0).reshape(5, 2)
+    with pytest.raises(RuntimeError, match=r"`out` .* shares memory with a part"):
+        gather_rows_into([x[:2], x[2:]], [4, 3, 2, 1, 0], x)
+    assert torch.equal(x, torch.arange(10.0).reshape(5, 2))
+    with pytest.raises(RuntimeError, match=r"`out` .* shares memory with a part"):
+        gather_rows_into([x], [4, 3], x[3:])
+
+
 def test_output_is_owned(backend):
     parts = make_parts(torch.float32, sizes=(6,))
     before = parts[0].clone()
