@@ -477,6 +477,11 @@ def _gather_args(
     for i, p in enumerate(parts):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"gather_rows: part {i} must be a tensor, got {type(p).__name__}")
+        if p.layout != torch.strided:
+            raise TypeError(
+                f"gather_rows: part {i} has layout {p.layout}; parts must be strided (dense) "
+                "tensors"
+            )
         if p.dim() < 1:
             raise ValueError(f"gather_rows: part {i} must have a row dimension, got a 0-d tensor")
         if p.dtype != first.dtype:

@@ -215,6 +215,8 @@ def test_into_matches(backend):
         ),
         ([torch.zeros(2, 3), torch.zeros(2, 4)], [0], ValueError, "part 1 has shape"),
         ([torch.zeros(())], [0], ValueError, "part 0 must have a row dimension"),
+        # a sparse part raised "Cannot access data pointer of Tensor that doesn't have storage"
+        ([torch.zeros(2, 3), torch.eye(2, 3).to_sparse()], [0], TypeError, "part 1 has layout"),
         ([torch.zeros(2, 3)], torch.tensor([0.0]), TypeError, "`idx` must hold integers"),
         ([torch.zeros(2, 3)], torch.zeros(1, 1, dtype=torch.long), ValueError, "`idx` must be 1-D"),
     ],
