@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _reference
 
@@ -343,7 +344,7 @@ def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _clone_list(tensors: list[torch.Tensor], size_checked: bool = False) -> list[torch.Tensor]:
     if not tensors:
         return []
-    if get_backend() != "native":
+    if get_backend() != "native" or _dual_level_active():
         return _reference.clone_tensors(tensors)
     if NATIVE_MIN_BYTES and not size_checked:
         # Small captures: the reference path is the faster one; decide before any per-tensor
@@ -508,9 +509,16 @@ def _gather_args(
     return parts, idx.to(device=first.device, dtype=torch.long)
 
 
+def _dual_level_active() -> bool:
+    """Whether forward-mode AD is on (a ``forward_ad.dual_level``): the native ops have no
+    forward formula and would drop the tangents, so the reference path runs."""
+    return forward_ad._current_level >= 0
+
+
 def _gather_native(parts: list[torch.Tensor], idx: torch.Tensor) -> bool:
     return (
         get_backend() == "native"
+        and not _dual_level_active()
         and idx.is_cpu
         and all(_native_group(p) == "cpu" for p in parts)
         and not (torch.is_grad_enabled() and any(p.requires_grad for p in parts))

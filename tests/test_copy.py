@@ -83,6 +83,24 @@ def test_retain_grad_ignores_detach_and_skips_integer_tensors(backend):
     assert m is n and not n.requires_grad
 
 
+def test_forward_mode_ad_tangents_survive_a_copy(backend):
+    # The native op has no forward-mode formula: its copies of dual tensors came back
+    # without their tangents, where clone() (the reference) keeps them.
+    import torch.autograd.forward_ad as fwad
+
+    from pyhook import _backend
+
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, t)
+        out = pyhook.recursive_copy({"h": dual, "p": (dual.t(),)}, clone=True)
+        rows = _backend.gather_rows([dual[:1], dual[1:]], [2, 0])
+        got = [fwad.unpack_dual(o).tangent for o in (out["h"], out["p"][0], rows)]
+    assert all(g is not None for g in got)
+    assert torch.equal(got[0], t) and torch.equal(got[1], t.t())
+    assert torch.equal(got[2], t[[2, 0]])
+
+
 def test_backends_agree(backend):
     torch.manual_seed(0)
     base = torch.randn(6, 5)
