@@ -702,6 +702,8 @@ def _dequant_native(parts: list[torch.Tensor], scales: list[torch.Tensor], idx: 
     return (
         _gather_native(parts, idx)
         and all(_native_group(s) == "cpu" for s in scales)
+        # the kernel has no autograd: scales that need gradients take the reference path
+        and not (torch.is_grad_enabled() and any(s.requires_grad for s in scales))
         and hasattr(torch.ops.pyhook, "dequant_rows")  # a build older than the op: reference
     )
 

@@ -110,6 +110,17 @@ def test_dequant_rows_out_of_range_is_named_by_either_backend(backend, bad):
         _backend.dequant_rows_into(q, s, [0, bad], torch.empty(2, 2))
 
 
+def test_dequant_rows_of_scales_that_require_grad_is_differentiable(backend):
+    # The native kernel returned rows without a graph; the reference raised (index_select with
+    # out=... refuses autograd).
+    q = [torch.tensor([[1, 2], [3, 4]], dtype=torch.int8)]
+    s = torch.tensor([1.0, 2.0], requires_grad=True)
+    out = _backend.dequant_rows(q, [s], [1, 0, 1])
+    assert torch.equal(out.detach(), torch.tensor([[6.0, 8.0], [1.0, 2.0], [6.0, 8.0]]))
+    out.sum().backward()
+    assert s.grad.tolist() == [3.0, 14.0]
+
+
 def test_dequant_rows_errors_and_opcheck(native):
     q = [torch.zeros(4, 2, dtype=F8)]
     s = [torch.ones(4)]
