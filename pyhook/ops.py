@@ -26,6 +26,9 @@ def _clone_many_fake(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _clone_many_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     (tensors,) = inputs
+    # An output that no loss used gives its input no gradient (None, as clone() does), not a
+    # tensor of zeros: optimisers skip a parameter whose .grad is None.
+    ctx.set_materialize_grads(False)
     # clone() gives requires_grad=False to copies of tensors that do not require
     # grad; a list-returning autograd.Function would mark every output otherwise.
     frozen = [o for t, o in zip(tensors, output) if not t.requires_grad]

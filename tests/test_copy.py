@@ -101,6 +101,18 @@ def test_forward_mode_ad_tangents_survive_a_copy(backend):
     assert torch.equal(got[2], t[[2, 0]])
 
 
+def test_an_unused_copy_gives_its_input_no_gradient(backend):
+    # The native op's backward got zeros for the copies no loss used and gave them to their
+    # inputs: .grad became a zero tensor where clone() leaves it None (optimisers skip None).
+    from pyhook import _backend
+
+    used, unused = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = _backend.clone_tensors([used, unused])
+    out[0].sum().backward()
+    assert used.grad.tolist() == [1.0, 1.0, 1.0]
+    assert unused.grad is None
+
+
 def test_backends_agree(backend):
     torch.manual_seed(0)
     base = torch.randn(6, 5)
