@@ -328,6 +328,18 @@ def test_inspect_and_verify_errors_are_one_line(tmp_path, capsys, damage, needle
     assert needle in err and "Traceback" not in err
 
 
+def test_verify_names_a_rank_whose_index_is_missing(tmp_path, capsys):
+    # a deleted index-r001.json: rank 1's shards were only reported as debris, exit status 0
+    for rank in range(2):
+        _write(tmp_path, _data(8, seed=rank), rank=rank, world_size=2)
+    assert main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    os.remove(os.path.join(tmp_path, "index-r001.json"))
+    assert main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "index-r001.json: missing (rank 1 of 2" in err and "Traceback" not in err
+
+
 def test_unreadable_shard_is_one_line(tmp_path, capsys, monkeypatch):
     _write(tmp_path, _data(8))
     real_open = open

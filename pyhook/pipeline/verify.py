@@ -6,6 +6,7 @@ and the remote shard cache) is the format's, in :mod:`.format`.
 from __future__ import annotations
 
 import os
+import re
 
 from .format import (
     CaptureDamagedError,
@@ -49,18 +50,29 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     if not parts:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
     seen: set[str] = set()
+    ranks: set[int] = set()
+    world = 0
     for p in parts:
+        m = re.fullmatch(r"index-r(\d+)\.json", os.path.basename(p))
+        if m:
+            ranks.add(int(m.group(1)))  # present, even if damaged (named below)
         try:
             part = _load_part(p)
         except CaptureDamagedError as e:
             problems.append(str(e))
             continue
+        world = max(world, part["world_size"])
         for s in part["shards"]:
             seen.add(s["file"])
             try:
                 _check_shard(out, s, part["layers"], checksum=True, notes=notes)
             except CaptureDamagedError as e:
                 problems.append(str(e))
+    for r in sorted(set(range(world)) - ranks):  # a rank's rows the reader would not read
+        problems.append(
+            f"{os.path.join(out, f'index-r{r:03d}.json')}: missing (rank {r} of {world}: its "
+            "rows are not read; deleted, or that rank crashed or is still running)"
+        )
     merged = os.path.join(out, "index.json")
     if os.path.exists(merged):
         try:
