@@ -211,6 +211,25 @@ def test_plan_matches_what_the_run_writes(ckpt, tmp_path, options):
         job.run(plan)  # a plan runs once
 
 
+def test_plan_counts_the_shards_the_writer_makes(ckpt, tmp_path, monkeypatch):
+    # a batch is never split across shards, and a shard is at most half the writer's buffer:
+    # the plan said 20 shards for a run of 2 batches (2 shards), and ignored the buffer's cap
+    base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "layers": LAYERS}
+    base |= {"context_size": 16, "limit": 8, "batch_size": 4, "out": str(tmp_path / "a")}
+    job = CaptureJob(**base, shard_mb=0.001)
+    plan = job.plan()
+    job.run(plan)
+    assert plan.shards == len(open_capture(tmp_path / "a").index["shards"]) == 2
+    from pyhook.pipeline.writer import ShardWriter
+
+    defaults = {**ShardWriter.__init__.__kwdefaults__, "max_buffer_bytes": 2 * 1024}
+    monkeypatch.setattr(ShardWriter.__init__, "__kwdefaults__", defaults)
+    big = CaptureJob(**{**base, "out": str(tmp_path / "b"), "batch_size": 1}, shard_mb=1.0)
+    plan = big.plan()  # 1 MB asked, 1 kB the writer's cap: one shard per context
+    big.run(plan)
+    assert plan.shards == len(open_capture(tmp_path / "b").index["shards"]) == 8
+
+
 def test_plan_of_a_resumed_capture_counts_what_is_left(ckpt, tmp_path):
     base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "layers": LAYERS}
     base |= {"context_size": 16, "out": str(tmp_path / "acts"), "shard_mb": 0.001}
