@@ -160,6 +160,13 @@ def test_unknown_and_bad_keys_in_a_job_file_are_named(tmp_path, capsys):
             CaptureJob.from_file(y)
 
 
+def test_an_option_given_twice_in_a_job_file_is_refused(tmp_path):
+    # `context-size` and `context_size` both: the later one silently won
+    (tmp_path / "job.json").write_text('{"context-size": 64, "context_size": 32}')
+    with pytest.raises(JobError, match=r"job\.json: the option 'context_size' is given twice"):
+        CaptureJob.from_file(tmp_path / "job.json")
+
+
 def test_yaml_without_pyyaml_says_so(tmp_path, monkeypatch):
     (tmp_path / "job.yaml").write_text("limit: 3\n")
     monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml fails

@@ -614,6 +614,8 @@ class CaptureJob:
                     else f"; a job's keys are: {', '.join(known)}"
                 )
                 raise JobError(f"{name}: unknown key {key!r}{hint}")
+            if k in values and values[k] != v:  # `context-size` and `context_size` differ
+                raise JobError(f"{name}: the option {k!r} is given twice, with different values")
             values[k] = v
         try:
             cls(**values)  # its values alone, so a mistake names the file and its key
