@@ -170,7 +170,13 @@ def cmd_layers(args: argparse.Namespace) -> int:
         with hooks.registering():
             for name, mod in model.named_modules():
                 hooks.forward(mod, make(name))
-        enc = tokenizer([args.text], return_tensors="pt")
+        from .pipeline.runner import max_positions
+
+        most = max_positions(getattr(model, "config", None))
+        cut = {"truncation": True, "max_length": most} if most else {}
+        enc = tokenizer([args.text], return_tensors="pt", **cut)  # no more than its positions
+        if enc["input_ids"].shape[1] == 0:
+            raise CLIError(f"--text {args.text!r} gives no tokens: give a word or more")
         with torch.no_grad():
             model(**{k: v.to(args.device) for k, v in enc.items()})
     finally:

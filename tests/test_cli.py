@@ -160,6 +160,16 @@ def test_layers_command(tiny_checkpoint, capsys):
     assert "resid_pre.0 (input), resid_post.0" in row  # standard points beside their modules
 
 
+def test_layers_text_longer_than_the_positions_or_empty(tiny_checkpoint, capsys):
+    # a text longer than the model's 64 positions raised IndexError from the embedding, and an
+    # empty --text a RuntimeError from the reshape: both were raw tracebacks
+    assert main(["layers", "--model", str(tiny_checkpoint), "--text", "a " * 100]) == 0
+    assert "one example of 64 tokens" in capsys.readouterr().out
+    assert main(["layers", "--model", str(tiny_checkpoint), "--text", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyhook: error: --text '' gives no tokens") and len(err.splitlines()) == 1
+
+
 def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
     assert main(capture_args(tiny_checkpoint, "--positions", "last", "--out", str(out), "--quiet")) == 0
