@@ -288,6 +288,8 @@ def test_plan_refuses_a_different_capture_and_run_refuses_what_does_not_fit(
         ({"limit": 0}, "limit must be >= 1, got 0", "--limit must be >= 1, got 0"),
         ({"batch_size": 2.5}, "batch_size must be an integer", "--batch-size must be an integer"),
         ({"shard_mb": 0}, "shard_mb must be > 0", "--shard-mb must be > 0"),
+        # inf passed, and the plan's int(shard_mb * 2**20) was an OverflowError traceback
+        ({"shard_mb": float("inf")}, "shard_mb must be > 0 and finite", "--shard-mb must be"),
         ({"positions": "first"}, "positions must be 'all', 'last' or an integer", "--positions"),
         ({"dtype": "float7"}, "dtype must be one of float64, float32", "--dtype must be one of"),
         ({"layers": []}, "layers must name at least one layer", "--layers must name"),

@@ -463,8 +463,10 @@ class CaptureJob:
                 if v is not None:
                     _check_generate_kwargs(v)
             elif name == "shard_mb":
-                if isinstance(v, bool) or not isinstance(v, float) or not v > 0:
-                    raise JobError(f"`shard_mb` must be > 0 (MB per shard), got {_got(v)}")
+                if isinstance(v, bool) or not isinstance(v, float) or not 0 < v < math.inf:
+                    raise JobError(
+                        f"`shard_mb` must be > 0 and finite (MB per shard), got {_got(v)}"
+                    )
             elif "bool" in kind:
                 if not (isinstance(v, bool) or (v is None and "None" in kind)):
                     raise _JobTypeError(f"`{name}` must be true or false, got {_got(v)}")
