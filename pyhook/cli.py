@@ -114,7 +114,7 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
     if isinstance(given.get("model"), list):  # --model DIR, or --model NAME=DIR repeated
         given["model"] = models_from_flags(given["model"])
     config = getattr(args, "config", None)
-    values = CaptureJob.read_file(config) if config else {}
+    values = CaptureJob.read_file(config) if config is not None else {}
     return CaptureJob(**{**values, **given})
 
 

@@ -314,6 +314,17 @@ def test_bad_values_are_refused_when_the_job_is_made(kw, python, flag):
     assert flag in e.value.spelled(flags=True)
 
 
+@pytest.mark.parametrize("flag", ["--input", "--out", "--text-column", "--model", "--config"])
+def test_an_empty_path_or_name_is_refused(flag, tmp_path, monkeypatch, capsys):
+    # `--input "$CORPUS"` with CORPUS unset captured the bundled corpus, `--out ''` wrote into
+    # the current directory and `--config ''` was ignored: each ran a capture nobody asked for
+    monkeypatch.chdir(tmp_path)
+    assert main(["capture", flag, "", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and (f"{flag} is empty" in err or "job file ''" in err), err
+    assert os.listdir(tmp_path) == []
+
+
 def test_equal_jobs_compare_equal():
     assert CaptureJob(layers="h.0", positions="3", shard_mb=1) == CaptureJob(
         layers=["h.0"], positions=3, shard_mb=1.0

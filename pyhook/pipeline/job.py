@@ -485,6 +485,12 @@ class CaptureJob:
                     else ""
                 )
                 raise _JobTypeError(f"`{name}` must be a string, got {_got(v)}{hint}")
+        for name in ("model", "tokenizer", "model_class", "input", "text_column", "out"):
+            v = getattr(self, name)
+            if isinstance(v, str) and not v.strip():  # `--input "$CORPUS"` with it unset
+                raise JobError(
+                    f"`{name}` is empty, got {v!r}: leave it out for the default, or name one"
+                )
         for name in ("dtype", "model_dtype"):
             v = getattr(self, name)
             if v is not None:
