@@ -818,6 +818,14 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     if args.command == "capture":
         args.job = job_from_args(args)
     elif args.command == "layers":
+        for flag in ("model", "tokenizer", "model_class"):  # as capture's: not the default
+            v = getattr(args, flag)
+            for one in v if isinstance(v, list) else [v]:
+                if one is not None and not one.strip():
+                    raise CLIError(
+                        f"--{flag.replace('_', '-')} is empty, got {one!r}: leave it out for "
+                        "the default, or name one"
+                    )
         args.model = _one_model(args.model)
     elif args.command == "inspect" and args.sample < 1:
         raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")

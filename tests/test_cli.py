@@ -170,6 +170,15 @@ def test_layers_text_longer_than_the_positions_or_empty(tiny_checkpoint, capsys)
     assert err.startswith("pyhook: error: --text '' gives no tokens") and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("flag", ["--model", "--tokenizer", "--model-class"])
+def test_layers_empty_model_is_refused(flag, capsys):
+    # `pyhook layers --model ""` listed the default model's layers as if asked for
+    assert main(["layers", flag, ""]) == 2
+    err = capsys.readouterr().err
+    expected = f"{flag} is empty, got '': leave it out for the default, or name one"
+    assert err == f"pyhook: error: {expected}\n"
+
+
 def test_inspect_and_plot(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "acts"
     assert main(capture_args(tiny_checkpoint, "--positions", "last", "--out", str(out), "--quiet")) == 0
