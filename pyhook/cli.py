@@ -602,7 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--context-size",
         type=int,
         help="pack the documents (BOS doc EOS ...) into contexts of N tokens, as SAE pipelines "
-        f"do (default: {DEFAULT_CONTEXT_SIZE} for the bundled corpus, else one example per row)",
+        f"do (default: {DEFAULT_CONTEXT_SIZE} for the bundled corpus without --max-length, else "
+        "one example per row)",
     )
     c.add_argument(
         "--exclude-special-tokens",

@@ -237,6 +237,15 @@ def test_plan_counts_the_shards_the_writer_makes(ckpt, tmp_path, monkeypatch):
     assert plan.shards == len(open_capture(tmp_path / "b").index["shards"]) == 8
 
 
+def test_max_length_on_the_bundled_corpus_gives_one_example_per_row(ckpt, tmp_path):
+    # the bundled corpus's default packing (contexts of 64 here) won over max_length, which was
+    # dropped without a word: rows of 64 tokens instead of examples of at most 8
+    job = CaptureJob(model=str(ckpt / "model"), layers=LAYERS, max_length=8, limit=4)
+    job = dataclasses.replace(job, exclude_special_tokens=False)  # its [UNK]s count too
+    plan = dataclasses.replace(job, out=str(tmp_path / "a")).plan()
+    assert plan.examples == 4 and 4 <= plan.rows <= 4 * 8, plan.rows
+
+
 def test_plan_of_a_resumed_capture_counts_what_is_left(ckpt, tmp_path):
     base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "layers": LAYERS}
     base |= {"context_size": 16, "out": str(tmp_path / "acts"), "shard_mb": 0.001}

@@ -359,8 +359,8 @@ class CaptureJob:
       ``device``.
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
       ``save_to_disk`` folder; default the bundled corpus), ``text_column``, ``context_size``
-      (pack documents into contexts of N tokens; default 128 for the bundled corpus, else one
-      example per row), ``max_length`` (one example per row: tokens kept per example; default
+      (pack documents into contexts of N tokens; default 128 for the bundled corpus without
+      ``max_length``, else one example per row), ``max_length`` (one example per row: tokens kept per example; default
       128 or the model's positions), ``exclude_special_tokens``, ``limit`` (first N examples or
       contexts), ``batch_size`` (examples or contexts per forward).
     * ``layers``: names, globs or standard points (default every block, ``resid_post.*``);
@@ -662,7 +662,12 @@ class CaptureJob:
             tokenizer, tok_path, tok_error = None, None, e
         positions_limit = prepared.max_positions
         context_size = self.context_size
-        if context_size is None and self.input is None and self.generate is None:
+        if (
+            context_size is None
+            and self.input is None
+            and self.generate is None
+            and self.max_length is None  # asks for one example per row
+        ):
             # the default job (the bundled corpus): packed contexts, as SAE datasets use
             context_size = min(DEFAULT_CONTEXT_SIZE, positions_limit or DEFAULT_CONTEXT_SIZE)
         model_name = getattr(prepared, "display_name", None) or os.path.basename(prepared.path)
