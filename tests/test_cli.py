@@ -227,7 +227,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
         (["--limit", "0"], "--limit must be >= 1"),
         (["--limit", "-1"], "--limit must be >= 1"),
         (["--shard-mb", "0"], "--shard-mb must be > 0"),
-        (["--positions", "100"], "positions=100 reaches token 100"),
+        (["--positions", "100"], "--positions 100 is outside the 64 tokens of a row"),
     ],
 )
 def test_bad_input_is_reported(tiny_checkpoint, tmp_path, capsys, extra, message):

@@ -246,6 +246,22 @@ def test_max_length_on_the_bundled_corpus_gives_one_example_per_row(ckpt, tmp_pa
     assert plan.examples == 4 and 4 <= plan.rows <= 4 * 8, plan.rows
 
 
+def test_positions_outside_every_row_is_refused_by_the_plan(ckpt, tmp_path):
+    # positions 20 with contexts of 16 tokens loaded the weights, began the store and failed
+    # at the first forward
+    base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "layers": LAYERS}
+    for kw, what in (
+        ({"context_size": 16}, "context_size 16"),
+        ({"max_length": 8}, "max_length 8"),
+    ):
+        job = CaptureJob(**base, **kw, positions=20, out=str(tmp_path / "a"))
+        with pytest.raises(JobError, match=f"positions 20 is outside the .* \\({what}\\)"):
+            job.plan()
+        assert not os.path.exists(tmp_path / "a")
+    ok = CaptureJob(**base, context_size=16, positions=-16, out=str(tmp_path / "b"), limit=2)
+    assert ok.plan().rows == 2
+
+
 def test_plan_of_a_resumed_capture_counts_what_is_left(ckpt, tmp_path):
     base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "layers": LAYERS}
     base |= {"context_size": 16, "out": str(tmp_path / "acts"), "shard_mb": 0.001}

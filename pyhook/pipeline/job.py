@@ -688,6 +688,18 @@ class CaptureJob:
         max_length = self.max_length or min(128, positions_limit or 128)
         if self.generate is not None and positions_limit is not None and not self.max_length:
             max_length = min(max_length, positions_limit - self.generate)
+        length = context_size or max_length  # no row is longer
+        p = self.positions
+        if isinstance(p, int) and self.generate is None and not -length <= p < length:
+            what = (
+                f"`context_size` {context_size}"
+                if context_size
+                else f"`max_length` {length}" + ("" if self.max_length else ", the default")
+            )
+            raise JobError(
+                f"`positions` {p} is outside the {length} tokens of a row ({what}): use an index "
+                f"in [{-length}, {length - 1}]"
+            )
         input_path = os.path.abspath(self.input or default_corpus())
         try:
             src = open_source(
