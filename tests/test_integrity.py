@@ -340,6 +340,22 @@ def test_verify_names_a_rank_whose_index_is_missing(tmp_path, capsys):
     assert "index-r001.json: missing (rank 1 of 2" in err and "Traceback" not in err
 
 
+def test_a_rank_index_from_another_capture_is_refused(tmp_path, capsys):
+    # index-r001.json (world_size 2) beside a one-rank capture was merged in: 20 examples, exit 0
+    one, two = tmp_path / "one", tmp_path / "two"
+    _write(one, _data(12))
+    for rank in range(2):
+        _write(two, _data(8, seed=rank), rank=rank, world_size=2)
+    for name in os.listdir(two):
+        if "r001" in name:
+            os.rename(two / name, one / name)
+    assert main(["verify", str(one)]) == 2
+    err = capsys.readouterr().err
+    assert "index-r001.json: not an index of the same capture as index-r000.json" in err
+    with pytest.raises(CaptureDamagedError, match="world_size 2 here, 1 there"):
+        open_capture(one)
+
+
 def test_unreadable_shard_is_one_line(tmp_path, capsys, monkeypatch):
     _write(tmp_path, _data(8))
     real_open = open

@@ -663,10 +663,23 @@ def _directory_arg(name: str, value: Any) -> str:
 def merged_index(out: str) -> dict[str, Any]:
     """Merge the per-rank index files of a capture directory into one index dict (for a URL
     too: :func:`pyhook.store.merged_index` is :func:`.transport.merged_index_of`)."""
-    parts = [_load_part(p) for p in sorted(_glob(out, "index-r*.json"))]
+    paths = sorted(_glob(out, "index-r*.json"))
+    parts = [_load_part(p) for p in paths]
     if not parts:
         raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
     first = parts[0]
+    for path, part in zip(paths[1:], parts[1:]):  # every rank's index of the same capture
+        if part["world_size"] != first["world_size"] or part["settings"] != first["settings"]:
+            what = (
+                f"world_size {part['world_size']} here, {first['world_size']} there"
+                if part["world_size"] != first["world_size"]
+                else "other settings"
+            )
+            raise CaptureDamagedError(
+                f"{path}: not an index of the same capture as {os.path.basename(paths[0])} "
+                f"({what}); a rank's index from another capture?",
+                path,
+            )
     layers: dict[str, dict[str, Any]] = {}
     for part in parts:
         for name, info in part["layers"].items():

@@ -16,6 +16,7 @@ from .format import (
     _glob,
     _load_json,
     _load_part,
+    merged_index,
 )
 from .transport import is_url
 
@@ -73,6 +74,11 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
             f"{os.path.join(out, f'index-r{r:03d}.json')}: missing (rank {r} of {world}: its "
             "rows are not read; deleted, or that rank crashed or is still running)"
         )
+    if not problems:
+        try:
+            merged_index(out)  # the ranks' indexes belong together
+        except CaptureDamagedError as e:
+            problems.append(str(e))
     merged = os.path.join(out, "index.json")
     if os.path.exists(merged):
         try:
