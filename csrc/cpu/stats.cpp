@@ -99,10 +99,11 @@ __attribute__((always_inline)) inline void columns_stats_body(const T* x, int64_
       for (int64_t j = 0; j < w; ++j) {
         const double delta = bs[j] - mu[j];  // the block's mean minus the running mean
         q[j] += bq[j] + delta * delta * cross;
-        // An infinite mean stays infinite (inf - inf would make it NaN): the sum of the two
-        // means has the mean's value where either is inf or NaN.
-        mu[j] = std::isfinite(bs[j]) && std::isfinite(mu[j]) ? mu[j] + delta * share
-                                                              : mu[j] + bs[j];
+        // An infinite mean stays infinite (inf - inf would make it NaN): where the two means
+        // differ by no finite delta (either is inf or NaN), their sum has the mean's value.
+        const double merged = mu[j] + delta * share;
+        const double summed = mu[j] + bs[j];
+        mu[j] = delta - delta == 0.0 ? merged : summed;  // (delta finite: a blend, no branch)
       }
     }
     done += k;
