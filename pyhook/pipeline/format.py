@@ -660,15 +660,11 @@ def _directory_arg(name: str, value: Any) -> str:
     return os.fspath(value)
 
 
-def merged_index(out: str) -> dict[str, Any]:
-    """Merge the per-rank index files of a capture directory into one index dict (for a URL
-    too: :func:`pyhook.store.merged_index` is :func:`.transport.merged_index_of`)."""
-    paths = sorted(_glob(out, "index-r*.json"))
-    parts = [_load_part(p) for p in paths]
-    if not parts:
-        raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
+def check_same_capture(paths: Sequence[str], parts: Sequence[dict[str, Any]]) -> None:
+    """Every rank's index (``parts``, read from ``paths``) of one capture: the same
+    ``world_size`` and settings as the first; :class:`CaptureDamagedError` naming the file."""
     first = parts[0]
-    for path, part in zip(paths[1:], parts[1:]):  # every rank's index of the same capture
+    for path, part in zip(paths[1:], parts[1:]):
         if part["world_size"] != first["world_size"] or part["settings"] != first["settings"]:
             what = (
                 f"world_size {part['world_size']} here, {first['world_size']} there"
@@ -680,6 +676,17 @@ def merged_index(out: str) -> dict[str, Any]:
                 f"({what}); a rank's index from another capture?",
                 path,
             )
+
+
+def merged_index(out: str) -> dict[str, Any]:
+    """Merge the per-rank index files of a capture directory into one index dict (for a URL
+    too: :func:`pyhook.store.merged_index` is :func:`.transport.merged_index_of`)."""
+    paths = sorted(_glob(out, "index-r*.json"))
+    parts = [_load_part(p) for p in paths]
+    if not parts:
+        raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")
+    first = parts[0]
+    check_same_capture(paths, parts)
     layers: dict[str, dict[str, Any]] = {}
     for part in parts:
         for name, info in part["layers"].items():

@@ -16,7 +16,7 @@ from .format import (
     _glob,
     _load_json,
     _load_part,
-    merged_index,
+    check_same_capture,
 )
 from .transport import is_url
 
@@ -53,6 +53,7 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     seen: set[str] = set()
     ranks: set[int] = set()
     world = 0
+    loaded: list[tuple[str, dict]] = []
     for p in parts:
         m = re.fullmatch(r"index-r(\d+)\.json", os.path.basename(p))
         if m:
@@ -62,6 +63,7 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         except CaptureDamagedError as e:
             problems.append(str(e))
             continue
+        loaded.append((p, part))
         world = max(world, part["world_size"])
         for s in part["shards"]:
             seen.add(s["file"])
@@ -75,8 +77,8 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
             "rows are not read; deleted, or that rank crashed or is still running)"
         )
     if not problems:
-        try:
-            merged_index(out)  # the ranks' indexes belong together
+        try:  # the ranks' indexes belong together (the ones read above, not read again)
+            check_same_capture([p for p, _ in loaded], [part for _, part in loaded])
         except CaptureDamagedError as e:
             problems.append(str(e))
     merged = os.path.join(out, "index.json")
