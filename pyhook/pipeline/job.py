@@ -780,7 +780,7 @@ class CaptureJob:
         from .capture import capture
         from .format import dtype_name, parse_dtype
         from .runner import check_device
-        from .writer import ShardWriter
+        from .writer import ShardWriter, shard_limit
 
         dtype = parse_dtype(self.dtype, _spell("`dtype`"))
         model_dtype = parse_dtype(self.model_dtype, _spell("`model_dtype`"))
@@ -909,8 +909,8 @@ class CaptureJob:
             est["exact"] = False
         batches = math.ceil(est["examples"] / self.batch_size)
         # the writer's shards: at most half its buffer, and never less than one batch
-        buffer = ShardWriter.__init__.__kwdefaults__["max_buffer_bytes"]
-        shard_limit = max(1, min(int(self.shard_mb * (1 << 20)), buffer // 2))
+        buffer = ShardWriter.__init__.__kwdefaults__["max_buffer_bytes"]  # the writer's default
+        limit = shard_limit(int(self.shard_mb * (1 << 20)), buffer)
         extra = rows * 24 if self.tokens else 0  # int64 token id + int64 (context, position)
         extra += est.get("text_bytes", 0) + 16 * est.get("texts", 0)  # + int64 length, index
         if self.compress:  # the bound counts the frames of each shard (of the plain size)
@@ -922,7 +922,7 @@ class CaptureJob:
                 * torch.empty((), dtype=dtype or shapes[n][1]).element_size()
                 for n in rec.layers
             )
-            shards_at_most = max(1, min(batches, math.ceil(plain / shard_limit)))
+            shards_at_most = max(1, min(batches, math.ceil(plain / limit)))
         for name in rec.layers:
             row_shape, out_dtype = shapes[name]
             itemsize = torch.empty((), dtype=dtype or out_dtype).element_size()
@@ -958,7 +958,7 @@ class CaptureJob:
             est["exact"],
         )
         plan.bytes = sum(layer.bytes for layer in plan.layers) + extra
-        plan.shards = max(1, min(batches, math.ceil(plan.bytes / shard_limit))) if plan.bytes else 0
+        plan.shards = max(1, min(batches, math.ceil(plan.bytes / limit))) if plan.bytes else 0
         plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
         plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device

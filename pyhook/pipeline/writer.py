@@ -69,6 +69,13 @@ def _errno_of(err: BaseException) -> tuple[int, ...]:
     return (code,) if isinstance(code, int) and code else ()
 
 
+def shard_limit(shard_bytes: int, max_buffer_bytes: int) -> int:
+    """The most bytes of rows a shard gets (a batch is never split, so one batch may exceed
+    it): ``shard_bytes``, but at most half the writer's buffer (a shard fills while the one
+    before it is written). What :class:`ShardWriter` does and a job's plan counts."""
+    return max(1, min(shard_bytes, max_buffer_bytes // 2))
+
+
 class ShardWriter:
     """Streams rows of several layers into safetensors shards from a background thread.
 
@@ -167,7 +174,7 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self.max_buffer_bytes = max_buffer_bytes
         # A shard fills while the one before it is written: each at most half the budget.
-        self._shard_limit = max(1, min(shard_bytes, max_buffer_bytes // 2))
+        self._shard_limit = shard_limit(shard_bytes, max_buffer_bytes)
         self._pending_bytes = 0  # handed to the writer thread, not yet written
         self._room = threading.Condition()
         self.peak_buffer_bytes = 0  # the most bytes of rows the writer held at once
