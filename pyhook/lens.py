@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ._hooks import HookSet, StopForward, is_own_stop
-from .modules import glob_regex
+from .modules import LayerNotFoundError, glob_regex
 from .points import Point, point_names, resolve_point, resolve_targets
 from .trace import TraceDict
 
@@ -255,7 +255,14 @@ def hooks(
     )
     try:
         if _stop_at is not None:
-            at = resolve_point(model, f"resid_pre.{_stop_at}")
+            if isinstance(_stop_at, bool) or not isinstance(_stop_at, int):
+                raise TypeError(f"stop_at_layer must be a block number (int), got {_stop_at!r}")
+            try:
+                at = resolve_point(model, f"resid_pre.{_stop_at}")
+            except LookupError as e:
+                raise LayerNotFoundError(
+                    f"stop_at_layer={_stop_at}", f"stop_at_layer={_stop_at}: {e}"
+                ) from None
 
             def stop(_module: nn.Module, _args: Any, value: Any) -> None:
                 raise StopForward(owner=_stop_owner, payload=value)

@@ -94,6 +94,12 @@ CASES: list[Case] = [
         "pos_slice must be",
     ),
     (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=["0"], stop_at_layer="2"),
+        (TypeError,),
+        "stop_at_layer must be",
+    ),
+    (
         "run_with_hooks",
         lambda: pyhook.run_with_hooks(M, X, fwd_hooks=[("0", 3)]),
         (TypeError,),

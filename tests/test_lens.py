@@ -295,9 +295,11 @@ def test_no_hook_left_whatever_happens():
     with pytest.raises(RuntimeError, match="hook failed"):
         pyhook.run_with_hooks(model, ids(), labels=ids(), bwd_hooks=[("attn_z.0", boom)])
     assert diff(before, hook_snapshot(model)) == []
-    with pytest.raises(ValueError, match="in block"):
-        with pyhook.hooks(model, fwd_hooks=[("attn_z.0", lambda t, h: None)]):
-            raise ValueError("in block")
+    with (
+        pytest.raises(ValueError, match="in block"),
+        pyhook.hooks(model, fwd_hooks=[("attn_z.0", lambda t, h: None)]),
+    ):
+        raise ValueError("in block")
     assert diff(before, hook_snapshot(model)) == []
     with pytest.raises(LookupError):
         pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0", "resid_psot.1"])
@@ -307,6 +309,8 @@ def test_no_hook_left_whatever_happens():
         pyhook.run_with_hooks(model, ids(), fwd_hooks=[("resid_post.0", 3)])
     assert diff(before, hook_snapshot(model)) == []
     pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], stop_at_layer=1)
+    with pytest.raises(LookupError, match=r"stop_at_layer=5: .*has 2 blocks"):
+        pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], stop_at_layer=5)
     assert diff(before, hook_snapshot(model)) == []
     with pyhook.hooks(model, bwd_hooks=[("resid_post.0", lambda g, h: calls.append(h.name))]):
         out = model(ids(), labels=ids())
