@@ -318,3 +318,30 @@ def test_no_hook_left_whatever_happens():
     assert calls == []
     assert diff(before, hook_snapshot(model)) == []
     model.zero_grad()
+
+
+def test_branch_inputs_of_a_parallel_block_get_their_own_gradients():
+    """GPT-J's one norm feeds attention and MLP: attn_in.0 and mlp_in.0 hold the same tensor, and
+    each backward hook sees its own branch's gradient; together they are the norm output's
+    gradient from torch.autograd.grad."""
+    torch.manual_seed(0)
+    cfg = T.GPTJConfig(n_embd=H, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64, n_positions=32)
+    model = _randomise_norms(T.GPTJForCausalLM(cfg)).eval()
+    kept = {}
+    h = model.transformer.h[0].ln_1.register_forward_hook(lambda m, a, o: kept.setdefault("x", o))
+    try:
+        logits = model(ids()).logits
+    finally:
+        h.remove()
+    (want,) = torch.autograd.grad(logits.pow(2).sum(), [kept["x"]])
+    _, cache = pyhook.run_with_cache(
+        model,
+        ids(),
+        names_filter=["attn_in.0", "mlp_in.0"],
+        incl_bwd=True,
+        metric=lambda out: out.logits.pow(2).sum(),
+    )
+    assert torch.equal(cache["attn_in.0"], cache["mlp_in.0"])
+    torch.testing.assert_close(cache["attn_in.0_grad"] + cache["mlp_in.0_grad"], want)
+    assert not torch.allclose(cache["attn_in.0_grad"], want, atol=1e-4)
+    model.zero_grad()
