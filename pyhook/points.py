@@ -25,9 +25,11 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 =================  ===========================================================================
 
 ``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
-a glob (``resid_post.*``, ``*.3``); TransformerLens' spellings are aliases
-(``blocks.3.hook_resid_post``, ``hook_embed``, ``ln_final.hook_normalized``,
-``blocks.3.ln2.hook_normalized``, ``blocks.3.attn.hook_z``, ...). Any module's input is spelt
+a glob (``resid_post.*``, ``*.3``). TransformerLens' names are taken too, each holding what it
+holds in TransformerLens or refused with the reason (:func:`tl_unavailable`): aliases of points
+(``blocks.3.hook_resid_post``, ``blocks.3.attn.hook_z``, ...) and values of their own
+(``blocks.3.ln2.hook_normalized`` / ``hook_scale``, before the norm's weight and bias, and
+``hook_embed``, the token embeddings). Any module's input is spelt
 ``"<module name>:in"`` (:func:`module_inputs`) wherever a module name is taken. A point resolves
 to a :class:`Point`: a module, whether the tensor is its input (a forward pre-hook) or its
 output, and where the tensor sits in the arguments or the output tuple. Tools hand users the
@@ -82,6 +84,7 @@ __all__ = [
     "points_by_module",
     "register_architecture",
     "resolve_point",
+    "tl_unavailable",
 ]
 
 #: The per-layer point kinds, in the order a block computes them.
