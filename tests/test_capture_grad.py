@@ -256,3 +256,78 @@ def test_batchnorm_in_training_mode_is_refused_by_name():
     (want,) = torch.autograd.grad(net[2](net[1](h0))[:, 0].sum(), h0)
     torch.testing.assert_close(rec["0_grad"], want)
     assert pyhook  # the package is the installed one (conftest)
+
+
+# -- the job and the command ------------------------------------------------------------------
+DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 7))} away ." for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from _models import save_gpt2_lm, word_tokenizer
+
+    root = tmp_path_factory.mktemp("gradjob")
+    save_gpt2_lm(root / "model", word_tokenizer(DOCS))
+    _randomise_norms(T.GPT2LMHeadModel.from_pretrained(root / "model")).save_pretrained(
+        root / "model"
+    )
+    (root / "c.txt").write_text("\n".join(DOCS) + "\n")
+    return root
+
+
+def test_job_stores_gradients_equal_to_autograd_and_the_command_writes_the_same(ckpt, tmp_path):
+    from pyhook.cli import main
+    from pyhook.pipeline.job import CaptureJob
+
+    opts = dict(model=str(ckpt / "model"), input=str(ckpt / "c.txt"), layers=["resid_post.1"],
+                context_size=16, exclude_special_tokens=False, limit=5, batch_size=2)  # fmt: skip
+    job = CaptureJob(**opts, gradients=True, metric="loss", out=str(tmp_path / "job"))
+    job.run()
+    r = open_capture(tmp_path / "job")
+    assert r.layers == ["resid_post.1", "resid_post.1_grad"] and verify_capture(r.path)[0] == []
+    # context 0 by hand: every position kept, the loss over its 15 predictions
+    rows = r.row_index[:, 0] == 0
+    ids = r.tokens[rows][None]
+    model = T.GPT2LMHeadModel.from_pretrained(ckpt / "model").eval()
+    held = {}
+    h = model.transformer.h[1].register_forward_hook(
+        lambda m, a, o: held.update(x=o[0] if isinstance(o, tuple) else o)
+    )
+    try:
+        out = model(input_ids=ids)
+    finally:
+        h.remove()
+    loss = hand_loss(out.logits[0], ids[0], torch.ones(16, dtype=torch.bool))
+    (want,) = torch.autograd.grad(loss, held["x"])
+    torch.testing.assert_close(r["resid_post.1_grad"][:][rows], want[0], rtol=1e-4, atol=1e-6)
+    # the command, with the same options as flags, writes the same rows
+    flags = ["--model", opts["model"], "--input", opts["input"], "--layers", "resid_post.1"]
+    flags += ["--context-size", "16", "--no-exclude-special-tokens", "--limit", "5"]
+    flags += ["--batch-size", "2", "--gradients", "--metric", "loss", "--quiet"]
+    assert main(["capture", *flags, "--out", str(tmp_path / "cmd")]) == 0
+    c = open_capture(tmp_path / "cmd")
+    assert c.settings["gradients"] == ["resid_post.1"] and c.settings["metric"] == "loss"
+    assert torch.equal(c["resid_post.1_grad"][:], r["resid_post.1_grad"][:])
+    # a job without gradients is a different capture there
+    with pytest.raises(ValueError, match="gradients"):
+        CaptureJob(**opts, out=str(tmp_path / "job")).plan()
+
+
+def test_a_job_file_names_its_metric_as_data(tmp_path):
+    import json
+
+    from pyhook.pipeline.job import CaptureJob, JobError
+
+    f = tmp_path / "job.json"
+    f.write_text(json.dumps({"layers": ["resid_post.1"], "gradients": True, "metric": "logit:3"}))
+    job = CaptureJob.from_file(f)
+    assert job.gradients is True and job.metric == "logit:3"
+    f.write_text(json.dumps({"gradients": ["resid_post.1"], "metric": "print(1)"}))
+    with pytest.raises(JobError, match=r"metric`? must be a named metric, .loss. or .logit"):
+        CaptureJob.from_file(f)
+    with pytest.raises(JobError, match=r"gradients`? needs `?metric"):
+        CaptureJob(gradients=True)
+    with pytest.raises(JobError, match=r"give `?gradients`? too"):
+        CaptureJob(metric="loss")
+    # a callable only from Python
+    assert callable(CaptureJob(gradients=True, metric=bert_metric).metric)
