@@ -165,7 +165,7 @@ def test_gradients_of_some_layers_with_positions_last_and_a_logit_metric():
     torch.testing.assert_close(rec["resid_post.0_grad"], torch.stack(want), rtol=1e-4, atol=1e-6)
 
 
-def test_a_disk_store_of_gradients_verifies_and_reads_back(tmp_path):
+def test_a_disk_store_of_gradients_verifies_and_reads_back(tmp_path, capsys):
     model = build("gpt2")
     ids, am = batch()
     out = tmp_path / "store"
@@ -182,6 +182,8 @@ def test_a_disk_store_of_gradients_verifies_and_reads_back(tmp_path):
     from pyhook.cli import main
 
     assert main(["verify", str(out)]) == 0
+    assert main(["inspect", str(out)]) == 0
+    assert "resid_post.1_grad" in capsys.readouterr().out
     r = open_capture(out)
     assert "resid_post.1_grad" in r.layers
     assert r.settings["gradients"] == ["resid_post.1"] and r.settings["metric"] == "loss"
