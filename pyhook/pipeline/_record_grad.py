@@ -26,7 +26,8 @@ Example::
 
     >>> import torch, transformers
     >>> from pyhook.capture import capture
-    >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)
+    >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, bos_token_id=0,
+    ...                               eos_token_id=0)
     >>> model = transformers.GPT2LMHeadModel(cfg).eval()
     >>> ids = torch.randint(0, 64, (2, 5))
     >>> with capture(model, "resid_post.0", gradients=True, metric="loss") as rec:
