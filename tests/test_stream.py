@@ -405,6 +405,22 @@ def test_a_complete_tee_is_read_back_shuffled_on_later_passes_without_a_forward(
     )
 
 
+def test_a_complete_tee_is_read_back_on_the_stream_s_device(tok, corpus, tmp_path, device):
+    # the live pass's rows are on the model's device: so are the rows read back from the tee
+    model = W.model(len(tok)).to(device)
+    kw = dict(batch_size=16, buffer_rows=32, tee=tmp_path / "tee")
+    s = pyhook.stream(model, W.source(corpus, tok, limit=6), W.LAYERS, **kw)
+    live, again = list(s), list(s)
+    assert s.from_tee and len(again) == len(live)
+    for b in again:
+        assert [(k, v.device.type, v.dtype) for k, v in b.items()] == [
+            (k, v.device.type, v.dtype) for k, v in live[0].items()
+        ]
+    want, got = by_row_index(joined(live)), by_row_index(joined(again))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpus, tmp_path):
     reference(net, W.source(corpus, tok, limit=4), out=tmp_path / "t", dtype=torch.float16)
     calls = []
