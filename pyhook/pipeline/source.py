@@ -47,9 +47,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
+import math
 import os
 import queue
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -873,7 +876,9 @@ class CorpusSource:
     def estimate(self, sample: int = 2000) -> dict[str, Any]:
         """Expected examples (contexts), tokens and kept rows of this rank's share (after skip),
         from the first ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
-        and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes).
+        and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes). Packed
+        contexts are estimated from ``sample`` documents drawn across the whole corpus (their
+        tokens per byte, times the corpus's bytes); one example per row from the first.
 
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
@@ -919,14 +924,10 @@ class CorpusSource:
                 "text_bytes": round(text_bytes / max(seen, 1) * todo),
                 "exact": False,
             }
-        # packed: tokens per byte of the first documents, times the corpus's bytes
+        # packed: tokens per byte of documents drawn across the corpus, times its bytes
         bos, eos, _ = self.special_ids()
         extra = (bos is not None) + (eos is not None)
-        vals: list[Any] = []
-        for chunk in self._chunks():
-            vals.extend(v for v in chunk[: sample - len(vals)] if v)
-            if len(vals) >= sample:
-                break
+        vals = self._spread_sample(sample)
         sampled_bytes = sum(len(v.encode()) if isinstance(v, str) else 4 * len(v) for v in vals)
         if self.pretokenized:
             sampled_tokens = sum(len(v) for v in vals)
@@ -950,6 +951,40 @@ class CorpusSource:
             ),
             "exact": False,
         }
+
+    def _spread_sample(self, k: int) -> list[Any]:
+        """``k`` non-empty values drawn uniformly across the whole corpus (a reservoir sample,
+        seeded: the same corpus gives the same sample; all of them when it has fewer). One pass
+        reads the values without tokenising them; only the sample is tokenised. A corpus whose
+        first documents are shorter or longer than the rest is estimated as well as any other.
+
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
+        >>> _ = open(path, "w").write("".join(f'{{"input_ids": [{i}]}}\\n' for i in range(100)))
+        >>> sample = open_source(path, context_size=4)._spread_sample(10)
+        >>> len(sample), max(v[0] for v in sample) > 50   # not the first ten
+        (10, True)
+        """
+        rng = random.Random(0)
+        values = (v for chunk in self._chunks() for v in chunk if len(v))
+        out = list(itertools.islice(values, k))
+        if len(out) < k:
+            return out
+
+        def weight() -> float:  # Li's algorithm L: skip ahead, a few random draws in all
+            return math.exp(math.log(1.0 - rng.random()) / k)
+
+        w = weight()
+        while True:
+            if w >= 1.0:
+                w = weight()
+                continue
+            skip = int(math.log(1.0 - rng.random()) / math.log1p(-w))
+            nxt = next(itertools.islice(values, skip, None), None)
+            if nxt is None:
+                return out
+            out[rng.randrange(k)] = nxt
+            w *= weight()
 
     def _small(self, sample: int) -> bool:
         """Whether the corpus (after ``limit``) has at most ``sample`` rows (cheap to check)."""
