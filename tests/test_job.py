@@ -812,6 +812,41 @@ def test_the_estimate_samples_across_the_corpus(ckpt, tmp_path):
     assert abs(est["examples"] - counted) <= 0.05 * counted, (est["examples"], counted)
 
 
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "arrow"])
+def test_a_large_corpus_is_sampled_in_windows_across_it(ckpt, tmp_path, monkeypatch, kind):
+    # Past _FULL_PASS_BYTES the estimate reads windows spread across the corpus instead of all
+    # of it (set to 0 here, so that this small corpus is "large").
+    from pyhook.pipeline import source
+    from pyhook.pipeline.runner import load_tokenizer
+
+    tok, _ = load_tokenizer(str(ckpt / "model"), "")
+    lines = _uneven_corpus(tmp_path / "c.txt", 12_000).read_text().splitlines()
+    path = tmp_path / f"c.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"text": lines}), path, row_group_size=100)
+    elif kind == "arrow":
+        datasets = pytest.importorskip("datasets")
+        path = tmp_path / "ds"
+        datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(path))
+    src = source.open_source(path, tokenizer=tok, context_size=16)
+    counted = sum(len(b.examples) for b in src.batches())
+    monkeypatch.setattr(source, "_FULL_PASS_BYTES", 0)
+    read = []
+    chunks = src._chunks
+
+    def counted_chunks():
+        for c in chunks():
+            read.append(len(c))
+            yield c
+
+    monkeypatch.setattr(src, "_chunks", counted_chunks)
+    est = src.estimate()
+    assert sum(read) < len(lines) / 2, sum(read)  # only the first documents are read whole
+    assert abs(est["examples"] - counted) <= 0.05 * counted, (est["examples"], counted)
+
+
 def test_the_progress_bar_grows_when_the_estimate_is_passed(ckpt, tmp_path, capsys):
     # Before: once the count passed the estimate, tqdm dropped the total ("531ctx": no
     # percentage, no time left). The estimate is made low here, as a skewed corpus makes it.
