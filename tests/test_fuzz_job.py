@@ -185,7 +185,7 @@ def _dry_run(path: str, out: str) -> tuple[int, str, str]:
 _plans: dict[int, str] = {}
 
 
-@bounded(40)
+@bounded(30)
 @given(which=st.sampled_from([0, 1]), muts=mutations(), as_yaml=st.booleans())
 def test_a_mutated_job_file_is_planned_as_written_or_refused_in_one_line(
     root, which, muts, as_yaml

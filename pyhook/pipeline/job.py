@@ -1267,8 +1267,9 @@ class CapturePlan:
     nothing to do. ``str(plan)`` is what ``pyhook capture --dry-run`` prints.
 
     Accuracy: with ``exact`` the rows are the rows the run writes and ``bytes`` is within the
-    shards' headers (a few kB each) of the store's size; estimated rows are extrapolated from
-    the corpus's first 2,000 documents (tokens per byte) and the corpus's size.
+    shards' headers (a few kB each) of the store's size; estimated packed contexts are
+    extrapolated from 2,000 documents drawn across the corpus (tokens per byte, times the
+    corpus's bytes), one example per row from its count and its first 2,000 documents.
     """
 
     job: CaptureJob
