@@ -810,6 +810,16 @@ def test_the_estimate_samples_across_the_corpus(ckpt, tmp_path):
     counted = sum(len(b.examples) for b in src.batches())
     assert not est["exact"] and est["rows"] > 0
     assert abs(est["examples"] - counted) <= 0.05 * counted, (est["examples"], counted)
+    # one example per row: the examples counted, their tokens and rows drawn the same way
+    src = open_source(tmp_path / "c.txt", tokenizer=tok, max_length=32)
+    est = src.estimate()
+    tokens = rows = 0
+    for b in src.batches():
+        tokens += int(b.attention_mask.sum())
+        rows += int(b.keep.sum())
+    assert not est["exact"] and est["examples"] == 4000
+    assert abs(est["tokens"] - tokens) <= 0.05 * tokens, (est["tokens"], tokens)
+    assert abs(est["rows"] - rows) <= 0.05 * rows, (est["rows"], rows)
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "arrow"])

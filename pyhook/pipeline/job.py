@@ -1269,7 +1269,7 @@ class CapturePlan:
     Accuracy: with ``exact`` the rows are the rows the run writes and ``bytes`` is within the
     shards' headers (a few kB each) of the store's size; estimated packed contexts are
     extrapolated from 2,000 documents drawn across the corpus (tokens per byte, times the
-    corpus's bytes), one example per row from its count and its first 2,000 documents.
+    corpus's bytes), one example per row from its count and 2,000 documents drawn the same way.
     """
 
     job: CaptureJob

@@ -883,10 +883,12 @@ class CorpusSource:
 
     def estimate(self, sample: int = 2000) -> dict[str, Any]:
         """Expected examples (contexts), tokens and kept rows of this rank's share (after skip),
-        from the first ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
+        from ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
         and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes). Packed
         contexts are estimated from ``sample`` documents drawn across the whole corpus (their
-        tokens per byte, times the corpus's bytes); one example per row from the first.
+        tokens per byte, times the corpus's bytes); one example per row is counted, its tokens
+        and rows per example taken from ``sample`` examples drawn the same way (the first ones,
+        with a ``limit``).
 
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
@@ -917,7 +919,7 @@ class CorpusSource:
             lo, hi = self.rank * n // share, (self.rank + 1) * n // share
             todo = max(0, hi - lo - self.skip)
             seen = tokens = kept = texts = text_bytes = 0
-            for b in self._sample_batches(sample):
+            for b in self._spread_batches(sample):
                 seen += len(b.examples)
                 tokens += int(b.attention_mask.sum())
                 kept += int(b.keep.sum())
@@ -1115,6 +1117,19 @@ class CorpusSource:
     def peek(self) -> Batch:
         """The corpus's first batch (whatever the share and skip): for a probe forward."""
         return next(iter(self._sample_batches(self.batch_size)))
+
+    def _spread_batches(self, rows: int) -> Iterator[Batch]:
+        """Batches of ``rows`` examples drawn across the corpus (:meth:`_spread_sample`), cut
+        as the run cuts them; with a ``limit``, of the first ``rows`` (the run reads those)."""
+        if self.limit is not None:
+            return self._sample_batches(rows)
+        vals, _ = self._spread_sample(rows)
+        clone = CorpusSource.__new__(CorpusSource)
+        clone.__dict__.update(self.__dict__)
+        clone.rank, clone.world_size, clone.skip, clone.limit = 0, 1, 0, None
+        clone._count, clone.batch_size = None, 64
+        clone._chunks = lambda: iter([vals])  # type: ignore[method-assign]
+        return clone.batches()
 
     def _sample_batches(self, rows: int) -> Iterator[Batch]:
         """Batches of the corpus's first ``rows`` examples (no share, no skip)."""
