@@ -902,6 +902,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         _unknown_arguments(parser, args, extra)
     if args.command == "capture":
         args.job = job_from_args(args)
+        args.job.check_files()  # a missing --input: now, not after torch and the model load
     elif args.command == "layers":
         for flag in ("model", "tokenizer", "model_class"):  # as capture's: not the default
             v = getattr(args, flag)
@@ -912,9 +913,27 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
                         "the default, or name one"
                     )
         args.model = _one_model(args.model)
-    elif args.command == "inspect" and args.sample < 1:
-        raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
+    elif args.command == "inspect":
+        if args.sample < 1:
+            raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
+        _check_capture_dir(args.dir)
     return args
+
+
+def _check_capture_dir(path: str) -> None:
+    """``pyhook inspect DIR``: a missing folder, or a file, is answered before torch loads (a
+    URL is the reader's to check)."""
+    from .pipeline._paths import _is_url as is_url  # torch-free (pyhook.store imports torch)
+
+    if is_url(path):
+        return
+    if not os.path.exists(path):
+        raise CLIError(f"no capture at {path!r}: no such directory (the --out of pyhook capture)")
+    if os.path.isfile(path):
+        raise CLIError(
+            f"{path!r} is a file; pyhook inspect reads a capture directory "
+            "(the --out of pyhook capture)"
+        )
 
 
 def _one_model(values: list[str] | None) -> str | None:

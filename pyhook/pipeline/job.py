@@ -124,7 +124,10 @@ class _JobTypeError(JobError, TypeError):
 
 def _got(v: Any) -> str:
     """A value as an error shows it: its repr when short, else its type."""
-    text = repr(v)
+    try:
+        text = repr(v)
+    except (RecursionError, ValueError):  # nested deeply; an int too long for a string
+        return f"a {type(v).__name__}"
     return text if len(text) <= 60 else f"a {type(v).__name__}"
 
 
@@ -491,6 +494,13 @@ class CaptureJob:
                 raise JobError(
                     f"`{name}` is empty, got {v!r}: leave it out for the default, or name one"
                 )
+        if isinstance(self.model_class, str) and not re.fullmatch(
+            r"[A-Za-z_][A-Za-z0-9_]*", self.model_class
+        ):  # a name in transformers (AutoModel, GPT2LMHeadModel), never a path or module
+            raise JobError(
+                "`model_class` must be the name of a transformers model class (e.g. AutoModel, "
+                f"AutoModelForCausalLM), got {_got(self.model_class)}"
+            )
         for name in ("dtype", "model_dtype"):
             v = getattr(self, name)
             if v is not None:
@@ -550,6 +560,19 @@ class CaptureJob:
                 "'last' (the last token of each generation step)"
             )
 
+    def check_files(self) -> None:
+        """Raise :class:`JobError` when a file the job reads is missing: ``input`` (a file or
+        folder; absent, the bundled corpus). Needs no torch: the command calls it with the
+        other checks of its arguments, and :meth:`plan` before it imports anything heavier.
+
+        >>> CaptureJob(input="no-such-corpus.txt").check_files()
+        Traceback (most recent call last):
+        ...
+        pyhook.pipeline.job.JobError: cannot read input 'no-such-corpus.txt': No such file or directory
+        """
+        if self.input is not None and not os.path.exists(self.input):
+            raise JobError(f"cannot read `input` {self.input!r}: No such file or directory")
+
     # -- files ----------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> CaptureJob:
@@ -592,6 +615,8 @@ class CaptureJob:
                 ) from None
             try:
                 data = yaml.safe_load(text)
+            except RecursionError:
+                raise JobError(f"{name} is nested too deeply to be a job") from None
             except yaml.YAMLError as e:
                 where = getattr(e, "problem_mark", None)
                 at = f" (line {where.line + 1})" if where is not None else ""
@@ -601,6 +626,8 @@ class CaptureJob:
         else:
             try:
                 data = json.loads(text)
+            except RecursionError:
+                raise JobError(f"{name} is nested too deeply to be a job") from None
             except json.JSONDecodeError as e:
                 raise JobError(f"{name} is not valid JSON (line {e.lineno}): {e.msg}") from None
         if data is None:
@@ -615,13 +642,7 @@ class CaptureJob:
         for key, v in data.items():
             k = str(key).replace("-", "_")
             if k not in known:
-                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
-                hint = (
-                    f" (did you mean {close[0]!r}?)"
-                    if close
-                    else f"; a job's keys are: {', '.join(known)}"
-                )
-                raise JobError(f"{name}: unknown key {key!r}{hint}")
+                raise JobError(f"{name}: unknown key {_got(key)}{_closest(k, known)}")
             if k in values and values[k] != v:  # `context-size` and `context_size` differ
                 raise JobError(f"{name}: the option {k!r} is given twice, with different values")
             values[k] = v
@@ -684,6 +705,7 @@ class CaptureJob:
                 )
         if self.generate is not None:
             _check_generation_model(prepared, self.generate, self.max_length, model_name)
+            _check_token_ids(self.generate_kwargs or {}, prepared.config, model_name)
         # the default: 128, or fewer when the model has fewer positions
         max_length = self.max_length or min(128, positions_limit or 128)
         if self.generate is not None and positions_limit is not None and not self.max_length:
@@ -785,6 +807,7 @@ class CaptureJob:
         dtype = parse_dtype(self.dtype, _spell("`dtype`"))
         model_dtype = parse_dtype(self.model_dtype, _spell("`model_dtype`"))
         positions = None if self.positions == "all" else self.positions
+        self.check_files()
         check_device(self.device)
         out = _shown(self.out)
         self._check_out(out)
@@ -830,26 +853,33 @@ class CaptureJob:
                 world,
             )
             plan.stored = stored.examples
-            if self.limit is not None and world == 1 and stored.examples >= self.limit:
-                plan.note = (
+        # Nothing to do when the store already holds every example asked for: said before the
+        # weights load only when the layers are told the same by name; otherwise the layers
+        # are resolved first (globs, standard points, the default), and other layers are
+        # refused as a different capture, not answered "nothing to do".
+        done_note = None
+        share = None
+        if stored is not None and world == 1:
+            if self.limit is not None and stored.examples >= self.limit:
+                done_note = (
                     f"{out} already holds {stored.examples:,} {unit.split(' ')[0]}, "
                     + ("more than" if stored.examples > self.limit else "all")
                     + f" the {self.limit:,} `limit` asks for: nothing to do "
                     "(`overwrite=True` starts again)"
                 )
+            else:
+                share = src.estimate()  # this rank's share, from its start (needs no weights)
+                if share["exact"] and stored.examples >= share["examples"]:
+                    done_note = (
+                        f"{out} already holds all {stored.examples:,} {unit.split(' ')[0]} of "
+                        f"{os.path.basename(got['input'])}: nothing to do (`overwrite=True` "
+                        "starts again)"
+                    )
+            if done_note is not None and self.layers == stored.settings.get("layers"):
+                plan.note = done_note
                 return plan
-        share = src.estimate()  # this rank's share, from its start (needs no weights)
-        if (
-            stored is not None
-            and world == 1
-            and share["exact"]
-            and stored.examples >= share["examples"]
-        ):
-            plan.note = (
-                f"{out} already holds all {stored.examples:,} {unit.split(' ')[0]} of "
-                f"{os.path.basename(got['input'])}: nothing to do (`overwrite=True` starts again)"
-            )
-            return plan
+        if share is None:
+            share = src.estimate()
 
         # 2. The weights, the layers, one probe forward for their widths.
         device = self._device(world)
@@ -891,6 +921,9 @@ class CaptureJob:
         )
         if stored is not None:
             _refuse_different(out, stored, rec.settings, world)
+        if done_note is not None:  # the same layers, resolved: nothing to do after all
+            plan.note = done_note
+            return plan
         shapes = _probe_layers(model, rec.layers, src.peek(), device)
 
         # 3. The estimate: rows x width x dtype per layer (+ token ids, row index, statistics),
@@ -1032,7 +1065,12 @@ class CaptureJob:
                 tokens += int(b.attention_mask.sum())
                 dt = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
-                bar.update(len(b.examples))
+                n = len(b.examples)
+                if bar.total and bar.n + n >= bar.total and not plan.exact:
+                    # the estimate was low: grow the total before it is passed (tqdm drops a
+                    # passed total, and with it the percentage and the time left)
+                    bar.total = bar.n + n + max(n, math.ceil((bar.n + n) * 0.05))
+                bar.update(n)
 
             try:
                 if self.generate is not None:
@@ -1057,6 +1095,9 @@ class CaptureJob:
                     )
                 else:
                     timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
+                if bar.total != bar.n:  # an estimate, now counted: the bar ends at 100%
+                    bar.total = bar.n
+                    bar.refresh()
             finally:
                 bar.close()
         elapsed = time.perf_counter() - t0
@@ -1136,6 +1177,7 @@ class CaptureJob:
                 "`generate`: stream() runs plain forwards over the corpus; capture during "
                 "generation with run() (a store)"
             )
+        self.check_files()
         check_device(self.device)
         rank, world = self._world()
         got = self._source(rank=rank, world=world)
@@ -1170,6 +1212,36 @@ class CaptureJob:
         return stream(model, got["source"], layers, **{**kw, **options})
 
 
+def _closest(key: str, known: list[str]) -> str:
+    """`` (did you mean 'context_size'?)`` for a mistyped option, else the list of options."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; a job's keys are: {', '.join(known)}"
+
+
+def _named_options_only(init: Any) -> Any:
+    """``CaptureJob(context_sise=12)`` is a :class:`JobError` (also a ``TypeError``) naming the
+    closest option, as the same key in a job file is, instead of dataclass's bare TypeError."""
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self: CaptureJob, *args: Any, **kwargs: Any) -> None:
+        known = [f.name for f in dataclasses.fields(CaptureJob)]
+        for key in kwargs:
+            if key not in known:
+                raise _JobTypeError(f"CaptureJob: unknown option {key!r}{_closest(key, known)}")
+        if len(args) > len(known):
+            raise _JobTypeError(
+                f"CaptureJob takes its options by name (model=..., layers=...), got "
+                f"{len(args)} positional values"
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CaptureJob.__init__ = _named_options_only(CaptureJob.__init__)  # type: ignore[method-assign]
+
+
 @dataclass
 class LayerPlan:
     """One layer of a plan or of a result: its rows, row shape, stored dtype and bytes."""
@@ -1195,8 +1267,9 @@ class CapturePlan:
     nothing to do. ``str(plan)`` is what ``pyhook capture --dry-run`` prints.
 
     Accuracy: with ``exact`` the rows are the rows the run writes and ``bytes`` is within the
-    shards' headers (a few kB each) of the store's size; estimated rows are extrapolated from
-    the corpus's first 2,000 documents (tokens per byte) and the corpus's size.
+    shards' headers (a few kB each) of the store's size; estimated packed contexts are
+    extrapolated from 2,000 documents drawn across the corpus (tokens per byte, times the
+    corpus's bytes), one example per row from its count and 2,000 documents drawn the same way.
     """
 
     job: CaptureJob
@@ -1367,17 +1440,33 @@ class CaptureResult:
 
 # -- helpers of the plan -----------------------------------------------------------------------
 def _check_generate_kwargs(v: Any) -> None:
-    """``generate_kwargs``: a mapping of JSON values (stored in the capture's settings)."""
-    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-        raise _JobTypeError(
-            f"`generate_kwargs` must be a mapping of generate options, got {_got(v)}"
-        )
+    """``generate_kwargs``: a mapping of the plain-data ``generate`` options a job may pass
+    (:data:`pyhook.pipeline._generate_options.GENERATE_OPTIONS`, each checked by type; stored
+    in the capture's settings); an option that loads code or another model is refused by name."""
+    from ._generate_options import check_generate_options
+
     try:
-        json.dumps(v, allow_nan=False)
-    except (TypeError, ValueError):
-        raise _JobTypeError(
-            f"`generate_kwargs` must hold JSON values (numbers, strings, lists), got {_got(v)}"
-        ) from None
+        check_generate_options(v)
+    except TypeError as e:
+        raise _JobTypeError(str(e)) from None
+    except ValueError as e:
+        raise JobError(str(e)) from None
+
+
+def _check_token_ids(options: dict[str, Any], config: Any, name: str) -> None:
+    """The token ids ``generate_kwargs`` names must be in the model's vocabulary (checked
+    before the weights load; generate would fail on them mid-run)."""
+    from ._generate_options import token_ids
+
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        return
+    for key, t in token_ids(options):
+        if t >= vocab:
+            raise JobError(
+                f"`generate_kwargs`: {key!r} names the token id {t}, above the {vocab} tokens "
+                f"of {name}'s vocabulary"
+            )
 
 
 def _stored_capture(out: str) -> Any:

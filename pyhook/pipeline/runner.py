@@ -227,7 +227,10 @@ def _load_tokenizer(transformers: Any, spec: str | None, model_path: str) -> tup
             "save one next to the model with tokenizer.save_pretrained(DIR)"
         )
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # never a checkpoint's own code (nor transformers' prompt asking to run it): a job is data
+        tok = transformers.AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # reported in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(
@@ -270,7 +273,10 @@ def prepare_model(
             "pyhook capture needs transformers: pip install 'pyhook[cli]' (or transformers)"
         ) from e
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        # never a checkpoint's own code (nor transformers' prompt asking to run it): a job is data
+        config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # reported in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(
@@ -332,7 +338,7 @@ def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> A
     with_bar = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        kwargs: dict[str, Any] = {"local_files_only": True}
+        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
         if dtype is not None:
             kwargs["dtype"] = dtype
         model = cls.from_pretrained(loaded.path, **kwargs)
