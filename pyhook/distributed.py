@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = [
     "ModuleLayout",
     "ParallelState",
     "gather_activation",
+    "gathered_first",
     "is_dtensor",
     "layout_hook",
     "module_layout",
@@ -559,6 +561,28 @@ class ModuleLayout:
     input: _Sharded | None = None
 
 
+_GATHERED = threading.local()  # .first: see gathered_first
+
+
+def gathered_first() -> bool | None:
+    """Inside a hook wrapped by :func:`layout_hook`: whether this rank is the first of every
+    group the hook's tensors were gathered over (the rank that saves one copy), None when
+    nothing was gathered for it.
+
+    Example::
+
+        >>> from pyhook.distributed import gathered_first
+        >>> gathered_first() is None  # not inside a hook on a sharded model
+        True
+    """
+    return getattr(_GATHERED, "first", None)
+
+
+def _note_gathered(first: bool) -> None:
+    prev = getattr(_GATHERED, "first", None)
+    _GATHERED.first = first if prev is None else (prev and first)
+
+
 def _layouts_active() -> bool:
     """Whether sharded layouts can exist in this process (torch.distributed is initialised)."""
     return dist.is_available() and dist.is_initialized()
@@ -813,7 +837,9 @@ def _gather_sharded(t: torch.Tensor, side: _Sharded, what: str) -> tuple[torch.T
     if _is_async(t):
         t = _Waited.apply(t)
     elif is_dtensor(t):  # a style configured to hand out DTensors after all
-        return _gather_dtensor(t, what)[:2]
+        whole, reshard_dt, first = _gather_dtensor(t, what)
+        _note_gathered(first)
+        return whole, reshard_dt
     d = _norm_dim(side.dim, t.dim())
     where = f"{what} ({side.style})"
     sizes = _chunk_sizes(side.full, axis.size) if side.full is not None else []
@@ -822,6 +848,7 @@ def _gather_sharded(t: torch.Tensor, side: _Sharded, what: str) -> tuple[torch.T
     whole = _collective(
         lambda: _GatherWhole.apply(t, d, axis.group, axis.rank, sizes), where, axis, None
     )
+    _note_gathered(axis.rank == 0)
     shape = whole.shape
 
     def reshard(new: Any) -> torch.Tensor:
@@ -839,7 +866,9 @@ def _gather_sharded(t: torch.Tensor, side: _Sharded, what: str) -> tuple[torch.T
 def _whole_leaf(x: Any, what: str) -> tuple[Any, Callable | None]:
     """A run-time layout: a DTensor gathered, an AsyncCollectiveTensor waited for."""
     if is_dtensor(x):
-        return _gather_dtensor(x, what)[:2]
+        whole, reshard, first = _gather_dtensor(x, what)
+        _note_gathered(first)
+        return whole, reshard
     if _is_async(x):
         return _Waited.apply(x), None
     return x, None
@@ -959,10 +988,14 @@ def layout_hook(
 
         def whole_post(mod: Any, args: Any, *rest: Any) -> Any:
             output = rest[-1]
+            _GATHERED.first = None
             whole, back = _whole_tree(output, out_side, label)
             if inputs and args:
                 args = _whole_tree(args, in_side, label)[0]
-            res = fn(mod, args, *rest[:-1], whole)
+            try:
+                res = fn(mod, args, *rest[:-1], whole)
+            finally:
+                _GATHERED.first = None
             if back is None:
                 return res
             return back(res)
@@ -984,14 +1017,19 @@ def layout_hook(
         if where is None:
             return fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
         value = args[0] if where == 0 else kwargs[where]
+        _GATHERED.first = None
         whole, back = _whole_tree(value, in_side, label)
         if back is None:
+            _GATHERED.first = None
             return fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
         if where == 0:
             args = (whole, *args[1:])
         else:
             kwargs = {**kwargs, where: whole}
-        res = fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
+        try:
+            res = fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
+        finally:
+            _GATHERED.first = None
         if res is None:
             back(None)  # in-place edits of the whole input go into the local one
             return None

@@ -18,6 +18,7 @@ from torch import nn
 
 import pyhook
 from pyhook.capture import capture
+from pyhook.source import Batch
 
 IDS = torch.tensor([[3, 17, 5, 60, 22, 9, 41], [8, 8, 30, 2, 55, 13, 7]])
 
@@ -125,6 +126,45 @@ def llama_scenarios(model: nn.Module) -> dict:
             model(IDS)
         for n, t in rec.results().items():
             res[f"capture/{n}"] = t
+
+    # pyhook.stream's rows (its recorder runs the forwards on a producer thread); every rank of
+    # the tensor-parallel group streams the same examples
+    src = [
+        Batch(
+            IDS,
+            torch.ones_like(IDS),
+            torch.ones(IDS.shape, dtype=torch.bool),
+            torch.arange(2),
+            None,
+        )
+    ]
+    rows = IDS.numel()
+    batches = list(
+        pyhook.stream(
+            model,
+            src,
+            ["mlp_hidden.0", "attn_z.1"],
+            batch_size=rows,
+            buffer_rows=rows,
+            rank=0,
+            world_size=1,
+        )
+    )
+    for n in ("mlp_hidden.0", "attn_z.1"):
+        res[f"stream/{n}"] = batches[0][n]
+
+    # FlexModel: its hook functions see the whole tensor too (attn_z split into whole heads)
+    saved: dict = {}
+    fm = pyhook.FlexModel(model, saved, save_on="all")
+    fm.register_forward_hook(pyhook.HookFunction("attn_z.0", expected_shape=(2, 7, 4, 8)))
+    fm.register_forward_hook(
+        pyhook.HookFunction("model.layers.1.mlp.gate_proj", expected_shape=(2, 7, 64))
+    )
+    with torch.no_grad():
+        fm(IDS)
+    for n, kept in saved.items():
+        res[f"flex/{n}"] = kept[0]
+    fm.restore()
 
     # gradients: retain_grad on whole tensors at sharded sites
     for n in ("model.layers.0.self_attn.q_proj", "mlp_hidden.1", "attn_z.0", "resid_post.0"):
