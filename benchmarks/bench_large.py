@@ -2,7 +2,8 @@
 
 Run:  python benchmarks/bench_large.py [--quick] [--rounds N]
 
-Prints a table of ratios (median over paired rounds; each round times both sides back to back):
+Prints a table of ratios (median over paired rounds; each round times both sides back to back,
+each side a loop of ``--forwards`` forwards, the capture's rows joined by ``results()``):
 
 (a) tensor parallel: 2 gloo ranks on this machine run a Llama model of GPT-2-small's shape
     (768 wide, 12 layers, 12 heads, 3072 MLP; random weights) loaded with transformers'
@@ -95,13 +96,16 @@ def _tp_rank(rank: int, world: int, port: int, path: str, args: argparse.Namespa
 
     def forward():
         with torch.no_grad():
-            model(ids)
+            for _ in range(args.forwards):
+                model(ids)
         dist.barrier()
 
     def capture_of(layers):
         def run():
-            with torch.no_grad(), capture(model, layers, to="host"):
-                model(ids)
+            with torch.no_grad(), capture(model, layers, to="host") as rec:
+                for _ in range(args.forwards):
+                    model(ids)
+            rec.results()
             dist.barrier()
 
         return run
@@ -139,11 +143,14 @@ def bench_offload(args: argparse.Namespace) -> dict:
 
     def forward():
         with torch.no_grad():
-            model(ids)
+            for _ in range(args.forwards):
+                model(ids)
 
     def captured():
-        with torch.no_grad(), capture(model, blocks, to="host"):
-            model(ids)
+        with torch.no_grad(), capture(model, blocks, to="host") as rec:
+            for _ in range(args.forwards):
+                model(ids)
+        rec.results()
 
     return {"blocks": _paired(forward, captured, args.rounds)}
 
@@ -155,6 +162,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--forwards", type=int, default=4, help="forwards per timed loop")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = ap.parse_args()
     if args.quick:
@@ -162,12 +170,15 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}; batch {args.batch} x "
-        f"{args.tokens} tokens, {args.layers} layers, {args.rounds} paired rounds, "
+        f"{args.tokens} tokens, {args.layers} layers, {args.forwards} forwards per loop, "
+        f"{args.rounds} paired rounds, "
         f"{args.threads} thread(s) per process"
     )
     rows = []
     for what, res in bench_tp(args).items():
-        rows.append(("tensor parallel, 2 gloo ranks", what, *res, 1.1 if what == "blocks" else None))
+        rows.append(
+            ("tensor parallel, 2 gloo ranks", what, *res, 1.1 if what == "blocks" else None)
+        )
     for what, res in bench_offload(args).items():
         rows.append(("offloaded (accelerate cpu_offload)", what, *res, 1.05))
     print(f"{'layout':36} {'captured':14} {'forward s':>10} {'capture s':>10} {'ratio':>7} target")
