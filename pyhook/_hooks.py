@@ -583,15 +583,15 @@ class HookSet:
                 always_call=always_call,
                 inputs=inputs,
             )
-        if _layouts_active():  # a sharded model: the hook sees and returns whole tensors
-            fn = layout_hook(
-                module, fn, post=True, with_kwargs=with_kwargs, inputs=inputs, name=name
-            )
         md = module.__dict__
         if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
             handle = self._dispatched(module, fn, True, with_kwargs, prepend)
             if handle is not None:
                 return handle
+        if _layouts_active():  # a sharded model: the hook sees and returns whole tensors
+            fn = layout_hook(
+                module, fn, post=True, with_kwargs=with_kwargs, inputs=inputs, name=name
+            )
         guarded = self._guard(fn, 4 if with_kwargs else 3)
         (handle,) = _add_hooks(((md, guarded),), True, with_kwargs, prepend, always_call)
         self._handles.append(handle)
@@ -615,13 +615,13 @@ class HookSet:
                 f"standard point {module.name!r} takes forward hooks only (a point that is a "
                 "module's input is hooked with a pre-hook by pyhook itself)"
             )
-        if _layouts_active():
-            fn = layout_hook(module, fn, post=False, with_kwargs=with_kwargs, name=name)
         md = module.__dict__
         if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
             handle = self._dispatched(module, fn, False, with_kwargs, prepend)
             if handle is not None:
                 return handle
+        if _layouts_active():  # (compiled models are not laid out: dispatched as they are)
+            fn = layout_hook(module, fn, post=False, with_kwargs=with_kwargs, name=name)
         (handle,) = _add_hooks(((md, self._guard(fn)),), False, with_kwargs, prepend)
         self._handles.append(handle)
         return handle
