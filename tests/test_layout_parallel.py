@@ -96,3 +96,12 @@ def test_offload_single_process_exact():
 
 def test_module_layout_plain_model():
     assert pyhook.distributed.module_layout(copy.deepcopy(W.make_mlp())[0]) is None
+
+
+@pytest.mark.parametrize("full,n", [(32, 2), (33, 2), (7, 4), (5, 4), (3, 4), (64, 3)])
+def test_shard_sizes_follow_torch_chunk(full, n):
+    """The sizes the layer expects each rank to hold (a transformers column-parallel output,
+    which DTensor splits as torch.chunk does), so no size exchange is needed."""
+    want = [len(c) for c in torch.arange(full).chunk(n)]
+    want += [0] * (n - len(want))
+    assert pyhook.distributed._chunk_sizes(full, n) == want
