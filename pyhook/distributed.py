@@ -554,6 +554,12 @@ class ModuleLayout:
 
     ``output``/``input`` are None when hooks see them whole (replicated, or DTensors, which are
     gathered whatever their placements); ``style`` names the parallel style, for messages.
+
+    Example::
+
+        >>> from pyhook.distributed import ModuleLayout
+        >>> ModuleLayout("transformers EmbeddingParallel").output is None  # whole on every rank
+        True
     """
 
     style: str
