@@ -50,7 +50,7 @@ def save_llama_lm(folder, tok, *, seed: int = 0):
     return model
 
 
-def examples(ckpt: str, n: int = 6, length: int = 9):
+def examples(ckpt: str, n: int = 8, length: int = 9):
     """``n`` examples of ``length`` tokens (the last two of every third padded)."""
     torch.manual_seed(1)
     from transformers import AutoConfig
@@ -91,7 +91,10 @@ def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
     """Every scenario, in order, on the same ranks; each rank saves what it saw."""
     import torch.distributed as dist
 
-    res: dict = {}
+    import time
+
+    res: dict = {"t": []}
+    t0 = time.perf_counter()
     try:
         _init(rank, world, port)
         from pyhook import CaptureJob
@@ -105,9 +108,11 @@ def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
         res["plan_report"] = plan.report()
         res["plan_rows"] = plan.rows
         job.run(plan)
+        res["t"].append(time.perf_counter() - t0)
         # 2. begun over one tensor-parallel group of every rank (one writer), half the corpus
         half = {**spec["job"], "limit": spec["job"]["limit"] // 2}
         CaptureJob(**half, tp_size=world, out=os.path.join(outdir, "half")).run()
+        res["t"].append(time.perf_counter() - t0)
         # 3. a raw capture of a transformers tensor-parallel model (tp_plan) from every rank
         import transformers
         from transformers.distributed import DistributedConfig
@@ -121,6 +126,7 @@ def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
         res["model_layout"] = lay
         mine = examples(spec["ckpt"])[lay.dp_rank :: lay.dp_size]  # as DistributedSampler deals
         _raw_capture(model, "model.layers.*", mine, os.path.join(outdir, "raw_tp"))
+        res["t"].append(time.perf_counter() - t0)
         # 4. FSDP2: every rank data-parallel, its own examples; row indices global
         from torch.distributed.fsdp import fully_shard
 
@@ -130,6 +136,7 @@ def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
         fully_shard(model)
         mine = examples(spec["ckpt"])[rank::world]
         _raw_capture(model, "model.layers.*", mine, os.path.join(outdir, "raw_fsdp"))
+        res["t"].append(time.perf_counter() - t0)
     except BaseException:
         res["exception"] = traceback.format_exc()
     finally:

@@ -211,7 +211,7 @@ def test_a_raw_fsdp_capture_gives_global_row_indices(spawned, reference):
     layers = [f"model.layers.{i}" for i in range(2)]
     _same_rows(os.path.join(outdir, "raw_fsdp"), reference["raw"], layers)
     idx = open_capture(os.path.join(outdir, "raw_fsdp")).row_index
-    assert sorted(set(idx[:, 0].tolist())) == list(range(6))
+    assert sorted(set(idx[:, 0].tolist())) == list(range(8))
 
 
 @pytest.mark.distributed
