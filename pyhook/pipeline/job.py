@@ -24,9 +24,12 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._names import check_model_name
+
+if TYPE_CHECKING:
+    from torch import nn
 from ._paths import _existing_dir, _is_url, check_out_dir
 
 __all__ = [
@@ -356,7 +359,12 @@ class CaptureJob:
       one store (layers stored as ``name/LAYER``; see :mod:`pyhook.pipeline.paired`).
       ``tokenizer`` (for a checkpoint saved without one),
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
-      ``device``.
+      ``device``. A ``model`` may also be a model object already loaded (``tokenizer`` names
+      its tokenizer when it was not loaded from a folder).
+    * large models (docs/large-models-jobs.md): ``device_map``, ``max_memory``,
+      ``offload_folder`` (placed and offloaded by accelerate, as ``from_pretrained`` takes
+      them); ``tp_size`` (under torchrun: tensor-parallel groups of that many ranks; the
+      world / ``tp_size`` data-parallel groups split the corpus, the first rank of each writes).
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
       ``save_to_disk`` folder; default the bundled corpus), ``text_column``, ``context_size``
       (pack documents into contexts of N tokens; default 128 for the bundled corpus without
@@ -382,7 +390,7 @@ class CaptureJob:
     :meth:`plan`, before the weights are loaded where it can be.
     """
 
-    model: str | dict[str, str] | None = None
+    model: str | dict[str, str] | nn.Module | None = None
     tokenizer: str | None = None
     model_class: str | None = None
     layers: list[str] | None = None
@@ -488,7 +496,7 @@ class CaptureJob:
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
                 hint = (
                     " (a checkpoint folder or a model's name, or a mapping of names to them for "
-                    "a paired capture; a model object in memory is captured with pyhook.capture)"
+                    "a paired capture, or a torch.nn.Module already loaded)"
                     if name == "model"
                     else ""
                 )
