@@ -503,10 +503,17 @@ def test_the_slurm_recipe_srun_line_runs(ckpt, reference, two_nodes):
     _same_store(out, two_nodes)
 
 
-@pytest.mark.distributed
-def test_ray_train_writes_the_store_torchrun_writes(ckpt, two_nodes):
-    ray = pytest.importorskip("ray")
+@pytest.fixture(scope="module")
+def ray():
+    """Ray Train, or the test is skipped (before torchrun's store is made for it)."""
     pytest.importorskip("ray.train.torch")
+    import ray
+
+    return ray
+
+
+@pytest.mark.distributed
+def test_ray_train_writes_the_store_torchrun_writes(ray, ckpt, two_nodes):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
