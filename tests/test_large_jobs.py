@@ -304,6 +304,35 @@ def test_the_job_offloads_with_a_device_map(ckpt, reference, tmp_path):
     _same_rows(str(tmp_path / "acts"), reference["job"], LAYERS, exact=True)
 
 
+def test_the_command_dry_run_shows_an_offloaded_layout(ckpt, tmp_path, capsys):
+    from pyhook.cli import main
+
+    device_map = json.dumps(
+        {
+            "model.embed_tokens": "cpu",
+            "model.layers.0": "disk",
+            "model.layers.1": "cpu",
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",
+        }
+    )
+    o = _job_options(ckpt)
+    code = main(
+        [
+            "capture", "--model", o["model"], "--input", o["input"], "--context-size", "12",
+            "--limit", "10", "--layers", *LAYERS, "--out", str(tmp_path / "acts"),
+            "--device-map", device_map, "--offload-folder", str(tmp_path / "off"), "--dry-run",
+        ]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "layout: 1 rank: it writes" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("0 "))
+    assert re.search(r"yes\s+10\s+\d+\s+[\d.]+\s+cpu [\d.]+, offloaded [\d.]+$", line), line
+    assert not (tmp_path / "acts").exists() or not os.listdir(tmp_path / "acts")
+
+
 def test_the_job_places_layers_within_max_memory(ckpt, reference, tmp_path):
     job = CaptureJob(
         **_job_options(ckpt),
