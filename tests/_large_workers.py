@@ -89,9 +89,9 @@ def _raw_capture(model, layers: str, mine, out: str) -> None:
 
 def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
     """Every scenario, in order, on the same ranks; each rank saves what it saw."""
-    import torch.distributed as dist
-
     import time
+
+    import torch.distributed as dist
 
     res: dict = {"t": []}
     t0 = time.perf_counter()
