@@ -39,6 +39,7 @@ from .pipeline.job import (
     default_corpus,
     default_layers,
     models_from_flags,
+    placement_from_flag,
 )
 from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
 from .pipeline.runner import resolve_model_path as _resolve
@@ -113,6 +114,9 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
     given = {k: v for k, v in vars(args).items() if k in names}
     if isinstance(given.get("model"), list):  # --model DIR, or --model NAME=DIR repeated
         given["model"] = models_from_flags(given["model"])
+    for name in ("device_map", "max_memory"):  # a word, JSON, or KEY=VALUE,...
+        if isinstance(given.get(name), str):
+            given[name] = placement_from_flag(name, given[name])
     config = getattr(args, "config", None)
     values = CaptureJob.read_file(config) if config is not None else {}
     return CaptureJob(**{**values, **given})
@@ -126,7 +130,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
     if getattr(args, "dry_run", False):
-        print(plan.report(flags=True))
+        if plan.rank == 0:  # every rank's line is in rank 0's plan
+            print(plan.report(flags=True))
         return 0
     show = plan.rank == 0 and not quiet
     if show:
@@ -723,6 +728,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--positions", help="'all' tokens (default), 'last' valid token, or an index")
     c.add_argument("--device", help=device_help)
+    c.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="place a large model's layers as transformers does: 'auto', a device, or JSON "
+        '\'{"model.layers.0": "disk", ...}\' (offloaded layers run on their device when '
+        "reached; docs/large-models-jobs.md)",
+    )
+    c.add_argument(
+        "--max-memory",
+        metavar="DEV=SIZE,...",
+        help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB",
+    )
+    c.add_argument(
+        "--offload-folder",
+        metavar="DIR",
+        help="with --device-map: the folder for layers offloaded to the disk",
+    )
+    c.add_argument(
+        "--tp-size",
+        type=int,
+        metavar="N",
+        help="under torchrun: shard the model over tensor-parallel groups of N ranks (world/N "
+        "data-parallel groups split the corpus; the first rank of each group writes)",
+    )
     c.add_argument("--out", help="output directory or URL (default ./pyhook-activations)")
     c.add_argument("--shard-mb", type=float, help="approximate shard size in MB (default 256)")
     c.add_argument(

@@ -24,9 +24,12 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._names import check_model_name
+
+if TYPE_CHECKING:
+    from torch import nn
 from ._paths import _existing_dir, _is_url, check_out_dir
 
 __all__ = [
@@ -359,7 +362,12 @@ class CaptureJob:
       one store (layers stored as ``name/LAYER``; see :mod:`pyhook.pipeline.paired`).
       ``tokenizer`` (for a checkpoint saved without one),
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
-      ``device``.
+      ``device``. A ``model`` may also be a model object already loaded (``tokenizer`` names
+      its tokenizer when it was not loaded from a folder).
+    * large models (docs/large-models-jobs.md): ``device_map``, ``max_memory``,
+      ``offload_folder`` (placed and offloaded by accelerate, as ``from_pretrained`` takes
+      them); ``tp_size`` (under torchrun: tensor-parallel groups of that many ranks; the
+      world / ``tp_size`` data-parallel groups split the corpus, the first rank of each writes).
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
       ``save_to_disk`` folder; default the bundled corpus), ``text_column``, ``context_size``
       (pack documents into contexts of N tokens; default 128 for the bundled corpus without
@@ -385,7 +393,7 @@ class CaptureJob:
     :meth:`plan`, before the weights are loaded where it can be.
     """
 
-    model: str | dict[str, str] | None = None
+    model: str | dict[str, str] | nn.Module | None = None
     tokenizer: str | None = None
     model_class: str | None = None
     layers: list[str] | None = None
@@ -400,6 +408,10 @@ class CaptureJob:
     model_dtype: str | None = None
     positions: str | int = "all"
     device: str = "cpu"
+    device_map: str | dict[str, Any] | None = None
+    max_memory: dict[str, Any] | None = None
+    offload_folder: str | None = None
+    tp_size: int = 1
     out: str = "pyhook-activations"
     shard_mb: float = 256.0
     overwrite: bool = False
@@ -454,6 +466,10 @@ class CaptureJob:
                     raise JobError(f"`layers` must name at least one layer, got {_got(v)}")
             elif name == "model" and isinstance(v, dict):
                 _check_models(v)
+            elif name == "model" and _is_module(v):
+                continue  # a model already loaded (checked with the loading options below)
+            elif name in ("device_map", "max_memory"):
+                _check_placement(name, v)
             elif name == "positions":
                 if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
                     raise JobError(
@@ -483,7 +499,7 @@ class CaptureJob:
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
                 hint = (
                     " (a checkpoint folder or a model's name, or a mapping of names to them for "
-                    "a paired capture; a model object in memory is captured with pyhook.capture)"
+                    "a paired capture, or a torch.nn.Module already loaded)"
                     if name == "model"
                     else ""
                 )
@@ -517,11 +533,53 @@ class CaptureJob:
                     f"`{name}` must be {' or '.join(map(repr, choices))} (or absent), got {_got(v)}"
                 )
         self._check_generate()
+        self._check_loading()
         if self.context_size is not None and self.max_length is not None:
             raise JobError(
                 "`max_length` cuts each example of a one-example-per-row capture; with "
                 f"`context_size` every row is a context of exactly {self.context_size} tokens: "
                 "drop one of them"
+            )
+
+    def _check_loading(self) -> None:
+        """The loading options: for one checkpoint the job loads (not a model object, not a
+        paired capture), and one way at a time (accelerate's placement or tensor parallelism)."""
+        given = [
+            n
+            for n, default in (
+                ("device_map", None),
+                ("max_memory", None),
+                ("offload_folder", None),
+                ("tp_size", 1),
+            )
+            if getattr(self, n) != default
+        ]
+        if not given:
+            return
+        if _is_module(self.model):
+            raise JobError(
+                f"`{given[0]}` is an option of loading a checkpoint; the `model` given is already "
+                "loaded (its layout is its own): leave the loading options out"
+            )
+        if isinstance(self.model, dict):
+            raise JobError(
+                f"`{given[0]}`: a paired capture (several named `model`s) loads each model "
+                "whole; load large models one at a time"
+            )
+        if self.device_map is None and ("max_memory" in given or "offload_folder" in given):
+            which = "max_memory" if "max_memory" in given else "offload_folder"
+            raise JobError(
+                f"`{which}` places layers with `device_map`: add `device_map` (e.g. 'auto')"
+            )
+        if self.device_map is not None and self.tp_size > 1:
+            raise JobError(
+                "`device_map` and `tp_size` are two ways of placing the model (offloading or "
+                "tensor parallelism), as in transformers: give one of them"
+            )
+        if self.generate is not None and self.tp_size > 1:
+            raise JobError(
+                "`generate` with `tp_size`: capture during generation runs on one model per "
+                "rank; drop `tp_size` or `generate`"
             )
 
     def _check_generate(self) -> None:
@@ -654,7 +712,21 @@ class CaptureJob:
 
     # -- the plan -------------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        """This rank's data-parallel rank and size (the share of the corpus it reads)."""
+        lay = self._layout()
+        return lay.dp_rank, lay.dp_size
+
+    def _layout(self) -> Any:
+        """The ranks (:func:`pyhook.pipeline.ranks.rank_layout`: torch.distributed or the
+        environment) with this job's ``tp_size`` (or a model object's own)."""
+        from .ranks import rank_layout
+
+        try:
+            if _is_module(self.model):
+                return rank_layout(model=self.model)
+            return rank_layout(tp_size=self.tp_size)
+        except ValueError as e:
+            raise JobError(f"`tp_size`: {e}") from None
 
     def _check_out(self, out: str) -> None:
         """``out`` must be (or be creatable as) a writable folder. A URL is checked by the
@@ -663,23 +735,32 @@ class CaptureJob:
 
     def _source(self, *, rank: int, world: int) -> dict[str, Any]:
         """The model's config and tokenizer and the corpus, all checked before the weights."""
-        from .runner import RunnerError, load_tokenizer, prepare_model
+        from .runner import RunnerError, in_memory, load_tokenizer, prepare_model
         from .source import SourceError, open_source
 
         paired = isinstance(self.model, dict)
+        loaded = _is_module(self.model)  # a model object, already loaded
         if paired:  # several named models, one store (pyhook.pipeline.paired)
             from .paired import prepare_models
 
             prepared = prepare_models(self.model, model_class=self.model_class)  # type: ignore[arg-type]
+        elif loaded:
+            prepared = in_memory(self.model)
         else:
             prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
         try:
+            if loaded and self.tokenizer is None and not os.path.isdir(prepared.path):
+                raise JobError(
+                    f"`tokenizer`: the `model` given ({type(self.model).__name__}) is in memory "
+                    "and names no folder (config.name_or_path): name its tokenizer (a folder "
+                    "or a built-in name)"
+                )
             if paired:  # each model's tokenizer; they must agree (checked here, before weights)
                 tokenizer, tok_path = prepared.load_tokenizer(self.tokenizer)
             else:
                 tokenizer, tok_path = load_tokenizer(self.tokenizer, prepared.path)
             tok_error = None
-        except RunnerError as e:
+        except (RunnerError, JobError) as e:
             tokenizer, tok_path, tok_error = None, None, e
         positions_limit = prepared.max_positions
         context_size = self.context_size
@@ -771,6 +852,30 @@ class CaptureJob:
             "model_dtype": dtype_name(model_dtype) if model_dtype else None,
         }
 
+    def _load(self, prepared: Any, device: str, model_dtype: Any) -> Any:
+        """The model: the object given, or the checkpoint's weights loaded as the loading
+        options say (whole on ``device``; placed by ``device_map``; sharded by ``tp_size``)."""
+        from . import runner
+
+        if _is_module(self.model):
+            return self.model
+        if hasattr(prepared, "load_weights"):  # several models (pyhook.pipeline.paired)
+            return prepared.load_weights(device=device, dtype=model_dtype)
+        memory = self.max_memory
+        if memory is not None:  # a job file's keys are strings: "0" is GPU 0
+            memory = {
+                int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in memory.items()
+            }
+        return runner.load_weights(
+            prepared,
+            device=device,
+            dtype=model_dtype,
+            device_map=self.device_map,
+            max_memory=memory,
+            offload_folder=self.offload_folder,
+            tp_size=self.tp_size,
+        )
+
     def _device(self, world: int) -> str:
         """The device, after joining the process group when torchrun started several ranks."""
         import torch
@@ -811,7 +916,8 @@ class CaptureJob:
         check_device(self.device)
         out = _shown(self.out)
         self._check_out(out)
-        rank, world = self._world()
+        lay = self._layout()
+        rank, world = lay.dp_rank, lay.dp_size  # the corpus's shares: one per writer
 
         # 1. The model's config and tokenizer, the corpus and out: all before the weights.
         got = self._source(rank=rank, world=world)
@@ -835,8 +941,9 @@ class CaptureJob:
             unit=unit,
             context_size=context_size,
             max_length=None if context_size else got["max_length"],
-            rank=rank,
-            world_size=world,
+            rank=lay.rank,
+            world_size=lay.world,
+            layout=lay,
         )
         stored = None if self.overwrite else _stored_capture(out)
         if stored is not None:
@@ -882,12 +989,9 @@ class CaptureJob:
             share = src.estimate()
 
         # 2. The weights, the layers, one probe forward for their widths.
-        device = self._device(world)
+        device = self._device(lay.world)
+        model = self._load(prepared, device, model_dtype)
         paired = hasattr(prepared, "load_weights")  # several models (pyhook.pipeline.paired)
-        if paired:
-            model = prepared.load_weights(device=device, dtype=model_dtype)
-        else:
-            model = runner.load_weights(prepared, device=device, dtype=model_dtype)
         layers = self.layers or (
             _paired_default_layers(model) if paired else [default_layers(model)]
         )
@@ -918,6 +1022,7 @@ class CaptureJob:
             tokens=self.tokens,
             quantize=self.quantize,
             compress=self.compress,
+            tp_size=lay.tp_size,
         )
         if stored is not None:
             _refuse_different(out, stored, rec.settings, world)
@@ -995,6 +1100,7 @@ class CaptureJob:
         plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
         plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device
+        plan.ranks = _ranks_table(lay, model, plan.examples, plan.rows, plan.bytes)
         plan._state = {
             "model": model,
             "source": src,
@@ -1036,7 +1142,8 @@ class CaptureJob:
         with rec:
             src.skip = rec.examples_done
             todo = max(0, share["examples"] - rec.examples_done)
-            done_all, todo_all = _sum_over_ranks([rec.examples_done, todo], device)
+            w = int(rec.layout.writer)  # a group's rows are counted once, by its writer
+            done_all, todo_all = _sum_over_ranks([rec.examples_done * w, todo * w], device)
             if done_all and show:
                 print(
                     f"resuming {self.out}: {done_all:,} {unit} already stored, "
@@ -1103,7 +1210,7 @@ class CaptureJob:
         elapsed = time.perf_counter() - t0
         # The result is of the whole run: every rank's share.
         tokens, truncated, nbytes, generated = _sum_over_ranks(
-            [tokens, truncated, rec.bytes, generated], device
+            [v * w for v in (tokens, truncated, rec.bytes, generated)], device
         )
         result = CaptureResult(
             out=plan.out,
@@ -1168,7 +1275,6 @@ class CaptureJob:
             ) from None
         import inspect
 
-        from . import runner
         from .format import parse_dtype
         from .runner import check_device
 
@@ -1179,7 +1285,8 @@ class CaptureJob:
             )
         self.check_files()
         check_device(self.device)
-        rank, world = self._world()
+        lay = self._layout()
+        rank, world = lay.dp_rank, lay.dp_size
         got = self._source(rank=rank, world=world)
         params = inspect.signature(stream).parameters
         if self.positions != "all" and "positions" not in params:
@@ -1187,13 +1294,12 @@ class CaptureJob:
                 f"`positions` {self.positions!r}: stream() hands every kept token's row to the "
                 "trainer; positions is for run()"
             )
-        device = self._device(world)
+        device = self._device(lay.world)
         model_dtype = parse_dtype(self.model_dtype, "model_dtype")
+        model = self._load(got["prepared"], device, model_dtype)
         if hasattr(got["prepared"], "load_weights"):  # several models (pyhook.pipeline.paired)
-            model = got["prepared"].load_weights(device=device, dtype=model_dtype)
             layers = self.layers or _paired_default_layers(model)
         else:
-            model = runner.load_weights(got["prepared"], device=device, dtype=model_dtype)
             layers = self.layers or [default_layers(model)]
         kw: dict[str, Any] = {"device": device, "dtype": parse_dtype(self.dtype, "dtype")}
         if self.positions != "all":
@@ -1296,6 +1402,12 @@ class CapturePlan:
     #: ``bytes`` is an upper bound, not an estimate: ``compress`` is set, and what it saves
     #: depends on the values (the rows uncompressed, plus zstd's framing)
     upper_bound: bool = False
+    #: the ranks (:class:`pyhook.pipeline.ranks.RankLayout`): data-parallel x tensor-parallel
+    layout: Any = None
+    #: per rank (every rank's, gathered): ``rank``, ``dp_rank``, ``writer``, ``examples``,
+    #: ``rows`` and ``bytes`` of its group's share, ``weights`` (bytes of its weights by device;
+    #: ``"offloaded"``: held by accelerate off the device, loaded when the layer runs)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1355,14 +1467,48 @@ class CapturePlan:
             return _table(rows, ["layer", "row shape", "rows", "dtype", "stored as", mb])
         return _table(rows, ["layer", "row shape", "rows", "dtype", "MB"])
 
+    def ranks_table(self) -> str:
+        """The layout: one line for the ranks (data-parallel x tensor-parallel, which write),
+        then per rank its share (examples, rows, MB written: 0 on a rank that does not write)
+        and the memory its weights take, by device. Empty for one process whose model is
+        whole on one device."""
+        if not self.ranks:
+            return ""
+        one = self.ranks[0]["weights"]
+        if len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one:
+            return ""
+        unit = self.unit.split(" ")[0]
+        rows = []
+        for r in self.ranks:
+            weights = ", ".join(f"{d} {_mb(b)}" for d, b in r["weights"].items()) or "-"
+            rows.append(
+                [
+                    str(r["rank"]),
+                    str(r["dp_rank"]),
+                    "yes" if r["writer"] else "no",
+                    f"{r['examples']:,}",
+                    f"{r['rows']:,}",
+                    _mb(r["bytes"] if r["writer"] else 0),
+                    weights,
+                ]
+            )
+        head = self.layout.describe() if self.layout is not None else ""
+        table = _table(
+            rows, ["rank", "dp rank", "writes", unit, "rows", "MB written", "weights MB"]
+        )
+        return f"layout: {head}\n{table}"
+
     def report(self, flags: bool = False) -> str:
-        """The model and corpus, the table and the summary (what ``--dry-run`` prints)."""
+        """The model and corpus, the table, the ranks' layout (several ranks or an offloaded
+        model) and the summary (what ``--dry-run`` prints)."""
         if self.note is not None:
             return self.summary(flags)
+        ranks = self.ranks_table()
         return "\n".join(
             [
                 f"model {self.model_path} ({self.model_class}), input {self.input}",
                 self.table(),
+                *([ranks] if ranks else []),
                 self.summary(flags),
             ]
         )
@@ -1439,6 +1585,124 @@ class CaptureResult:
 
 
 # -- helpers of the plan -----------------------------------------------------------------------
+def _weight_bytes(model: Any) -> dict[str, int]:
+    """Bytes of this rank's weights (parameters and buffers) by device: a tensor-parallel
+    shard counts its local part; weights accelerate holds off the device (on the ``meta``
+    device in the module) count as ``"offloaded"``."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        local = t.to_local() if hasattr(t, "to_local") else t
+        where = "offloaded" if local.device.type == "meta" else str(local.device)
+        out[where] = out.get(where, 0) + local.numel() * local.element_size()
+    return dict(sorted(out.items(), key=lambda kv: kv[0] == "offloaded"))
+
+
+def _ranks_table(
+    lay: Any, model: Any, examples: int, rows: int, nbytes: int
+) -> list[dict[str, Any]]:
+    """Every rank's line of the plan's layout (gathered over the process group)."""
+    import torch
+
+    mine = {
+        "rank": lay.rank,
+        "dp_rank": lay.dp_rank,
+        "writer": lay.writer,
+        "examples": examples,
+        "rows": rows,
+        "bytes": nbytes,
+        "weights": _weight_bytes(model),
+    }
+    dist = torch.distributed
+    if lay.world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    every: list[Any] = [None] * lay.world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _is_module(v: Any) -> bool:
+    """Whether ``v`` is a ``torch.nn.Module`` (told without importing torch)."""
+    return any(
+        c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(v).__mro__
+    )
+
+
+_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_placement(name: str, v: Any) -> None:
+    """``device_map`` (a word transformers knows, a device, or module names to devices) and
+    ``max_memory`` (devices to sizes such as ``"10GiB"`` or bytes)."""
+    if v is None:
+        return
+    if name == "device_map":
+        if isinstance(v, str):
+            if not v.strip():
+                raise JobError("`device_map` is empty: leave it out, or give 'auto' or a device")
+            return
+        if (
+            isinstance(v, dict)
+            and all(isinstance(k, str) for k in v)
+            and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in v.values())
+        ):
+            return
+        raise _JobTypeError(
+            f"`device_map` must be {', '.join(map(repr, _MAP_WORDS))}, a device, or a mapping "
+            f"of module names to devices ('cpu', 'disk', 0, 'cuda:1'), got {_got(v)}"
+        )
+    ok = (
+        isinstance(v, dict)
+        and v
+        and all(
+            isinstance(k, (str, int))
+            and not isinstance(k, bool)
+            and (isinstance(m, str) or (isinstance(m, int) and not isinstance(m, bool) and m > 0))
+            for k, m in v.items()
+        )
+    )
+    if not ok:
+        raise _JobTypeError(
+            "`max_memory` must be a mapping of devices to sizes (e.g. {0: '20GiB', 'cpu': "
+            f"'60GiB'}}; --max-memory 0=20GiB,cpu=60GiB), got {_got(v)}"
+        )
+
+
+def placement_from_flag(name: str, text: str) -> Any:
+    """``--device-map``/``--max-memory`` as the command gives them: a word or device, JSON,
+    or ``KEY=VALUE,...`` (a key of digits is a GPU index).
+
+    >>> placement_from_flag("max_memory", "0=20GiB,cpu=60GiB")
+    {0: '20GiB', 'cpu': '60GiB'}
+    >>> placement_from_flag("device_map", "auto")
+    'auto'
+    >>> placement_from_flag("device_map", '{"model.layers.0": "disk"}')
+    {'model.layers.0': 'disk'}
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise JobError(f"`{name}` {text!r} is not valid JSON: {e.msg}") from None
+    if "=" not in text:
+        if name == "max_memory":
+            raise JobError(f"`max_memory` {text!r}: give DEVICE=SIZE pairs, e.g. 0=20GiB,cpu=60GiB")
+        return text
+    out: dict[Any, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise JobError(f"`{name}` {text!r}: {part!r} is not KEY=VALUE")
+        k: Any = int(key) if key.isdigit() else key
+        out[k] = int(value) if value.isdigit() else value
+    return out
+
+
 def _check_generate_kwargs(v: Any) -> None:
     """``generate_kwargs``: a mapping of the plain-data ``generate`` options a job may pass
     (:data:`pyhook.pipeline._generate_options.GENERATE_OPTIONS`, each checked by type; stored
@@ -1490,7 +1754,10 @@ def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) ->
     diff = settings_differences(stored.settings, now)
     old_world = stored.index.get("world_size", 1)
     if old_world != world:
-        diff.append(f"{world} rank(s) now, {old_world} when stored")
+        diff.append(
+            f"{world} writer rank(s) now, {old_world} when stored (one per data-parallel group: "
+            "the ranks / `tp_size`)"
+        )
     if diff:
         raise JobError(
             f"`out` {out!r} already holds a different capture ({stored.examples:,} examples): "

@@ -210,15 +210,11 @@ def _nrows(rows: dict[str, torch.Tensor]) -> int:
 
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        from .capture import Recorder
+    """This process's rank and the world (:func:`pyhook.pipeline.ranks.rank_layout`)."""
+    from .ranks import rank_layout
 
-        # checked as the recorder checks them: a rank outside [0, world_size) streamed no row
-        return Recorder._dist_info(rank, world_size)
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    lay = rank_layout(rank=rank, world_size=world_size)
+    return lay.rank, lay.world
 
 
 def _batches_of(source: Iterable[Any]) -> Iterator[Any]:
@@ -1018,7 +1014,13 @@ def stream(
 
         check_out_dir(tee, "tee", ValueError)  # a file, '', a folder no one can write to
         rec = Recorder(
-            model, layers, out=tee, overwrite=overwrite, rank=r, world_size=world, **rec_opts
+            model,
+            layers,
+            out=tee,
+            overwrite=overwrite,
+            rank=rank,
+            world_size=world_size,
+            **rec_opts,
         )
         if not overwrite:
             _refuse_other_capture(tee, rec)
