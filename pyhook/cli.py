@@ -733,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MAP",
         help="place a large model's layers as transformers does: 'auto', a device, or JSON "
         '\'{"model.layers.0": "disk", ...}\' (offloaded layers run on their device when '
-        "reached; docs/large-models-jobs.md)",
+        "reached; docs/large-models.md)",
     )
     c.add_argument(
         "--max-memory",

@@ -30,7 +30,7 @@ from pyhook.pipeline.ranks import RankLayout, rank_layout
 from pyhook.store import ShardWriter, open_capture, verify_capture
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "large-models-jobs.md")
+DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "large-models.md")
 SPAWN_DEADLINE_S = 400
 LAYERS = ["resid_post.0", "resid_post.1"]
 

@@ -364,7 +364,7 @@ class CaptureJob:
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
       ``device``. A ``model`` may also be a model object already loaded (``tokenizer`` names
       its tokenizer when it was not loaded from a folder).
-    * large models (docs/large-models-jobs.md): ``device_map``, ``max_memory``,
+    * large models (docs/large-models.md): ``device_map``, ``max_memory``,
       ``offload_folder`` (placed and offloaded by accelerate, as ``from_pretrained`` takes
       them); ``tp_size`` (under torchrun: tensor-parallel groups of that many ranks; the
       world / ``tp_size`` data-parallel groups split the corpus, the first rank of each writes).
