@@ -27,6 +27,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   :func:`empty_pool` control the native capture-buffer pool;
 * installation: :func:`info` / :func:`format_info` report what was built and loaded (the
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
+* patching and attribution (:mod:`pyhook.patching`): ``activation_patch`` (exact, many
+  patches per forward), ``attribution_patch`` (AtP, AtP*) and ``edge_attribution`` (EAP,
+  EAP-IG) over the standard points, with results keyed by point name;
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
   :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
@@ -97,6 +100,7 @@ from .store import (
     verify_capture,
 )
 from .trace import CallRecord, Trace, TraceDict
+from . import patching  # noqa: E402,F401  (pyhook.patching: its names stay in its namespace)
 from .truncate import HookNotCalledError, TruncatedModule, TruncationExecutionFinished
 
 # The module pyhook.annotations (this name was bound to the __future__ feature above, which

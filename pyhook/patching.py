@@ -34,8 +34,10 @@ Example::
     >>> metric = lambda out: out.logits[:, -1, 7]
     >>> exact = activation_patch(model, clean, corrupt, metric, "resid_pre.*")
     >>> atp = attribution_patch(model, clean, corrupt, metric, "resid_pre.*")
-    >>> exact["resid_pre.1"].shape, atp["attn_z.0"].shape if "attn_z.0" in atp else None
-    (torch.Size([3]), None)
+    >>> exact["resid_pre.1"].shape, atp["resid_pre.1"].shape
+    (torch.Size([3]), torch.Size([3]))
+    >>> float(exact["resid_pre.1"][0]), float(atp["resid_pre.1"][0])  # the same token in both runs
+    (0.0, 0.0)
 """
 
 from __future__ import annotations
@@ -651,12 +653,6 @@ def _sink_dtype(model: nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _reduce(delta: torch.Tensor, grad: torch.Tensor, heads: bool) -> torch.Tensor:
-    """``sum over batch and features of delta * grad``: ``[pos]`` or ``[pos, head]``."""
-    prod = delta.to(grad.dtype) * grad
-    return prod.sum(dim=(0, 3)) if heads else prod.sum(dim=0).flatten(1).sum(-1)
-
-
 def attribution_patch(
     model: nn.Module,
     clean: Any,
@@ -675,11 +671,13 @@ def attribution_patch(
     The estimate is ``(source - base) . d metric / d activation`` at the base run, summed over
     the batch and the features: denoising (default) takes the gradient in the corrupt run with
     ``source`` the clean activation; ``noising=True`` the reverse. ``method="atp*"`` adds
-    GradDrop (Kramár et al. 2024, section 3.1.2): one more backward per block ``l`` with the
-    gradient through block ``l``'s branch outputs (``attn_out.l``, ``mlp_out.l``) dropped; the
-    score is ``sign(AtP) * sum_l |AtP with l dropped| / (L - 1)``, which cannot cancel to 0
-    where direct and indirect effects cancel. (The paper's QK fix, the exact softmax for
-    query/key patches, is not part of it.)
+    GradDrop (Kramár et al. 2024, section 3.1.2): the gradient again with block ``l``'s branch
+    outputs (``attn_out.l``, ``mlp_out.l``) passing no gradient, for every block ``l``, and the
+    score ``sign(AtP) * sum_l |AtP with l dropped| / (L - 1)``, which does not vanish where a
+    component's direct and indirect effects cancel. The ``L`` extra gradients come from ``L``
+    more copies of the base batch in the same forward and backward (memory: ``L + 1`` times the
+    base run's). The paper's other fix (recomputing the attention softmax exactly for query and
+    key patches) is not implemented.
 
     ``one_batch=True`` runs clean and corrupt as one forward of twice the batch (the metric sees
     the base rows only; each half gets its own gradient). ``offload=True`` keeps the source
@@ -707,96 +705,97 @@ def attribution_patch(
     names = [n for n, _ in resolved]
     heads_of = {n: p.heads is not None and per_head for n, p in resolved}
     store = torch.device("cpu") if offload else None
-    sites = _Sites(_sink_dtype(model))
-    scores: dict[str, list[torch.Tensor | None]] = {}
-    passes = 1
-    drop: list[int | None] = [None]  # the block whose gradient is dropped in the current pass
-    if method == "atp*":
-        blocks = _block_count(model)
-        passes = 1 + blocks
-    partial: dict[str, list[torch.Tensor | None]] = {n: [None] * passes for n in names}
-    src_acts: dict[str, torch.Tensor] = {}
-    pass_index = [0]
-
+    blocks = _block_count(model) if method == "atp*" else 0
+    # AtP* runs 1 + L copies of the base rows in one forward: copy 0 gives AtP, copy l + 1 the
+    # gradient with block l's branches dropped (rows are independent, so each copy's gradient
+    # is that of its own backward; one batched pass is several times cheaper than L passes)
+    groups = 1 + blocks
     if one_batch:
-        kw = _cat(c_kw, r_kw, batch)
+        kw1 = _cat(c_kw, r_kw, batch)
+        width = 2 * batch  # rows per copy: [clean; corrupt]
         base_rows = slice(0, batch) if noising else slice(batch, 2 * batch)
         src_rows = slice(batch, 2 * batch) if noising else slice(0, batch)
-        base_out = None
+        src_acts: dict[str, torch.Tensor] = {}
         other_out = None
     else:
-        src_kw, kw = (r_kw, c_kw) if noising else (c_kw, r_kw)
+        src_kw, kw1 = (r_kw, c_kw) if noising else (c_kw, r_kw)
+        width = batch
+        base_rows = src_rows = slice(0, batch)
         other_out, src_acts = _record(model, src_kw, names)
         if offload:
             src_acts = {n: _to_host(a) for n, a in src_acts.items()}
-        base_rows = src_rows = None
+    kw = _tile(kw1, width, groups)
+    sites = _Sites(_sink_dtype(model))
+    partial: dict[str, torch.Tensor] = {}
 
     def site_hook(name: str) -> Callable[[torch.Tensor], None]:
         heads = heads_of[name]
 
         def on_grad(grad: torch.Tensor) -> None:
-            t = sites.values[name].detach()
-            if one_batch:
-                base, src, g = t[base_rows], t[src_rows], grad[base_rows]
-            else:
-                base, src, g = t, src_acts[name], grad
-            if g.dim() == 4 and not heads:
+            t = sites.values[name].detach().unflatten(0, (groups, width))
+            g = grad.unflatten(0, (groups, width))[:, base_rows]
+            base = t[:, base_rows]
+            src = t[:1, src_rows] if one_batch else src_acts[name].unsqueeze(0)
+            if g.dim() == 5 and not heads:
                 g, base = g.flatten(-2), base.flatten(-2)
-            if src.dim() == 4 and not heads:
+            if src.dim() == 5 and not heads:
                 src = src.flatten(-2)
-            s = _reduce(src.to(g.device) - base, g, heads).detach()
-            partial[name][pass_index[0]] = s.to(store) if store is not None else s
+            prod = (src.to(g.device, g.dtype) - base) * g  # [groups, batch, pos, ...]
+            s = prod.sum(dim=(1, 4)) if heads else prod.sum(dim=1).flatten(2).sum(-1)
+            partial[name] = s.detach().to(store) if store is not None else s.detach()
 
         return on_grad
 
     for name in names:
         sites.add(name, site_hook(name))
-    gates: dict[str, int] = {}
-    if method == "atp*":
-        for layer in range(blocks):
-            for kind in ("attn_out", "mlp_out"):
-                gate = f"{kind}.{layer}"
-                gates[gate] = layer
+    for layer in range(blocks):
 
-                def dropper(grad: torch.Tensor, layer: int = layer) -> torch.Tensor | None:
-                    return torch.zeros_like(grad) if drop[0] == layer else None
+        def dropper(grad: torch.Tensor, copy: int = layer + 1) -> torch.Tensor:
+            grad = grad.clone()
+            grad.unflatten(0, (groups, width))[copy] = 0
+            return grad
 
-                sites.add(gate, dropper, first=True)
+        for kind in ("attn_out", "mlp_out"):
+            sites.add(f"{kind}.{layer}", dropper, first=True)
 
     with torch.enable_grad(), TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
         out = _run(model, kw)
+    total = groups * width
+    rows = torch.cat([torch.arange(k * width + base_rows.start, k * width + base_rows.stop) for k in range(groups)])
+    values = _metric_groups(metric, _take(out, rows, total), batch, groups)
     if one_batch:
-        total = 2 * batch
-        base_out = _rows(out, base_rows.start, base_rows.stop, total)
         other_out = _rows(out, src_rows.start, src_rows.stop, total)
-    else:
-        base_out = out
-    value = _metric_value(metric, base_out, batch)
     with torch.no_grad():
         other_m = _metric_value(metric, other_out, batch).detach()
-    for i in range(passes):
-        pass_index[0] = i
-        drop[0] = None if i == 0 else i - 1
-        sites.backward(value, retain_graph=i < passes - 1)
-    base_m = value.detach()
-    shapes = {n: _zero_shape(sites.values[n][base_rows] if one_batch else sites.values[n], heads_of[n]) for n in names if n in sites.values}
-    del out, base_out, other_out, sites
+    sites.backward(values.sum())
+    base_m = values[0].detach()
+    shapes = {n: _zero_shape(sites.values[n][:batch], heads_of[n]) for n in names if n in sites.values}
+    del out, other_out, sites
 
     result: dict[str, torch.Tensor] = {}
-    for name, _ in resolved:
-        per_pass = partial[name]
-        if per_pass[0] is None:  # the point does not reach the metric
-            shape = shapes.get(name, (0,))
-            per_pass = [torch.zeros(shape, dtype=base_m.dtype)] * passes
-        atp = per_pass[0]
+    for name in names:
+        per_copy = partial.get(name)
+        if per_copy is None:  # the point does not reach the metric
+            per_copy = torch.zeros((groups, *shapes.get(name, (0,))), dtype=base_m.dtype)
+        atp = per_copy[0]
         if method == "atp":
             result[name] = atp
         else:
-            others = [p if p is not None else torch.zeros_like(atp) for p in per_pass[1:]]
-            dropped = torch.stack([o.abs() for o in others]).sum(0) / max(len(others) - 1, 1)
+            dropped = per_copy[1:].abs().sum(0) / max(blocks - 1, 1)
             result[name] = torch.sign(atp) * dropped
     clean_m, corrupt_m = (base_m, other_m) if noising else (other_m, base_m)
     return PatchResult(result, method, float(clean_m), float(corrupt_m), bool(noising))
+
+
+def _take(output: Any, index: torch.Tensor, total: int) -> Any:
+    """``output`` with every tensor whose first dimension is ``total`` cut to rows ``index``."""
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == total:
+            return x.index_select(0, index.to(x.device))
+        return x
+
+    return pytree.tree_map(cut, output)
 
 
 def _zero_shape(act: torch.Tensor, heads: bool) -> tuple[int, ...]:
