@@ -77,14 +77,28 @@ def main() -> None:
     sites = ["resid_pre.*", "attn_out.*", "mlp_out.*"]
     bs = args.batch_size
     cases: dict[str, Callable[[], object]] = {
-        "patch resid_pre.*, loop (1/forward)": lambda: activation_patch(model, clean, corrupt, metric, resid, batch_size=1),
-        f"patch resid_pre.*, batched ({bs}/forward)": lambda: activation_patch(model, clean, corrupt, metric, resid, batch_size=bs),
-        "patch 3 kinds x 12, loop": lambda: activation_patch(model, clean, corrupt, metric, sites, batch_size=1),
-        f"patch 3 kinds x 12, batched ({bs})": lambda: activation_patch(model, clean, corrupt, metric, sites, batch_size=bs),
+        "patch resid_pre.*, loop (1/forward)": lambda: activation_patch(
+            model, clean, corrupt, metric, resid, batch_size=1
+        ),
+        f"patch resid_pre.*, batched ({bs}/forward)": lambda: activation_patch(
+            model, clean, corrupt, metric, resid, batch_size=bs
+        ),
+        "patch 3 kinds x 12, loop": lambda: activation_patch(
+            model, clean, corrupt, metric, sites, batch_size=1
+        ),
+        f"patch 3 kinds x 12, batched ({bs})": lambda: activation_patch(
+            model, clean, corrupt, metric, sites, batch_size=bs
+        ),
         "AtP 3 kinds x 12": lambda: attribution_patch(model, clean, corrupt, metric, sites),
-        "AtP* 3 kinds x 12": lambda: attribution_patch(model, clean, corrupt, metric, sites, method="atp*"),
-        "AtP 3 kinds x 12, offload": lambda: attribution_patch(model, clean, corrupt, metric, sites, offload=True),
-        "AtP attn_z.* per head": lambda: attribution_patch(model, clean, corrupt, metric, ["attn_z.*"]),
+        "AtP* 3 kinds x 12": lambda: attribution_patch(
+            model, clean, corrupt, metric, sites, method="atp*"
+        ),
+        "AtP 3 kinds x 12, offload": lambda: attribution_patch(
+            model, clean, corrupt, metric, sites, offload=True
+        ),
+        "AtP attn_z.* per head": lambda: attribution_patch(
+            model, clean, corrupt, metric, ["attn_z.*"]
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
     names = list(cases)
@@ -99,9 +113,21 @@ def main() -> None:
 
     n_sites = 36 * seq
     ratios = [
-        ("(a) batched / loop activation patching, resid_pre.*", med[names[0]] / med[names[1]], ">= 3x"),
-        (f"(b) AtP vs brute force (loop), {n_sites} sites", med[names[2]] / med[names[4]], ">= 50x"),
-        (f"(b) AtP vs brute force (batched), {n_sites} sites", med[names[3]] / med[names[4]], "(info)"),
+        (
+            "(a) batched / loop activation patching, resid_pre.*",
+            med[names[0]] / med[names[1]],
+            ">= 3x",
+        ),
+        (
+            f"(b) AtP vs brute force (loop), {n_sites} sites",
+            med[names[2]] / med[names[4]],
+            ">= 50x",
+        ),
+        (
+            f"(b) AtP vs brute force (batched), {n_sites} sites",
+            med[names[3]] / med[names[4]],
+            "(info)",
+        ),
         ("(c) AtP* / AtP", med[names[5]] / med[names[4]], "<= 3x"),
         ("(d) AtP offload / AtP", med[names[6]] / med[names[4]], "(info)"),
     ]

@@ -43,7 +43,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -162,7 +162,13 @@ class PatchResult:
         key = (lambda c: abs(c.score)) if absolute else (lambda c: c.score)
         return sorted(self.components(), key=key, reverse=True)[:k]
 
-    def plot(self, path: str | None = None, *, title: str | None = None, labels: Sequence[str] | None = None) -> Any:
+    def plot(
+        self,
+        path: str | None = None,
+        *,
+        title: str | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> Any:
         """A heatmap (rows: points, per-head points one row per head; columns: positions),
         saved to ``path`` when given. Returns the matplotlib ``Figure``. ``labels`` names the
         positions (e.g. the tokens)."""
@@ -242,7 +248,11 @@ class EdgeResult:
         grid = self.scores.detach().float().cpu().clone()
         grid[~self.valid.cpu()] = float("nan")
         return _heatmap(
-            grid, self.upstream, self.downstream, title or f"{self.method} edge scores", path,
+            grid,
+            self.upstream,
+            self.downstream,
+            title or f"{self.method} edge scores",
+            path,
             xlabel="downstream",
         )
 
@@ -265,7 +275,9 @@ def _heatmap(
     lim = lim or 1.0
     fig = Figure(figsize=(max(4.0, 0.35 * grid.shape[1] + 2.5), max(2.5, 0.22 * len(rows) + 1.5)))
     ax = fig.add_subplot()
-    im = ax.imshow(grid.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+    im = ax.imshow(
+        grid.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest"
+    )
     ax.set_yticks(range(len(rows)), list(rows), fontsize=7)
     if cols is not None:
         ax.set_xticks(range(len(cols)), list(cols), fontsize=7, rotation=90)
@@ -335,7 +347,9 @@ def _as_kwargs(x: Any, what: str) -> dict[str, Any]:
 def _pair(clean: Any, corrupt: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
     c, r = _as_kwargs(clean, "clean"), _as_kwargs(corrupt, "corrupt")
     if set(c) != set(r):
-        raise ValueError(f"clean and corrupt must have the same keys, got {sorted(c)} and {sorted(r)}")
+        raise ValueError(
+            f"clean and corrupt must have the same keys, got {sorted(c)} and {sorted(r)}"
+        )
     batch = None
     for k in c:
         a, b = c[k], r[k]
@@ -368,7 +382,9 @@ def _tile(kw: Mapping[str, Any], batch: int, n: int) -> dict[str, Any]:
 
 def _cat(a: Mapping[str, Any], b: Mapping[str, Any], batch: int) -> dict[str, Any]:
     return {
-        k: torch.cat([v, b[k]]) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+        k: torch.cat([v, b[k]])
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch
+        else v
         for k, v in a.items()
     }
 
@@ -411,7 +427,10 @@ def _metric_groups(metric: Metric, output: Any, batch: int, groups: int) -> torc
         return v.reshape(1)
     if v.dim() == 0:  # a metric that sums over the batch: evaluate it on each group's rows
         return torch.stack(
-            [_metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch) for g in range(groups)]
+            [
+                _metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch)
+                for g in range(groups)
+            ]
         )
     raise ValueError(
         f"metric(output) must return a scalar or one value per example (shape [{total}] for "
@@ -425,11 +444,15 @@ def _resolve(model: nn.Module, points: str | Iterable[str], who: str) -> list[tu
     try:
         items = list(points)
     except TypeError:
-        raise TypeError(f"{who}: points must be a point name, glob or list of them, got {type(points).__name__}") from None
+        raise TypeError(
+            f"{who}: points must be a point name, glob or list of them, got {type(points).__name__}"
+        ) from None
     out: dict[str, Point] = {}
     for p in items:
         if not isinstance(p, str):
-            raise TypeError(f"{who}: points must be str names or globs, got {type(p).__name__}: {p!r}")
+            raise TypeError(
+                f"{who}: points must be str names or globs, got {type(p).__name__}: {p!r}"
+            )
         hits = resolve_targets(model, p)
         if hits is None:
             raise ValueError(
@@ -452,7 +475,9 @@ def _run(model: nn.Module, kw: Mapping[str, Any]) -> Any:
     return model(**kw)
 
 
-def _record(model: nn.Module, kw: Mapping[str, Any], names: list[str]) -> tuple[Any, dict[str, torch.Tensor]]:
+def _record(
+    model: nn.Module, kw: Mapping[str, Any], names: list[str]
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """One forward without gradients: the output and a copy of each point's tensor."""
     with torch.no_grad(), TraceDict(model, names, clone=True, detach=True) as ret:
         out = _run(model, kw)
@@ -517,7 +542,9 @@ def activation_patch(
     with torch.no_grad():
         clean_m = _metric_value(metric, clean_out, batch).detach()
         corrupt_m = _metric_value(metric, corrupt_out, batch).detach()
-    base_kw, src_acts, base_m = (c_kw, corrupt_acts, clean_m) if noising else (r_kw, clean_acts, corrupt_m)
+    base_kw, src_acts, base_m = (
+        (c_kw, corrupt_acts, clean_m) if noising else (r_kw, clean_acts, corrupt_m)
+    )
     del clean_out, corrupt_out
 
     patches: list[tuple[str, int, int | None]] = []
@@ -530,7 +557,9 @@ def activation_patch(
         _check_shape(name, act, batch, heads)
         n_pos = act.shape[1]
         pos = range(n_pos) if positions is None else _positions(positions, n_pos, name)
-        scores[name] = torch.zeros((n_pos, act.shape[2]) if heads else (n_pos,), dtype=base_m.dtype, device=base_m.device)
+        scores[name] = torch.zeros(
+            (n_pos, act.shape[2]) if heads else (n_pos,), dtype=base_m.dtype, device=base_m.device
+        )
         for s in pos:
             if heads:
                 patches.extend((name, s, h) for h in range(act.shape[2]))
@@ -545,7 +574,14 @@ def activation_patch(
         for i, (name, s, h) in enumerate(chunk):
             by_point.setdefault(name, []).append((i, s, h))
         edits = {
-            name: _patcher(src_acts[name], items, n, batch, heads_of[name], flat=not heads_of[name] and src_acts[name].dim() == 3 and _is_split(resolved, name))
+            name: _patcher(
+                src_acts[name],
+                items,
+                n,
+                batch,
+                heads_of[name],
+                flat=not heads_of[name] and src_acts[name].dim() == 3 and _is_split(resolved, name),
+            )
             for name, items in by_point.items()
         }
         kw = _tile(base_kw, batch, n)
@@ -568,7 +604,9 @@ def _positions(positions: Sequence[int], n_pos: int, name: str) -> list[int]:
     out = []
     for p in positions:
         if not isinstance(p, int) or isinstance(p, bool) or not -n_pos <= p < n_pos:
-            raise ValueError(f"positions: {p!r} is not a position of point {name!r} ({n_pos} positions)")
+            raise ValueError(
+                f"positions: {p!r} is not a position of point {name!r} ({n_pos} positions)"
+            )
         out.append(p % n_pos)
     return sorted(set(out))
 
@@ -621,7 +659,9 @@ class _Sites:
         #: per point, a function of the value applied before it enters the graph (EAP-IG)
         self.modify: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def add(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor | None], *, first: bool = False) -> None:
+    def add(
+        self, name: str, fn: Callable[[torch.Tensor], torch.Tensor | None], *, first: bool = False
+    ) -> None:
         hooks = self.on_grad.setdefault(name, [])
         if first:
             hooks.insert(0, fn)
@@ -758,10 +798,18 @@ def attribution_patch(
         for kind in ("attn_out", "mlp_out"):
             sites.add(f"{kind}.{layer}", dropper, first=True)
 
-    with torch.enable_grad(), TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+    with (
+        torch.enable_grad(),
+        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
+    ):
         out = _run(model, kw)
     total = groups * width
-    rows = torch.cat([torch.arange(k * width + base_rows.start, k * width + base_rows.stop) for k in range(groups)])
+    rows = torch.cat(
+        [
+            torch.arange(k * width + base_rows.start, k * width + base_rows.stop)
+            for k in range(groups)
+        ]
+    )
     values = _metric_groups(metric, _take(out, rows, total), batch, groups)
     if one_batch:
         other_out = _rows(out, src_rows.start, src_rows.stop, total)
@@ -769,8 +817,10 @@ def attribution_patch(
         other_m = _metric_value(metric, other_out, batch).detach()
     sites.backward(values.sum())
     base_m = values[0].detach()
-    shapes = {n: _zero_shape(sites.values[n][:batch], heads_of[n]) for n in names if n in sites.values}
-    del out, other_out, sites
+    shapes = {
+        n: _zero_shape(sites.values[n][:batch], heads_of[n]) for n in names if n in sites.values
+    }
+    del out, other_out
 
     result: dict[str, torch.Tensor] = {}
     for name in names:
@@ -864,7 +914,19 @@ def edge_attribution(
     _check_no_dropout(model)
     c_kw, r_kw, batch = _pair(clean, corrupt)
     n_blocks = _block_count(model)
-    resolved = _resolve(model, ["embed", "attn_z.*", "attn_out.*", "mlp_out.*", "resid_pre.*", "resid_mid.*", "resid_post.*"], "edge_attribution")
+    resolved = _resolve(
+        model,
+        [
+            "embed",
+            "attn_z.*",
+            "attn_out.*",
+            "mlp_out.*",
+            "resid_pre.*",
+            "resid_mid.*",
+            "resid_post.*",
+        ],
+        "edge_attribution",
+    )
     points = dict(resolved)
     names = list(points)
     src_kw, base_kw = (r_kw, c_kw) if noising else (c_kw, r_kw)
@@ -895,7 +957,11 @@ def edge_attribution(
     # gradients at the residual stream, averaged over the IG steps
     grads: dict[str, torch.Tensor] = {}
     sites = _Sites(_sink_dtype(model))
-    resid = [f"resid_pre.{i}" for i in range(n_blocks)] + [f"resid_mid.{i}" for i in range(n_blocks)] + [f"resid_post.{n_blocks - 1}"]
+    resid = (
+        [f"resid_pre.{i}" for i in range(n_blocks)]
+        + [f"resid_mid.{i}" for i in range(n_blocks)]
+        + [f"resid_post.{n_blocks - 1}"]
+    )
 
     def keep(name: str) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
@@ -918,19 +984,26 @@ def edge_attribution(
         # embed is resid_pre.0's tensor: the interpolation is an edit at resid_pre.0
         sites.modify["resid_pre.0"] = interpolate
     kw = _tile(base_kw, batch, steps)
-    with torch.enable_grad(), TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+    with (
+        torch.enable_grad(),
+        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
+    ):
         out = _run(model, kw)
     groups = _metric_groups(metric, out, batch, steps)
     base_m = groups[0].detach()
     sites.backward(groups.sum())
-    del out, sites
+    del out
 
     downs: list[str] = []
     reads: list[torch.Tensor] = []
     down_layer: list[int] = []
     down_is_mlp: list[bool] = []
     for layer in range(n_blocks):
-        post = grads[f"resid_pre.{layer + 1}"] if layer + 1 < n_blocks else grads[f"resid_post.{n_blocks - 1}"]
+        post = (
+            grads[f"resid_pre.{layer + 1}"]
+            if layer + 1 < n_blocks
+            else grads[f"resid_post.{n_blocks - 1}"]
+        )
         reads.append(grads[f"resid_pre.{layer}"] - grads[f"resid_mid.{layer}"])
         downs.append(f"attn.{layer}")
         down_layer.append(layer)
@@ -950,11 +1023,20 @@ def edge_attribution(
         for j, (dl, dm) in enumerate(zip(down_layer, down_is_mlp)):
             # a component reads every earlier one; an MLP reads its own block's attention
             valid[i, j] = dl > ul or (dl == ul and dm and not um and ul >= 0)
-    scores = torch.where(valid.to(scores.device), scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    scores = torch.where(
+        valid.to(scores.device), scores, torch.zeros((), dtype=scores.dtype, device=scores.device)
+    )
     clean_m, corrupt_m = (base_m, src_m) if noising else (src_m, base_m)
     return EdgeResult(
-        scores.detach().cpu(), ups, downs, valid, "eap-ig" if steps > 1 else "eap",
-        float(clean_m), float(corrupt_m), bool(noising), steps,
+        scores.detach().cpu(),
+        ups,
+        downs,
+        valid,
+        "eap-ig" if steps > 1 else "eap",
+        float(clean_m),
+        float(corrupt_m),
+        bool(noising),
+        steps,
     )
 
 
@@ -971,7 +1053,9 @@ def _per_head_out(proj: nn.Module, dz: torch.Tensor) -> torch.Tensor:
         return out - proj(torch.zeros_like(flat[0]))
 
 
-def _check_residual(model: nn.Module, points: dict[str, Point], acts: dict[str, torch.Tensor], n: int, tol: float) -> None:
+def _check_residual(
+    model: nn.Module, points: dict[str, Point], acts: dict[str, torch.Tensor], n: int, tol: float
+) -> None:
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         scale = max(float(a.abs().max()), float(b.abs().max()), 1e-12)
         return float((a - b).abs().max()) <= tol * scale

@@ -32,15 +32,27 @@ def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and ("norm" in name or "ln" in name or "LayerNorm" in name):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if name.endswith("weight") else 0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(
+                    1 + 0.3 * torch.randn(p.shape, generator=g)
+                    if name.endswith("weight")
+                    else 0.2 * torch.randn(p.shape, generator=g)
+                )
     return model.eval().double()
 
 
 def gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     cfg = T.GPT2Config(
-        n_embd=16, n_layer=layers, n_head=2, vocab_size=32, n_positions=16,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+        n_embd=16,
+        n_layer=layers,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return _randomize(T.GPT2LMHeadModel(cfg))
 
@@ -48,8 +60,15 @@ def gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
 def llama(layers: int = 2) -> nn.Module:
     torch.manual_seed(1)
     cfg = T.LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
     )
     return _randomize(T.LlamaForCausalLM(cfg))
 
@@ -57,8 +76,13 @@ def llama(layers: int = 2) -> nn.Module:
 def bert(layers: int = 2) -> nn.Module:
     torch.manual_seed(2)
     cfg = T.BertConfig(
-        hidden_size=16, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=32,
-        vocab_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        hidden_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     return _randomize(T.BertModel(cfg))
@@ -66,8 +90,18 @@ def bert(layers: int = 2) -> nn.Module:
 
 # Hand-written module paths per architecture: (block, attention output, o_proj, mlp)
 PATHS = {
-    "gpt2": ("transformer.h.{}", "transformer.h.{}.attn", "transformer.h.{}.attn.c_proj", "transformer.h.{}.mlp"),
-    "llama": ("model.layers.{}", "model.layers.{}.self_attn", "model.layers.{}.self_attn.o_proj", "model.layers.{}.mlp"),
+    "gpt2": (
+        "transformer.h.{}",
+        "transformer.h.{}.attn",
+        "transformer.h.{}.attn.c_proj",
+        "transformer.h.{}.mlp",
+    ),
+    "llama": (
+        "model.layers.{}",
+        "model.layers.{}.self_attn",
+        "model.layers.{}.self_attn.o_proj",
+        "model.layers.{}.mlp",
+    ),
     "bert": (
         "encoder.layer.{}",
         "encoder.layer.{}.attention.output.dropout",  # dense -> dropout, before the LayerNorm
@@ -117,7 +151,9 @@ def _ref_hook(model: nn.Module, point: str, fn):
 
 def _ref_record(model, ids, points):
     acts = {}
-    handles = [_ref_hook(model, p, lambda t, p=p: acts.__setitem__(p, t.detach().clone())) for p in points]
+    handles = [
+        _ref_hook(model, p, lambda t, p=p: acts.__setitem__(p, t.detach().clone())) for p in points
+    ]
     try:
         with torch.no_grad():
             out = model(ids)
@@ -193,7 +229,9 @@ def _ref_grads(model, ids, points, metric, block_grad=None):
     finally:
         for h in handles:
             h.remove()
-    return {p: (g if g is not None else torch.zeros_like(kept[p])) for p, g in zip(points, grads)}, kept
+    return {
+        p: (g if g is not None else torch.zeros_like(kept[p])) for p, g in zip(points, grads)
+    }, kept
 
 
 def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=None):
@@ -232,7 +270,9 @@ def test_activation_patch_equals_one_patch_per_forward(arch, noising):
     metric = _metric_for(model)
     ref = _ref_activation_patch(model, clean, corrupt, metric, POINTS, noising)
     for batch_size in (1, 7):
-        got = activation_patch(model, clean, corrupt, metric, POINTS, noising=noising, batch_size=batch_size)
+        got = activation_patch(
+            model, clean, corrupt, metric, POINTS, noising=noising, batch_size=batch_size
+        )
         assert isinstance(got, PatchResult) and list(got) == POINTS
         for p in POINTS:
             assert got[p].shape == ref[p].shape, p
@@ -247,11 +287,17 @@ def test_activation_patch_scalar_metric_and_globs():
     clean, corrupt = _pair(model)
     per_example = _metric_for(model)
     ref = _ref_activation_patch(model, clean, corrupt, per_example, ["resid_pre.0", "resid_pre.1"])
-    got = activation_patch(model, clean, corrupt, lambda o: per_example(o).sum(), "resid_pre.*", batch_size=4)
+    got = activation_patch(
+        model, clean, corrupt, lambda o: per_example(o).sum(), "resid_pre.*", batch_size=4
+    )
     for p in ref:
         torch.testing.assert_close(got[p], ref[p], **TOL)
-    whole = activation_patch(model, clean, corrupt, per_example, ["attn_z.1"], per_head=False, positions=[1, -2])
-    ref_whole = _ref_activation_patch(model, clean, corrupt, per_example, ["attn_out.1"])  # z whole == attn_out
+    whole = activation_patch(
+        model, clean, corrupt, per_example, ["attn_z.1"], per_head=False, positions=[1, -2]
+    )
+    ref_whole = _ref_activation_patch(
+        model, clean, corrupt, per_example, ["attn_out.1"]
+    )  # z whole == attn_out
     assert whole["attn_z.1"].shape == (5,)
     torch.testing.assert_close(whole["attn_z.1"][[1, 3]], ref_whole["attn_out.1"][[1, 3]], **TOL)
     assert float(whole["attn_z.1"][0]) == 0.0 and float(whole["attn_z.1"][2]) == 0.0
@@ -278,12 +324,19 @@ def test_one_batch_slices_get_their_own_gradient():
     model = llama()
     clean, corrupt = _pair(model, batch=3)
     metric = _metric_for(model)
-    got = attribution_patch(model, clean, corrupt, metric, ["resid_pre.1", "attn_z.0"], one_batch=True)
+    got = attribution_patch(
+        model, clean, corrupt, metric, ["resid_pre.1", "attn_z.0"], one_batch=True
+    )
     ref = _ref_atp(model, clean, corrupt, metric, ["resid_pre.1", "attn_z.0"])
     for p in ref:
         torch.testing.assert_close(got[p], ref[p], **TOL)
     # per example: a batch of one, summed, gives the same (no row sees another's gradient)
-    summed = {p: sum(_ref_atp(model, clean[i : i + 1], corrupt[i : i + 1], metric, [p])[p] for i in range(3)) for p in ref}
+    summed = {
+        p: sum(
+            _ref_atp(model, clean[i : i + 1], corrupt[i : i + 1], metric, [p])[p] for i in range(3)
+        )
+        for p in ref
+    }
     for p in ref:
         torch.testing.assert_close(got[p], summed[p], **TOL)
 
@@ -295,7 +348,9 @@ def test_atp_star_graddrop_equals_reference(opts):
     metric = _metric_for(model)
     points = ["resid_pre.0", "resid_pre.2", "attn_z.1"]
     atp = _ref_atp(model, clean, corrupt, metric, points)
-    dropped = [_ref_atp(model, clean, corrupt, metric, points, block_grad=layer) for layer in range(3)]
+    dropped = [
+        _ref_atp(model, clean, corrupt, metric, points, block_grad=layer) for layer in range(3)
+    ]
     got = attribution_patch(model, clean, corrupt, metric, points, method="atp*", **opts)
     assert got.method == "atp*"
     for p in points:
@@ -309,12 +364,20 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
     n = model.config.num_hidden_layers
     H = _heads(model)
     if arch == "gpt2":
-        reads = [f"transformer.h.{i}.ln_{k}" for i in range(n) for k in (1, 2)] + ["transformer.ln_f"]
+        reads = [f"transformer.h.{i}.ln_{k}" for i in range(n) for k in (1, 2)] + [
+            "transformer.ln_f"
+        ]
         o_w = lambda i: model.transformer.h[i].attn.c_proj.weight  # noqa: E731  [in, out]
     else:
-        reads = [f"model.layers.{i}.{k}" for i in range(n) for k in ("input_layernorm", "post_attention_layernorm")] + ["model.norm"]
+        reads = [
+            f"model.layers.{i}.{k}"
+            for i in range(n)
+            for k in ("input_layernorm", "post_attention_layernorm")
+        ] + ["model.norm"]
         o_w = lambda i: model.model.layers[i].self_attn.o_proj.weight.T  # noqa: E731
-    points = ["resid_pre.0"] + [f"attn_z.{i}" for i in range(n)] + [f"mlp_out.{i}" for i in range(n)]
+    points = (
+        ["resid_pre.0"] + [f"attn_z.{i}" for i in range(n)] + [f"mlp_out.{i}" for i in range(n)]
+    )
     _, ca = _ref_record(model, clean, points)
     _, ra = _ref_record(model, corrupt, points)
     ups = [ca["resid_pre.0"] - ra["resid_pre.0"]]
@@ -333,14 +396,22 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
         handles = []
         for r in reads:
 
-            def pre(_m, args, kwargs, r=r):
+            def pre(_m, args, kwargs, r=r, kept=kept):
                 x = (args[0] if args else kwargs["hidden_states"]).clone()
                 kept[r] = x
                 return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
             handles.append(model.get_submodule(r).register_forward_pre_hook(pre, with_kwargs=True))
         alpha = k / steps
-        handles.append(_ref_hook(model, "resid_pre.0", lambda t, a=alpha: (ra["resid_pre.0"] + a * (ca["resid_pre.0"] - ra["resid_pre.0"])).requires_grad_()))
+        handles.append(
+            _ref_hook(
+                model,
+                "resid_pre.0",
+                lambda t, a=alpha: (
+                    ra["resid_pre.0"] + a * (ca["resid_pre.0"] - ra["resid_pre.0"])
+                ).requires_grad_(),
+            )
+        )
         try:
             value = metric(model(corrupt)).sum()
             gs = torch.autograd.grad(value, [kept[r] for r in reads])
@@ -372,7 +443,9 @@ def test_edge_attribution_equals_reference(arch, steps):
         checked += 1
     n, H = 2, _heads(model)
     # edges: embed -> 2n+1, heads of block l -> the rest, mlps -> later ones
-    assert checked == (2 * n + 1) + sum(H * (2 * (n - l) - 1 + 1) for l in range(n)) + sum(2 * (n - l - 1) + 1 for l in range(n))
+    assert checked == (2 * n + 1) + sum(H * (2 * (n - b) - 1 + 1) for b in range(n)) + sum(
+        2 * (n - b - 1) + 1 for b in range(n)
+    )
     assert got[("attn.1.h0", "attn.0")] == 0.0  # not an edge
     assert got.top(1)[0].score == max((e.score for e in got.edges()), key=abs)
 
@@ -388,7 +461,9 @@ def test_dropout_is_refused_by_name_and_nothing_stays_registered():
     model = gpt2(dropout=0.1).train()
     clean, corrupt = _pair(model)
     for fn in (activation_patch, attribution_patch):
-        with pytest.raises(DropoutActiveError, match=r"'transformer\.drop' \(Dropout, p=0\.1\).*model\.eval\(\)"):
+        with pytest.raises(
+            DropoutActiveError, match=r"'transformer\.drop' \(Dropout, p=0\.1\).*model\.eval\(\)"
+        ):
             fn(model, clean, corrupt, _metric_for(model), "resid_pre.*")
     with pytest.raises(DropoutActiveError):
         edge_attribution(model, clean, corrupt, _metric_for(model))
@@ -405,7 +480,9 @@ def test_bad_input_is_named():
         activation_patch(model, clean, corrupt[:, :4], metric, "resid_pre.0")
     with pytest.raises(ValueError, match="not a standard point"):
         activation_patch(model, clean, corrupt, metric, "transformer.h.0")
-    with pytest.raises(ValueError, match=r"metric\(output\) must return a scalar or one value per example"):
+    with pytest.raises(
+        ValueError, match=r"metric\(output\) must return a scalar or one value per example"
+    ):
         attribution_patch(model, clean, corrupt, lambda o: o.logits[:, -1], "resid_pre.0")
     with pytest.raises(ValueError, match="method must be 'atp' or 'atp\\*'"):
         attribution_patch(model, clean, corrupt, metric, "resid_pre.0", method="atp+")
@@ -419,7 +496,14 @@ def test_dict_inputs_with_attention_mask():
     clean, corrupt = _pair(model)
     mask = torch.ones_like(clean)
     metric = _metric_for(model)
-    got = activation_patch(model, {"input_ids": clean, "attention_mask": mask}, {"input_ids": corrupt, "attention_mask": mask}, metric, ["resid_pre.1"], batch_size=3)
+    got = activation_patch(
+        model,
+        {"input_ids": clean, "attention_mask": mask},
+        {"input_ids": corrupt, "attention_mask": mask},
+        metric,
+        ["resid_pre.1"],
+        batch_size=3,
+    )
     ref = _ref_activation_patch(model, clean, corrupt, metric, ["resid_pre.1"])
     torch.testing.assert_close(got["resid_pre.1"], ref["resid_pre.1"], **TOL)
 
@@ -435,7 +519,9 @@ def test_compiled_model():
     try:
         got = activation_patch(compiled, clean, corrupt, metric, ["resid_pre.1"], batch_size=16)
         torch.testing.assert_close(got["resid_pre.1"], want["resid_pre.1"], **TOL)
-        with pytest.raises(pyhook.CompiledModelError, match="attribution_patch .*compiled.*_orig_mod"):
+        with pytest.raises(
+            pyhook.CompiledModelError, match=r"attribution_patch .*compiled.*_orig_mod"
+        ):
             attribution_patch(compiled, clean, corrupt, metric, ["resid_pre.1"])
         with pytest.raises(pyhook.CompiledModelError, match="edge_attribution"):
             edge_attribution(compiled, clean, corrupt, metric)
@@ -452,17 +538,29 @@ def test_offloaded_model(tmp_path):
     metric = _metric_for(model)
     model.save_pretrained(tmp_path / "ckpt")
     device_map = {
-        "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-        "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu",
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
     }
-    off = T.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "off", dtype=torch.float64).eval()
+    off = T.LlamaForCausalLM.from_pretrained(
+        tmp_path / "ckpt",
+        device_map=device_map,
+        offload_folder=tmp_path / "off",
+        dtype=torch.float64,
+    ).eval()
     assert hasattr(off.model.layers[1], "_hf_hook")
     pts = ["resid_pre.1", "attn_z.1", "mlp_out.1"]
     for fn in (activation_patch, attribution_patch):
         want, got = fn(model, clean, corrupt, metric, pts), fn(off, clean, corrupt, metric, pts)
         for p in pts:
             torch.testing.assert_close(got[p], want[p], **TOL)
-    want, got = edge_attribution(model, clean, corrupt, metric), edge_attribution(off, clean, corrupt, metric)
+    want, got = (
+        edge_attribution(model, clean, corrupt, metric),
+        edge_attribution(off, clean, corrupt, metric),
+    )
     torch.testing.assert_close(got.scores, want.scores, **TOL)
 
 
@@ -476,7 +574,11 @@ def test_result_top_and_plot(tmp_path):
     assert len(allc) == 5 + 5 * 2
     assert [abs(c.score) for c in top] == sorted((abs(c.score) for c in allc), reverse=True)[:3]
     best = top[0]
-    want = r[best.point][best.position] if best.head is None else r[best.point][best.position, best.head]
+    want = (
+        r[best.point][best.position]
+        if best.head is None
+        else r[best.point][best.position, best.head]
+    )
     assert best.score == float(want)
     fig = r.plot(tmp_path / "p.png", labels=[str(t) for t in clean[0].tolist()])
     assert (tmp_path / "p.png").stat().st_size > 1000
