@@ -20,6 +20,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   model, layers, store) as one config with ``plan()``/``run()``/``stream()``, the job the
   ``pyhook capture`` command parses its flags or ``--config`` file into; :class:`Paired` runs
   several named models on the same tokens into one store (crosscoders, model diffing);
+* TransformerLens-shaped hooks (:mod:`pyhook.lens`): :func:`run_with_cache`,
+  :func:`run_with_hooks`, :func:`hooks` (``fn(tensor, hook)`` hook functions, forward and
+  backward, on points, TransformerLens names and module names);
 * streaming: :func:`stream` hands shuffled batches of live activations to a trainer (a
   producer thread ahead of it, a seeded mixing buffer, optionally a tee to a store);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
@@ -76,6 +79,7 @@ from .extend import (
     output_sizes,
 )
 from .flex import DummyModule, FlexModel, HookFunction, default_editing_function
+from .lens import LensHook, hooks, run_with_cache, run_with_hooks
 from .modules import (
     LayerNotFoundError,
     get_module,
@@ -151,6 +155,11 @@ __all__ = [
     "FlexModel",
     "DummyModule",
     "default_editing_function",
+    # TransformerLens-shaped hooks (forward and backward)
+    "run_with_cache",
+    "run_with_hooks",
+    "hooks",
+    "LensHook",
     # high-throughput capture
     "capture",
     "CaptureJob",

@@ -25,9 +25,11 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 =================  ===========================================================================
 
 ``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
-a glob (``resid_post.*``, ``*.3``); TransformerLens' spellings are aliases
-(``blocks.3.hook_resid_post``, ``hook_embed``, ``ln_final.hook_normalized``,
-``blocks.3.ln2.hook_normalized``, ``blocks.3.attn.hook_z``, ...). Any module's input is spelt
+a glob (``resid_post.*``, ``*.3``). TransformerLens' names are taken too, each holding what it
+holds in TransformerLens or refused with the reason (:func:`tl_unavailable`): aliases of points
+(``blocks.3.hook_resid_post``, ``blocks.3.attn.hook_z``, ...) and values of their own
+(``blocks.3.ln2.hook_normalized`` / ``hook_scale``, before the norm's weight and bias, and
+``hook_embed``, the token embeddings). Any module's input is spelt
 ``"<module name>:in"`` (:func:`module_inputs`) wherever a module name is taken. A point resolves
 to a :class:`Point`: a module, whether the tensor is its input (a forward pre-hook) or its
 output, and where the tensor sits in the arguments or the output tuple. Tools hand users the
@@ -82,6 +84,7 @@ __all__ = [
     "points_by_module",
     "register_architecture",
     "resolve_point",
+    "tl_unavailable",
 ]
 
 #: The per-layer point kinds, in the order a block computes them.
@@ -99,13 +102,39 @@ LAYER_KINDS = (
 KINDS = ("embed", *LAYER_KINDS, "final")
 #: The sites inside a block: the input of a module of the block (see :class:`Architecture`).
 SITE_KINDS = ("attn_in", "attn_z", "mlp_in", "mlp_hidden")
-#: TransformerLens' names of the sites inside a block (``blocks.L.<alias>``).
+#: TransformerLens' names of the sites inside a block that are aliases (``blocks.L.<alias>``).
 TL_SITES = {
-    "attn_in": "ln1.hook_normalized",
     "attn_z": "attn.hook_z",
-    "mlp_in": "ln2.hook_normalized",
     "mlp_hidden": "mlp.hook_post",
 }
+#: TransformerLens' norm hooks inside a block (``blocks.L.<name>``): pyhook kinds of their own,
+#: the values *before* the norm's weight and bias (see :func:`point_names` with ``tl=True``).
+TL_NORMS = {
+    "ln1_scale": "ln1.hook_scale",
+    "ln1_normalized": "ln1.hook_normalized",
+    "ln2_scale": "ln2.hook_scale",
+    "ln2_normalized": "ln2.hook_normalized",
+}
+#: The model-wide TransformerLens names that are pyhook kinds of their own.
+TL_GLOBAL = {
+    "tok_embed": "hook_embed",
+    "final_scale": "ln_final.hook_scale",
+    "final_normalized": "ln_final.hook_normalized",
+}
+#: TransformerLens' per-layer names in forward order, as pyhook kinds.
+TL_LAYER_KINDS = (
+    "resid_pre",
+    "ln1_scale",
+    "ln1_normalized",
+    "attn_z",
+    "attn_out",
+    "resid_mid",
+    "ln2_scale",
+    "ln2_normalized",
+    "mlp_hidden",
+    "mlp_out",
+    "resid_post",
+)
 
 
 # -- the data ---------------------------------------------------------------------------------
@@ -136,6 +165,14 @@ class Architecture:
     ``[batch, tokens, ...]``, so masks, positions and token ids apply to them as to the others.
     ``sites_note`` is the docs' note on the sites.
 
+    TransformerLens' names: ``ln1`` / ``ln2`` name, relative to one block, the norm modules
+    whose output the attention / the MLP reads (TransformerLens' ``blocks.L.ln1`` /
+    ``blocks.L.ln2``: their ``hook_normalized`` and ``hook_scale`` are computed from these
+    modules' inputs); ``None``: those names are refused. ``tl_differs``: the kinds whose
+    TransformerLens name holds another tensor on this architecture (``"embed"`` for
+    ``hook_embed``), refused under that name (post-norm blocks: TransformerLens'
+    ``hook_resid_mid`` / ``hook_resid_post`` are before the norms, pyhook's after).
+
     Example::
 
         >>> from pyhook.points import Architecture
@@ -159,6 +196,9 @@ class Architecture:
     moe: bool = False
     sites_note: str = ""
     flat: tuple[str, ...] = ()
+    ln1: str | None = None
+    ln2: str | None = None
+    tl_differs: tuple[str, ...] = ()
 
     @property
     def parallel(self) -> bool:
@@ -178,22 +218,46 @@ _NO_PRE_NORM = "no pre-norms: `attn_in` holds `resid_pre`'s values and `mlp_in` 
 _ENCODER = "post-norm: `attn_in` holds `resid_pre`'s values and `mlp_in` `resid_mid`'s (an edit there reaches that branch only)"
 _OPT = "`mlp_in`/`mlp_hidden` are [batch*tokens, ...] in hooks, as OPT computes them; captures store one row per token, masked like every layer"
 # The sites inside a block, by family: (attn_in, attn_z, mlp_in, mlp_hidden), relative to a block.
+# ln1/ln2: the norms TransformerLens calls blocks.L.ln1 / ln2 (see Architecture)
+_LN_HF = dict(ln1="input_layernorm", ln2="post_attention_layernorm")
 _LLAMA = dict(
-    attn_in="self_attn", attn_z="self_attn.o_proj", mlp_in="mlp", mlp_hidden="mlp.down_proj"
+    attn_in="self_attn",
+    attn_z="self_attn.o_proj",
+    mlp_in="mlp",
+    mlp_hidden="mlp.down_proj",
+    **_LN_HF,
 )
 _MOE_SITES = dict(
-    attn_in="self_attn", attn_z="self_attn.o_proj", mlp_in="mlp", moe=True, sites_note=_MOE
+    attn_in="self_attn",
+    attn_z="self_attn.o_proj",
+    mlp_in="mlp",
+    moe=True,
+    sites_note=_MOE,
+    **_LN_HF,
 )
-_GPT2 = dict(attn_in="attn", attn_z="attn.c_proj", mlp_in="mlp", mlp_hidden="mlp.c_proj")
+_GPT2 = dict(
+    attn_in="attn",
+    attn_z="attn.c_proj",
+    mlp_in="mlp",
+    mlp_hidden="mlp.c_proj",
+    ln1="ln_1",
+    ln2="ln_2",
+)
 _GPTJ = dict(
     attn_in="attn",
     attn_z="attn.out_proj",
     mlp_in="mlp",
     mlp_hidden="mlp.fc_out",
     sites_note=_SHARED,
+    ln1="ln_1",
+    ln2="ln_1",
 )
 _NEOX = dict(
-    attn_in="attention", attn_z="attention.dense", mlp_in="mlp", mlp_hidden="mlp.dense_4h_to_h"
+    attn_in="attention",
+    attn_z="attention.dense",
+    mlp_in="mlp",
+    mlp_hidden="mlp.dense_4h_to_h",
+    **_LN_HF,
 )
 _OPT_SITES = dict(
     attn_in="self_attn",
@@ -202,6 +266,8 @@ _OPT_SITES = dict(
     mlp_hidden="fc2",
     sites_note=_OPT,
     flat=("resid_mid", "mlp_in", "mlp_hidden", "mlp_out"),
+    ln1="self_attn_layer_norm",
+    ln2="final_layer_norm",
 )
 _FALCON = dict(
     attn_in="self_attention",
@@ -209,13 +275,23 @@ _FALCON = dict(
     mlp_in="mlp",
     mlp_hidden="mlp.dense_4h_to_h",
 )
-_PHI = dict(attn_in="self_attn", attn_z="self_attn.dense", mlp_in="mlp", mlp_hidden="mlp.fc2")
+_PHI = dict(
+    attn_in="self_attn",
+    attn_z="self_attn.dense",
+    mlp_in="mlp",
+    mlp_hidden="mlp.fc2",
+    ln1="input_layernorm",
+    ln2="input_layernorm",
+)
+# post-norm: TransformerLens' hook_resid_mid / hook_resid_post are the sums before the norms
+_POST_NORM_TL = ("resid_mid", "resid_post")
 _BERT = dict(
     attn_in="attention.self",
     attn_z="attention.output.dense",
     mlp_in="intermediate",
     mlp_hidden="output.dense",
     sites_note=_ENCODER,
+    tl_differs=_POST_NORM_TL,
 )
 
 #: The mapping, one row (or a few, with conditions) per architecture. Generates docs/points.md.
@@ -228,17 +304,17 @@ ARCHITECTURES: list[Architecture] = [
     A("codegen", "h", "attn", "mlp", None, "ln_f", **_GPTJ),
     A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", None, "final_layer_norm", when="use_parallel_residual", **_NEOX, sites_note=_TWO_NORMS),
     A("gpt_neox", "layers", "post_attention_dropout", "post_mlp_dropout", "post_attention_layernorm", "final_layer_norm", **_NEOX),
-    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", None, when="not do_layer_norm_before", note="post-norm (OPT-350m): no final norm, `final` is the last block's output; `mlp_out` is [batch*tokens, hidden] in hooks, as OPT computes it (captures: one row per token)", **{**_OPT_SITES, "flat": ("mlp_in", "mlp_hidden", "mlp_out")}),
+    A("opt", "decoder.layers", "self_attn", "fc2", "self_attn_layer_norm:out", None, when="not do_layer_norm_before", tl_differs=_POST_NORM_TL, note="post-norm (OPT-350m): no final norm, `final` is the last block's output; `mlp_out` is [batch*tokens, hidden] in hooks, as OPT computes it (captures: one row per token)", **{**_OPT_SITES, "flat": ("mlp_in", "mlp_hidden", "mlp_out"), "ln1": None, "ln2": None}),
     A("opt", "decoder.layers", "self_attn", "fc2", "final_layer_norm", "decoder.final_layer_norm", note="`mlp_out` and `resid_mid` are [batch*tokens, hidden] in hooks, as OPT computes them (captures: one row per token)", **_OPT_SITES),
-    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used", **_FALCON),
+    A("bloom", "h", "self_attention.dense", "mlp.dense_4h_to_h", "post_attention_layernorm", "ln_f", note="the attention and MLP modules add the residual themselves: their inner projections are used", **_FALCON, **_LN_HF, tl_differs=("embed",)),
     A("falcon", "h", "self_attention", "mlp!", None, "ln_f", when="new_decoder_architecture or parallel_attn", **_FALCON, sites_note="parallel: `attn_in` and `mlp_in` hold the same values when one norm feeds both (`num_ln_in_parallel_attn=1`; `new_decoder_architecture` defaults to two norms)"),
-    A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f", **_FALCON),
-    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used", attn_in="attn", attn_z="attn.out_proj", mlp_in="ffn", mlp_hidden="ffn.down_proj"),
+    A("falcon", "h", "self_attention", "mlp", "post_attention_layernorm", "ln_f", **_FALCON, **_LN_HF),
+    A("mpt", "blocks", "resid_attn_dropout", "ffn.down_proj", "norm_2", "norm_f", note="the MLP module adds the residual itself: its down projection is used", attn_in="attn", attn_z="attn.out_proj", mlp_in="ffn", mlp_hidden="ffn.down_proj", ln1="norm_1", ln2="norm_2"),
     A("phi", "layers", "self_attn", "mlp", None, "final_layernorm", **_PHI, sites_note=_SHARED),
-    A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual", **_LLAMA, sites_note=_SHARED),
+    A("stablelm", "layers", "self_attn", "dropout", None, "norm", when="use_parallel_residual", **{**_LLAMA, "ln2": "input_layernorm"}, sites_note=_SHARED),
     A("stablelm", "layers", "self_attn", "dropout", "post_attention_layernorm", "norm", **_LLAMA),
-    A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm", **{**_PHI, "mlp_hidden": "mlp.dense_4h_to_h"}),
-    A("cohere", "layers", "self_attn", "mlp", None, "norm", **_LLAMA, sites_note=_SHARED),
+    A("persimmon", "layers", "self_attn", "dropout", "post_attention_layernorm", "final_layernorm", **{**_PHI, "mlp_hidden": "mlp.dense_4h_to_h", "ln2": "post_attention_layernorm"}),
+    A("cohere", "layers", "self_attn", "mlp", None, "norm", **{**_LLAMA, "ln2": "input_layernorm"}, sites_note=_SHARED),
     A("llama", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
     A("mistral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
     A("mixtral", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_MOE_SITES),
@@ -255,16 +331,16 @@ ARCHITECTURES: list[Architecture] = [
     A("smollm3", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", **_LLAMA),
     A("granite", "layers", "self_attn", "mlp", "post_attention_layernorm", "norm", note=_MULTIPLIER, **_LLAMA),
     A("granitemoe", "layers", "self_attn", "block_sparse_moe", "post_attention_layernorm", "norm", note=_MULTIPLIER, **{**_MOE_SITES, "mlp_in": "block_sparse_moe"}),
-    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_SANDWICH),
-    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_SANDWICH),
-    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_NO_PRE_NORM),
-    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **_LLAMA, sites_note=_NO_PRE_NORM),
+    A("gemma2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **{**_LLAMA, "ln2": "pre_feedforward_layernorm"}, sites_note=_SANDWICH),
+    A("gemma3_text", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "norm", note=_POST_BRANCH, **{**_LLAMA, "ln2": "pre_feedforward_layernorm"}, sites_note=_SANDWICH),
+    A("olmo2", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **{**_LLAMA, "ln1": None, "ln2": None}, tl_differs=("attn_out", "mlp_out"), sites_note=_NO_PRE_NORM),
+    A("olmo3", "layers", "post_attention_layernorm", "post_feedforward_layernorm", "mlp", "norm", note=_POST_BRANCH, **{**_LLAMA, "ln1": None, "ln2": None}, tl_differs=("attn_out", "mlp_out"), sites_note=_NO_PRE_NORM),
     A("bert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
     A("roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
     A("xlm-roberta", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
     A("electra", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
     A("camembert", "encoder.layer", "attention.output.dropout", "output.dropout", "intermediate", None, note=_POST_NORM, **_BERT),
-    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM, attn_in="attention", attn_z="attention.out_lin", mlp_in="ffn", mlp_hidden="ffn.lin2", sites_note=_ENCODER),
+    A("distilbert", "transformer.layer", "attention", "ffn", "ffn", None, note=_POST_NORM, attn_in="attention", attn_z="attention.out_lin", mlp_in="ffn", mlp_hidden="ffn.lin2", sites_note=_ENCODER, tl_differs=_POST_NORM_TL),
 ]
 # fmt: on
 del A
@@ -287,11 +363,15 @@ def register_architecture(
     heads: str | int = "num_attention_heads",
     moe: bool = False,
     flat: Sequence[str] = (),
+    ln1: str | None = None,
+    ln2: str | None = None,
+    tl_differs: Sequence[str] = (),
 ) -> Architecture:
     """Add (or override) the mapping for an architecture: a ``config.model_type`` or a class.
 
     The new row is tried before the built-in ones. See :class:`Architecture` for the fields
-    (the sites inside a block, ``attn_in`` ... ``mlp_hidden``, and ``flat`` are optional).
+    (the sites inside a block, ``attn_in`` ... ``mlp_hidden``, ``flat``, and the
+    TransformerLens fields ``ln1``, ``ln2``, ``tl_differs`` are optional).
 
     Example::
 
@@ -327,12 +407,18 @@ def register_architecture(
         if not isinstance(value, str) or not value:
             raise TypeError(f"{field_name} must be a dotted module path (str), got {value!r}")
     sites = {"attn_in": attn_in, "attn_z": attn_z, "mlp_in": mlp_in, "mlp_hidden": mlp_hidden}
-    for field_name, value in (("mid", mid), ("final", final), *sites.items()):
+    for field_name, value in (
+        ("mid", mid),
+        ("final", final),
+        ("ln1", ln1),
+        ("ln2", ln2),
+        *sites.items(),
+    ):
         if value is not None and (not isinstance(value, str) or not value):
             raise TypeError(
                 f"{field_name} must be a dotted module path (str) or None, got {value!r}"
             )
-    paths = {"attn": attn, "mlp": mlp, "mid": mid, "final": final, **sites}
+    paths = {"attn": attn, "mlp": mlp, "mid": mid, "final": final, "ln1": ln1, "ln2": ln2, **sites}
     for field_name, value in paths.items():
         if value is not None:
             try:
@@ -354,6 +440,13 @@ def register_architecture(
         raise ValueError(
             f"flat: {unknown[0]!r} is not a per-layer point kind (one of {', '.join(LAYER_KINDS)})"
         )
+    if isinstance(tl_differs, str) or not all(isinstance(k, str) for k in tl_differs):
+        raise TypeError(f"tl_differs must be a sequence of point kinds, got {tl_differs!r}")
+    unknown = [k for k in tl_differs if k not in KINDS]
+    if unknown:
+        raise ValueError(
+            f"tl_differs: {unknown[0]!r} is not a point kind (one of {', '.join(KINDS)})"
+        )
     row = Architecture(
         name,
         blocks,
@@ -367,6 +460,9 @@ def register_architecture(
         heads=heads,
         moe=bool(moe),
         flat=tuple(flat),
+        ln1=ln1,
+        ln2=ln2,
+        tl_differs=tuple(tl_differs),
     )
     _USER_ROWS.insert(0, row)
     _CACHE.clear()
@@ -447,6 +543,10 @@ class Point:
     #: the model computes this tensor as ``[batch*tokens, ...]`` (:attr:`Architecture.flat`);
     #: hooks see it so, captures view it as ``[batch, tokens, ...]``
     flat: bool = False
+    #: TransformerLens' norm values: ``"normalized"`` (the norm's input centred and divided by
+    #: the scale, before its weight and bias) or ``"scale"`` (``[..., 1]``), computed from the
+    #: input of :attr:`module` (a norm); an edit gives the norm's output from the edited value
+    norm: str | None = None
 
     def register(
         self,
@@ -465,6 +565,8 @@ class Point:
         the value, ``None`` (or the value itself) leaves it.
         """
         point = self
+        if self.norm is not None:
+            return self._register_norm(hooks, fn, with_kwargs, prepend, always_call)
         if self.kind == "output":
             copy = self.copy
 
@@ -513,6 +615,42 @@ class Point:
             return args, {**kwargs, key: new}
 
         return hooks.forward_pre(self.module, on_input, with_kwargs=True, prepend=prepend)
+
+    def _register_norm(
+        self,
+        hooks: Any,
+        fn: Callable[..., Any],
+        with_kwargs: bool,
+        prepend: bool,
+        always_call: bool,
+    ) -> Any:
+        """:meth:`register` for TransformerLens' norm values (:attr:`norm`)."""
+        point = self
+        rule = _norm_rule(self.module)
+        if rule is None:  # the module was replaced since the point was resolved
+            raise PointUnavailableError(
+                self.name, f"{self.name!r}: {self.module_name!r} is not a norm pyhook knows"
+            )
+        scale_point = self.norm == "scale"
+
+        def on_norm(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            x = _norm_input(point, args, kwargs)
+            centred, scale = rule.parts(x)
+            value = scale if scale_point else centred / scale
+            new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
+            if new is None or new is value:
+                return None
+            if not isinstance(new, torch.Tensor):
+                raise TypeError(
+                    f"{point.name!r}: an edit must return a tensor, got {type(new).__name__}"
+                )
+            normalized = centred / new if scale_point else new
+            out = rule.affine(module, normalized, x.dtype)
+            return out if isinstance(output, torch.Tensor) else _replace_output(output, out)
+
+        return hooks.forward(
+            self.module, on_norm, with_kwargs=True, prepend=prepend, always_call=always_call
+        )
 
     @property
     def kind_name(self) -> str | None:
@@ -772,11 +910,14 @@ _CANON_KINDS = "|".join(LAYER_KINDS)
 # TransformerLens' hook_<kind> names only for the residual-stream kinds: its hook_attn_in and
 # hook_mlp_in are other tensors (the un-normalised residual stream) than attn_in and mlp_in.
 _ALIAS_KINDS = "|".join(k for k in LAYER_KINDS if k not in SITE_KINDS)
-_TL_SITE_RX = "|".join(re.escape(v) for v in TL_SITES.values())
-_TL_KIND = {v: k for k, v in TL_SITES.items()}
+_TL_SITE_RX = "|".join(re.escape(v) for v in (*TL_SITES.values(), *TL_NORMS.values()))
+_TL_KIND = {v: k for k, v in (*TL_SITES.items(), *TL_NORMS.items(), *TL_GLOBAL.items())}
+_TL_GLOBAL_RX = "|".join(re.escape(v) for v in TL_GLOBAL.values())
+#: pyhook's kinds that exist under TransformerLens' names only (no canonical spelling).
+TL_ONLY_KINDS = frozenset((*TL_NORMS, *TL_GLOBAL))
 _CANON_RX = re.compile(rf"(?:(embed|final)|({_CANON_KINDS})\.(-?\d+|-?\d*:-?\d*|\*))\Z")
 _TL_RX = re.compile(
-    rf"(?:(hook_embed)|(ln_final\.hook_normalized)|blocks\.(-?\d+|-?\d*:-?\d*|\*)\."
+    rf"(?:({_TL_GLOBAL_RX})|blocks\.(-?\d+|-?\d*:-?\d*|\*)\."
     rf"(?:hook_({_ALIAS_KINDS})|({_TL_SITE_RX})))\Z"
 )
 #: The spelling of a module's input (``"transformer.h.3.mlp:in"``): see :func:`resolve_targets`.
@@ -862,22 +1003,22 @@ def _split(name: str) -> tuple[str, str | None, bool] | None:
     m = _TL_RX.match(name)
     if m:
         if m.group(1):
-            return "embed", None, True
-        if m.group(2):
-            return "final", None, True
-        return m.group(4) or _TL_KIND[m.group(5)], m.group(3), True
+            return _TL_KIND[m.group(1)], None, True
+        return m.group(3) or _TL_KIND[m.group(4)], m.group(2), True
     return None
 
 
 def _spell(kind: str, layer: int | None, tl: bool) -> str:
-    if not tl:
+    """A kind's name: canonical, or TransformerLens' (``tl``, and always for the kinds that
+    only TransformerLens names)."""
+    if (not tl and kind not in TL_ONLY_KINDS) or kind in ("embed", "final"):
         return kind if layer is None else f"{kind}.{layer}"
-    if kind == "embed":
-        return "hook_embed"
-    if kind == "final":
-        return "ln_final.hook_normalized"
+    if kind in TL_GLOBAL:
+        return TL_GLOBAL[kind]
     if kind in TL_SITES:
         return f"blocks.{layer}.{TL_SITES[kind]}"
+    if kind in TL_NORMS:
+        return f"blocks.{layer}.{TL_NORMS[kind]}"
     return f"blocks.{layer}.hook_{kind}"
 
 
@@ -903,6 +1044,8 @@ def _make(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name:
 def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
     arch = layout.arch
     blocks = layout.path(arch.blocks)
+    if kind in TL_ONLY_KINDS:
+        return _make_tl(model, layout, kind, layer, name)
     if kind in ("embed", "resid_pre"):
         i = 0 if kind == "embed" else layer
         module_name, side, inplace, copy = f"{blocks}.{i}", "input", False, False
@@ -937,6 +1080,109 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
     heads = _heads(model, arch, name) if kind == "attn_z" else None
     flat = kind in arch.flat
     return Point(name, module_name, module, side, inplace, copy, heads, flat)  # type: ignore[arg-type]
+
+
+def _make_tl(model: nn.Module, layout: _Layout, kind: str, layer: int | None, name: str) -> Point:
+    """The Point of a kind only TransformerLens names (checked by :func:`_tl_refusal`)."""
+    err = _tl_refusal(model, layout, kind, name, layer)
+    if err is not None:
+        raise err
+    arch = layout.arch
+    if kind == "tok_embed":
+        module = model.get_input_embeddings()  # type: ignore[operator]
+        module_name = next((n for n, m in model.named_modules() if m is module), None)
+        if module_name is None:
+            raise PointUnavailableError(
+                name,
+                f"{name!r}: the input embeddings of {type(model).__name__} are not a submodule",
+            )
+        return Point(name, module_name, module, "output")
+    if kind.startswith("final"):
+        module_name = layout.path(_side(arch.final, "output")[0])  # type: ignore[arg-type]
+    else:
+        rel = arch.ln1 if kind.startswith("ln1") else arch.ln2
+        module_name = f"{layout.path(arch.blocks)}.{layer}.{_side(rel, 'output')[0]}"  # type: ignore[arg-type]
+    try:
+        module = get_module(model, module_name)  # type: ignore[arg-type]
+    except LookupError as e:
+        raise LayerNotFoundError(
+            name,
+            f"{name!r}: the mapping for {arch.key!r} names the norm {module_name!r}, which "
+            f"{type(model).__name__} does not have ({e}); fix it with register_architecture",
+        ) from None
+    if not kind.startswith("final"):
+        _check_not_shared(layout, module, module_name, name)
+    norm = "scale" if kind.endswith("scale") else "normalized"
+    return Point(name, module_name, module, "output", norm=norm)
+
+
+# -- TransformerLens' norm values -------------------------------------------------------------
+@dataclass(frozen=True)
+class _NormRule:
+    """How a norm module computes: ``centered`` (LayerNorm) or not (RMSNorm), its epsilon, and
+    ``style``, how its weight and bias apply to the normalized value: ``"wb"`` (``n * w + b``,
+    either optional), ``"w_cast"`` (``w * n.to(dtype)``: Llama's RMSNorm), ``"w32"`` (``(w * n)
+    .to(dtype)`` in float32: Cohere), ``"1+w"`` (``(n * (1 + w)).to(dtype)``: Gemma)."""
+
+    centered: bool
+    eps: float
+    style: str
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the centred input, TransformerLens' scale), computed as TransformerLens does:
+        in float32 when the input is a lower precision."""
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        if self.centered:
+            x = x - x.mean(-1, keepdim=True)
+        return x, (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+    def affine(self, module: nn.Module, n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The norm's output for the normalized value ``n``."""
+        w = getattr(module, "weight", None)
+        b = getattr(module, "bias", None)
+        if self.style == "w_cast":
+            return w * n.to(dtype)  # type: ignore[operator]
+        n = n.float() if dtype not in (torch.float32, torch.float64) else n.to(dtype)
+        if self.style == "1+w":
+            return (n * (1.0 + w.float())).to(dtype)  # type: ignore[union-attr]
+        if w is not None:
+            n = n * w.to(n.dtype)
+        if self.style == "wb" and b is not None:
+            n = n + b.to(n.dtype)
+        return n.to(dtype)
+
+
+def _norm_rule(module: nn.Module) -> _NormRule | None:
+    """The :class:`_NormRule` of a norm module pyhook knows, else None."""
+    cls = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.LayerNorm):
+        if len(module.normalized_shape) != 1:
+            return None
+        return _NormRule(True, float(module.eps), "wb")
+    if cls == "OlmoLayerNorm":  # no weight, no bias, eps fixed in its forward
+        return _NormRule(True, 1e-5, "wb")
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor):
+        return None
+    if cls.endswith("RMSNorm"):
+        if cls.startswith("Gemma"):
+            return _NormRule(False, eps, "1+w")
+        return _NormRule(False, eps, "w_cast")
+    if cls == "CohereLayerNorm":
+        return _NormRule(True, eps, "w32")
+    return None
+
+
+def _norm_input(point: Point, args: Any, kwargs: Any) -> torch.Tensor:
+    value = args[0] if args else kwargs.get(_input_key(kwargs) or "")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{point.name!r}: the norm {point.module_name!r} was called without a tensor as its "
+            "first argument"
+        )
+    return value
 
 
 _FIELD = {"attn_out": "attn", "mlp_out": "mlp", "resid_mid": "mid"}
@@ -1068,14 +1314,171 @@ def point_names(model: nn.Module, *, tl: bool = False) -> list[str]:
         >>> cfg = transformers.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64)
         >>> point_names(transformers.GPTJForCausalLM(cfg))  # parallel attention: no resid_mid
         ['embed', 'resid_pre.0', 'attn_in.0', 'attn_z.0', 'attn_out.0', 'mlp_in.0', 'mlp_hidden.0', 'mlp_out.0', 'resid_post.0', 'final']
+
+    With ``tl=True``: the TransformerLens names that hold on ``model`` what they hold in
+    TransformerLens (see :func:`tl_unavailable`), in TransformerLens' order:
+
+        >>> point_names(transformers.GPTJForCausalLM(cfg), tl=True)[:4]
+        ['hook_embed', 'blocks.0.hook_resid_pre', 'blocks.0.ln1.hook_scale', 'blocks.0.ln1.hook_normalized']
     """
     layout = _layout(model)
+    if tl:
+        return [_spell(k, i, True) for k, i in _tl_points(model, layout)]
     kinds = _available(layout.arch)
     names = [_spell("embed", None, tl)]
     for i in range(layout.n):
         names.extend(_spell(k, i, tl) for k in kinds)
     names.append(_spell("final", None, tl))
     return names
+
+
+def _tl_points(model: nn.Module, layout: _Layout) -> list[tuple[str, int | None]]:
+    """(kind, layer) of every TransformerLens name ``model`` has, in forward order."""
+    have = set(_available(layout.arch)) | TL_ONLY_KINDS
+    per_layer = [
+        k for k in TL_LAYER_KINDS if k in have and _tl_refusal(model, layout, k, k, 0) is None
+    ]
+    out: list[tuple[str, int | None]] = []
+    if _tl_refusal(model, layout, "tok_embed", "hook_embed", None) is None:
+        out.append(("tok_embed", None))
+    for i in range(layout.n):
+        out.extend((k, i) for k in per_layer)
+    out.extend(
+        (k, None)
+        for k in ("final_scale", "final_normalized")
+        if _tl_refusal(model, layout, k, k, None) is None
+    )
+    return out
+
+
+def tl_unavailable(model: nn.Module, name: str) -> str | None:
+    """Why TransformerLens' ``name`` is refused on ``model`` (its tensor there is another
+    than TransformerLens'), or None when pyhook gives what TransformerLens' name holds.
+
+    Example::
+
+        >>> import transformers
+        >>> from pyhook.points import tl_unavailable
+        >>> cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                               intermediate_size=32, vocab_size=64)
+        >>> print(tl_unavailable(transformers.BertModel(cfg), "blocks.0.hook_resid_post"))  # doctest: +ELLIPSIS
+        TransformerLens' 'blocks.0.hook_resid_post' holds another tensor on BertModel: ...
+        >>> tl_unavailable(transformers.BertModel(cfg), "blocks.0.hook_resid_pre") is None
+        True
+    """
+    parts = _split(name) if isinstance(name, str) else None
+    if parts is None or not parts[2]:
+        raise LayerNotFoundError(str(name), f"{name!r} is not a TransformerLens name pyhook knows")
+    kind, text, _ = parts
+    layout = _layout(model)
+    layer = None if text is None or not re.fullmatch(r"-?\d+", text) else _index(layout, text, name)
+    err = _tl_refusal(model, layout, kind, name, layer)
+    return None if err is None else str(err.args[-1] if err.args else err)
+
+
+# What TransformerLens' names are on a model where pyhook's tensor under the name differs.
+_TL_DIFFERS = {
+    "resid_mid": "the sum before the post-attention norm (pyhook's resid_mid is after it)",
+    "resid_post": "the sum before the block's last norm (pyhook's resid_post is after it)",
+    "attn_out": "the attention's output before the post-attention norm",
+    "mlp_out": "the MLP's output before the post-MLP norm",
+    "embed": "the token embeddings after the embedding norm",
+}
+
+
+def _tl_refusal(
+    model: nn.Module, layout: _Layout, kind: str, name: str, layer: int | None
+) -> PointUnavailableError | None:
+    """Why TransformerLens' name ``name`` (of ``kind``) is refused on ``model``, or None."""
+    arch = layout.arch
+    what = type(model).__name__
+    why = None
+    if kind in arch.tl_differs or (kind == "tok_embed" and "embed" in arch.tl_differs):
+        why = (
+            f"TransformerLens' {name!r} holds another tensor on {what}: "
+            f"{_TL_DIFFERS.get('embed' if kind == 'tok_embed' else kind, 'another tensor')}; use "
+            "pyhook's own point names (docs/points.md says what each holds)"
+        )
+    elif kind in arch.flat:
+        why = (
+            f"TransformerLens' {name!r} is [batch, pos, ...]; {what} computes this tensor as "
+            f"[batch*tokens, ...]; use {_spell(kind, layer, False)!r} (captures store it per token)"
+        )
+    elif kind in TL_NORMS or kind in ("final_scale", "final_normalized"):
+        rel = arch.final if kind.startswith("final") else getattr(arch, kind[:3])
+        if rel is None:
+            norm = "final norm" if kind.startswith("final") else f"{kind[:3]} norm"
+            why = (
+                f"TransformerLens' {name!r}: the mapping for {arch.key!r} names no {norm} "
+                "before the branch (post-norm or no pre-norm blocks, or one pyhook does not "
+                "map; register_architecture takes ln1=/ln2=)"
+                if not kind.startswith("final")
+                else f"TransformerLens' {name!r}: {what} has no final norm (post-norm blocks)"
+            )
+        else:
+            path = layout.path(_side(rel, "output")[0])
+            if not kind.startswith("final"):
+                path = f"{layout.path(arch.blocks)}.{0 if layer is None else layer}.{_side(rel, 'output')[0]}"
+            module = _lookup(model, path)  # type: ignore[arg-type]
+            if module is not None and _norm_rule(module) is None:
+                why = (
+                    f"TransformerLens' {name!r}: {path!r} is a {type(module).__name__}, not a norm "
+                    "pyhook can split into TransformerLens' scale and normalized values "
+                    "(LayerNorm, RMSNorm)"
+                )
+    elif kind == "tok_embed":
+        get = getattr(model, "get_input_embeddings", None)
+        try:
+            emb = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if not isinstance(emb, nn.Module):
+            why = f"TransformerLens' 'hook_embed': {what} has no get_input_embeddings() module"
+    if why is None:
+        return None
+    return PointUnavailableError(name, why)
+
+
+# TransformerLens names pyhook does not provide, with what to use instead.
+_TL_UNPROVIDED = {
+    "hook_attn_in": "[batch, pos, head, d_model] copies of the residual stream (use_attn_in); "
+    "use 'blocks.L.hook_resid_pre'",
+    "hook_q_input": "per-head copies of the residual stream; use 'blocks.L.hook_resid_pre'",
+    "hook_k_input": "per-head copies of the residual stream; use 'blocks.L.hook_resid_pre'",
+    "hook_v_input": "per-head copies of the residual stream; use 'blocks.L.hook_resid_pre'",
+    "hook_mlp_in": "a copy of the residual stream that only ln2 reads (use_hook_mlp_in); use "
+    "'blocks.L.hook_resid_mid' (an edit there reaches the skip connection too) or "
+    "'<ln2 module>:in' (the MLP branch only)",
+    "hook_pos_embed": "the learned position embeddings; hook the position embedding module by "
+    "name (GPT-2: 'transformer.wpe')",
+    "attn.hook_q": "hook the query projection module by name",
+    "attn.hook_k": "hook the key projection module by name",
+    "attn.hook_v": "hook the value projection module by name",
+    "attn.hook_rot_q": "not provided (rotary queries live inside the attention's forward)",
+    "attn.hook_rot_k": "not provided (rotary keys live inside the attention's forward)",
+    "attn.hook_attn_scores": "not provided (hook the attention module with output_attentions "
+    "for the pattern)",
+    "attn.hook_pattern": "the attention weights: run the model with output_attentions=True",
+    "attn.hook_result": "not provided: the per-head outputs are attn.hook_z through W_O",
+    "mlp.hook_pre": "the MLP's pre-activation; hook its up (or gate) projection module by name",
+    "mlp.hook_pre_linear": "hook the MLP's up projection module by name",
+}
+_TL_UNPROVIDED_RX = re.compile(
+    r"(?:blocks\.(?:-?\d+|-?\d*:-?\d*|\*)\.)?("
+    + "|".join(re.escape(k) for k in _TL_UNPROVIDED)
+    + r")\Z"
+)
+
+
+def _check_tl_unprovided(model: nn.Module, layer: str) -> None:
+    m = _TL_UNPROVIDED_RX.match(layer)
+    if m is None or (not layer.startswith("blocks.") and m.group(1) != "hook_pos_embed"):
+        return
+    raise LayerNotFoundError(
+        layer,
+        f"TransformerLens' {layer!r} is not a pyhook point on {type(model).__name__}: "
+        f"{_TL_UNPROVIDED[m.group(1)]}",
+    )
 
 
 def resolve_point(model: nn.Module, name: str) -> Point:
@@ -1096,9 +1499,13 @@ def resolve_point(model: nn.Module, name: str) -> Point:
         raise LayerNotFoundError(
             str(name), f"{name!r} is not a single standard point (e.g. 'resid_post.3', 'embed')"
         )
-    kind, text, _ = parts
+    kind, text, tl = parts
     layout = _layout(model)
     layer = None if text is None else _index(layout, text, name)
+    if tl:
+        err = _tl_refusal(model, layout, kind, name, layer)
+        if err is not None:
+            raise err
     return _make(model, layout, kind, layer, _spell(kind, layer, False))
 
 
@@ -1129,7 +1536,11 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
         if text is None or (":" not in text and text != "*"):
             return [(pattern, resolve_point(model, pattern))]
         layers = _range(layout, text)
-        if kind not in _available(layout.arch):
+        if tl:
+            err = _tl_refusal(model, layout, kind, pattern, layers[0] if layers else None)
+            if err is not None:
+                raise err
+        if kind not in _available(layout.arch) and kind not in TL_ONLY_KINDS:
             raise _unavailable(model, layout.arch, kind, pattern)
         hits = [(_spell(kind, i, tl), kind, i) for i in layers]
     else:
@@ -1169,6 +1580,7 @@ def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | Non
         return None
     if not head.strip("*?") and _is_block_glob(model, layer):
         return expand_points(model, layer)
+    _check_tl_unprovided(model, layer)
     _check_point_typo(model, layer)
     return None
 

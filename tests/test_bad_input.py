@@ -27,6 +27,7 @@ def net() -> nn.Sequential:
 
 
 M = net()  # shared model: every case must leave its hooks exactly as they were
+X = torch.ones(1, 4)
 NOT_A_MODEL = "not a model"
 
 # (entry point, call, exception types, regex the message must match)
@@ -66,6 +67,61 @@ CASES: list[Case] = [
         lambda: pyhook.TraceDict(M, "0"),
         (TypeError,),
         "layers must be a list of dotted layer names",
+    ),
+    # TransformerLens-shaped calls (pyhook.lens)
+    (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=["0", "nope"]),
+        (LookupError,),
+        "nope",
+    ),
+    (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=3),
+        (TypeError,),
+        "names_filter must be",
+    ),
+    (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=["0"], incl_bwd=True),
+        (ValueError,),
+        "output.loss",
+    ),
+    (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=["0"], pos_slice=1.5),
+        (TypeError,),
+        "pos_slice must be",
+    ),
+    (
+        "run_with_cache",
+        lambda: pyhook.run_with_cache(M, X, names_filter=["0"], stop_at_layer="2"),
+        (TypeError,),
+        "stop_at_layer must be",
+    ),
+    (
+        "run_with_hooks",
+        lambda: pyhook.run_with_hooks(M, X, fwd_hooks=[("0", 3)]),
+        (TypeError,),
+        "must be callable",
+    ),
+    (
+        "run_with_hooks",
+        lambda: pyhook.run_with_hooks(M, X, fwd_hooks=["0"]),
+        (TypeError,),
+        r"list of \(name, fn\) pairs",
+    ),
+    (
+        "run_with_hooks",
+        lambda: pyhook.run_with_hooks(M, X, fwd_hooks=[(0, print)]),
+        (TypeError,),
+        "hook names must be str",
+    ),
+    (
+        "hooks",
+        lambda: pyhook.hooks(M, bwd_hooks=[("nope.*", print)]).__enter__(),
+        (LookupError,),
+        "matches no",
     ),
     ("TraceDict", lambda: pyhook.TraceDict(M, None), (TypeError,), "layers must be a list"),
     ("TraceDict", lambda: pyhook.TraceDict(M, [0]), (TypeError,), "layers must hold layer names"),
@@ -529,6 +585,7 @@ def test_every_public_entry_point_has_bad_input_cases():
         "CaptureDamagedError",
         "CaptureModifiedError",
         "LayerData",
+        "LensHook",  # made by pyhook.lens for hook functions, not by users
     }
     missing = [n for n in pyhook.__all__ if n not in covered and n not in no_arguments]
     assert not missing, f"public names without bad-input cases: {missing}"

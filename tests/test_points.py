@@ -464,8 +464,6 @@ def test_names_globs_ranges_and_transformerlens_aliases():
     pairs = [
         ("blocks.1.hook_resid_pre", "resid_pre.1"),
         ("blocks.-1.hook_mlp_out", "mlp_out.1"),
-        ("hook_embed", "embed"),
-        ("ln_final.hook_normalized", "final"),
         ("resid_post.-2", "resid_post.0"),
     ]
     for alias, canon in pairs:
@@ -796,11 +794,17 @@ def test_every_table_row_resolves_and_traces():
         rows_seen.add(id(row))
         names = points.point_names(model)
         tl_names = points.point_names(model, tl=True)
-        assert len(names) == len(tl_names) == len(set(names))
-        for name, alias in zip(names, tl_names):
+        assert len(names) == len(set(names)) and len(tl_names) == len(set(tl_names))
+        for name in names:
             p = points.resolve_point(model, name)
             assert model.get_submodule(p.module_name) is p.module, (arch, name)
-            assert points.resolve_point(model, alias) == p, (arch, alias)
+        for alias in tl_names:  # TransformerLens' names: aliases of a point, or their own
+            p = points.resolve_point(model, alias)
+            assert model.get_submodule(p.module_name) is p.module, (arch, alias)
+            kind, layer = points._split(alias)[:2]
+            if kind not in points.TL_ONLY_KINDS:
+                canon = kind if layer is None else f"{kind}.{layer}"
+                assert p == points.resolve_point(model, canon), (arch, alias)
         with torch.no_grad(), pyhook.TraceDict(model, names) as ret:
             hs = model(ids(), output_hidden_states=True).hidden_states
         for name in names:
@@ -1099,9 +1103,7 @@ def test_mlp_in_edit_misses_the_skip_connection_unlike_resid_mid(arch):
 def test_site_names_globs_and_transformerlens_aliases():
     model = build("gpt2")
     pairs = [
-        ("blocks.1.ln1.hook_normalized", "attn_in.1"),
         ("blocks.1.attn.hook_z", "attn_z.1"),
-        ("blocks.-1.ln2.hook_normalized", "mlp_in.1"),
         ("blocks.0.mlp.hook_post", "mlp_hidden.0"),
     ]
     for alias, canon in pairs:
@@ -1362,3 +1364,187 @@ def test_module_input_errors_name_the_layer_and_leave_no_hook():
     with pytest.raises(LookupError, match="is a standard point"):
         pyhook.Trace(model, "resid_post.1:in")
     assert _hooks_of(model) == before
+
+
+# -- TransformerLens' names that hold another tensor than pyhook's points (issue 45 item 12) -----
+def _norms_randomised(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """A copy of ``model`` whose norms have weights far from 1 and biases far from 0: with
+    gamma=1, beta=0 a norm's output equals TransformerLens' hook_normalized, hiding the bug."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if "Norm" not in type(m).__name__:
+                continue
+            for name in ("weight", "bias"):
+                p = getattr(m, name, None)
+                if isinstance(p, torch.Tensor):
+                    base = 1.0 if name == "weight" else 0.0
+                    p.copy_(base + 0.7 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _hand_norm(module: torch.nn.Module, x: torch.Tensor):
+    """(scale, normalized, the module's output from normalized) by hand, from transformers'
+    norm classes: LayerNorm subtracts the mean, RMSNorm does not; Gemma's weight is 1 + w."""
+    cls = type(module).__name__
+    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-5
+    x = x.double()
+    if "RMSNorm" not in cls:
+        x = x - x.mean(-1, keepdim=True)
+    scale = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    n = x / scale
+    w = getattr(module, "weight", None)
+    b = getattr(module, "bias", None)
+    out = n
+    if w is not None:
+        out = out * ((1 + w.double()) if cls.startswith("Gemma") else w.double())
+    if b is not None:
+        out = out + b.double()
+    return scale, n, out
+
+
+def _norm_inputs(model, paths, run):
+    """The input and output of each module in ``paths``, from plain torch hooks."""
+    seen, handles = {}, []
+    for path in paths:
+        mod = model.get_submodule(path)
+        handles.append(
+            mod.register_forward_hook(
+                lambda m, a, o, path=path: seen.__setitem__(path, (a[0].detach(), o.detach()))
+            )
+        )
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_tl_norm_names_hold_the_values_before_the_norms_weights(arch):
+    """blocks.L.ln1/ln2.hook_normalized, .hook_scale and ln_final.* are TransformerLens' values
+    before the norm's weight and bias ((x - mean) / scale, or x / scale for RMSNorm), computed
+    by hand from the norm's input; the hand-applied weight and bias give back attn_in / mlp_in /
+    final (so the norm is the one feeding the branch). They differed by 1-3 before: the alias
+    gave the norm's output."""
+    model = _norms_randomised(build(arch))
+    tl = points.point_names(model, tl=True)
+    norm_names = [n for n in tl if n.endswith(("hook_normalized", "hook_scale"))]
+    if not norm_names:
+        pytest.skip(f"{arch}: no TransformerLens norm names (refused, see the next test)")
+    resolved = {n: points.resolve_point(model, n) for n in norm_names}
+    paths = sorted({p.module_name for p in resolved.values()})
+    with torch.no_grad():
+        seen = _norm_inputs(model, paths, lambda: model(ids()))
+        with pyhook.TraceDict(model, norm_names + points.point_names(model)) as ret:
+            model(ids())
+    for name, p in resolved.items():
+        x, out = seen[p.module_name]
+        scale, n, affine = _hand_norm(p.module, x)
+        torch.testing.assert_close(affine, out.double(), rtol=1e-4, atol=1e-4, msg=f"{arch} {name}")
+        want = scale if name.endswith("scale") else n
+        got = ret[name].output
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=f"{arch} {name}")
+        if name.endswith("hook_normalized") and "Olmo" not in type(p.module).__name__:
+            # tells the two apart: the norm's output is not TransformerLens' value
+            assert (got.double() - out.double()).abs().max() > 0.1, (arch, name)
+        canon = {"ln1": "attn_in", "ln2": "mlp_in"}.get(name.split(".")[-2], "final")
+        layer = name.split(".")[1] if name.startswith("blocks.") else None
+        cname = canon if layer is None else f"{canon}.{layer}"
+        if cname in ret and name.endswith("hook_normalized"):
+            torch.testing.assert_close(
+                affine.to(ret[cname].output.dtype), ret[cname].output, rtol=1e-4, atol=1e-4
+            )
+
+
+def _const(value, output):
+    return value
+
+
+@pytest.mark.parametrize(
+    "arch, norm",
+    [("gpt2", "transformer.h.1.ln_2"), ("llama", "model.layers.1.post_attention_layernorm")],
+)
+def test_tl_norm_edits_reach_the_model_through_the_norms_weights(arch, norm):
+    """An edit at ln2.hook_normalized / hook_scale changes the norm's output as TransformerLens'
+    does (weight and bias applied to the edited value): the same logits as a plain torch hook
+    replacing the norm's output with the hand-made one. GPT-2 (LayerNorm) and Llama (RMSNorm)."""
+    model = _norms_randomised(build(arch))
+    mod = model.get_submodule(norm)
+    patch = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
+    new_scale = torch.rand(2, 5, 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    with torch.no_grad():
+        seen = _norm_inputs(model, [norm], lambda: model(ids()))
+        x = seen[norm][0]
+        _, n, _ = _hand_norm(mod, x)
+        centred = n * _hand_norm(mod, x)[0]
+
+        def hand(value):
+            w = mod.weight.double()
+            b = getattr(mod, "bias", None)
+            out = value.double() * w + (b.double() if b is not None else 0)
+            return out.to(x.dtype)
+
+        for name, tl_value, hand_out in (
+            ("blocks.1.ln2.hook_normalized", patch, hand(patch)),
+            ("blocks.1.ln2.hook_scale", new_scale, hand(centred / new_scale)),
+        ):
+            h = mod.register_forward_hook(lambda m, a, o, v=hand_out: v)
+            try:
+                want = model(ids()).logits
+            finally:
+                h.remove()
+            with pyhook.Trace(model, name, edit_output=functools.partial(_const, tl_value)):
+                got = model(ids()).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{arch} {name}")
+            assert not torch.allclose(got, model(ids()).logits, atol=1e-3)
+
+
+def test_tl_hook_embed_is_the_token_embedding():
+    """TransformerLens' hook_embed is W_E[tokens] alone (hook_pos_embed holds the position
+    embeddings): on GPT-2 it is wte's output, not the sum entering block 0 (pyhook's embed)."""
+    model = build("gpt2")
+    with torch.no_grad(), pyhook.TraceDict(model, ["hook_embed", "embed"]) as ret:
+        model(ids())
+    torch.testing.assert_close(ret["hook_embed"].output, model.transformer.wte.weight[ids()])
+    assert not torch.allclose(ret["hook_embed"].output, ret["embed"].output)
+    llama = build("llama")  # no learned positions: the token embedding is what block 0 reads
+    with torch.no_grad(), pyhook.TraceDict(llama, ["hook_embed", "embed"]) as ret:
+        llama(ids())
+    assert torch.equal(ret["hook_embed"].output, ret["embed"].output)
+
+
+@pytest.mark.parametrize(
+    "arch, name, match",
+    [
+        ("bert", "blocks.0.hook_resid_post", "before the block's last norm"),
+        ("bert", "blocks.0.hook_resid_mid", "before the post-attention norm"),
+        ("bert", "blocks.0.ln1.hook_normalized", "names no ln1 norm"),
+        ("bert", "ln_final.hook_normalized", "no final norm"),
+        ("distilbert", "blocks.*.hook_resid_post", "another tensor"),
+        ("olmo2", "blocks.0.hook_attn_out", "before the post-attention norm"),
+        ("olmo2", "blocks.1.ln2.hook_scale", "names no ln2 norm"),
+        ("bloom", "hook_embed", "after the embedding norm"),
+        ("opt", "blocks.0.mlp.hook_post", r"\[batch\*tokens"),
+        ("gpt2", "blocks.0.hook_mlp_in", "only ln2 reads"),
+        ("gpt2", "blocks.0.hook_attn_in", "hook_resid_pre"),
+        ("gpt2", "blocks.0.attn.hook_pattern", "output_attentions"),
+        ("gpt2", "hook_pos_embed", "wpe"),
+    ],
+)
+def test_tl_names_that_hold_another_tensor_are_refused(arch, name, match):
+    """A TransformerLens name whose tensor on this architecture is not TransformerLens' is
+    refused with the reason (not silently mapped to pyhook's tensor), by every tool, with no
+    hook left; it is not listed by point_names(tl=True)."""
+    from _hygiene import hook_snapshot
+
+    model = build(arch)
+    before = hook_snapshot(model)
+    with pytest.raises(LookupError, match=match):
+        pyhook.TraceDict(model, ["resid_pre.0", name])
+    with pytest.raises(LookupError, match=match):
+        resolve_layers(model, [name])
+    assert hook_snapshot(model) == before
+    assert name not in points.point_names(model, tl=True)
