@@ -30,9 +30,6 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   :func:`empty_pool` control the native capture-buffer pool;
 * installation: :func:`info` / :func:`format_info` report what was built and loaded (the
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
-* patching and attribution (:mod:`pyhook.patching`): ``activation_patch`` (exact, many
-  patches per forward), ``attribution_patch`` (AtP, AtP*) and ``edge_attribution`` (EAP,
-  EAP-IG) over the standard points, with results keyed by point name;
 * patching and attribution (:mod:`pyhook.patching`, imported on first use):
   ``activation_patch`` (exact, many patches per forward), ``attribution_patch`` (AtP, AtP*)
   and ``edge_attribution`` (EAP, EAP-IG) over the standard points, results keyed by point name;
