@@ -33,6 +33,15 @@ import transformers as T
 import pyhook
 from pyhook.patching import activation_patch, attribution_patch
 
+KEYS = (
+    "patch resid_pre.*, loop (1/forward)",
+    "patch resid_pre.*, batched ({bs}/forward)",
+    "patch 3 kinds x 12, batched ({bs})",
+    "AtP 3 kinds x 12",
+    "AtP* 3 kinds x 12",
+    "AtP 3 kinds x 12, offload",
+)
+
 
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
@@ -47,6 +56,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--only", default="", help="run only the cases whose name contains this (e.g. AtP)"
+    )
     args = p.parse_args()
     rounds = 1 if args.quick else args.rounds
     seq = 6 if args.quick else args.seq
@@ -79,26 +91,21 @@ def main() -> None:
     sites = ["resid_pre.*", "attn_out.*", "mlp_out.*"]
     bs = args.batch_size
     cases: dict[str, Callable[[], object]] = {
-        "patch resid_pre.*, loop (1/forward)": lambda: activation_patch(
-            model, clean, corrupt, metric, resid, batch_size=1
-        ),
-        f"patch resid_pre.*, batched ({bs}/forward)": lambda: activation_patch(
+        KEYS[0]: lambda: activation_patch(model, clean, corrupt, metric, resid, batch_size=1),
+        KEYS[1].format(bs=bs): lambda: activation_patch(
             model, clean, corrupt, metric, resid, batch_size=bs
         ),
-        f"patch 3 kinds x 12, batched ({bs})": lambda: activation_patch(
+        KEYS[2].format(bs=bs): lambda: activation_patch(
             model, clean, corrupt, metric, sites, batch_size=bs
         ),
-        "AtP 3 kinds x 12": lambda: attribution_patch(model, clean, corrupt, metric, sites),
-        "AtP* 3 kinds x 12": lambda: attribution_patch(
-            model, clean, corrupt, metric, sites, method="atp*"
-        ),
-        "AtP 3 kinds x 12, offload": lambda: attribution_patch(
-            model, clean, corrupt, metric, sites, offload=True
-        ),
+        KEYS[3]: lambda: attribution_patch(model, clean, corrupt, metric, sites),
+        KEYS[4]: lambda: attribution_patch(model, clean, corrupt, metric, sites, method="atp*"),
+        KEYS[5]: lambda: attribution_patch(model, clean, corrupt, metric, sites, offload=True),
         "AtP attn_z.* per head": lambda: attribution_patch(
             model, clean, corrupt, metric, ["attn_z.*"]
         ),
     }
+    cases = {k: v for k, v in cases.items() if args.only in k}
     times: dict[str, list[float]] = {k: [] for k in cases}
     names = list(cases)
     for r in range(rounds):
@@ -112,19 +119,43 @@ def main() -> None:
         print(f"{k:40} {med[k]:9.3f}")
 
     n_sites = 36 * seq
-    loop, batched, batched3, atp, star, off = (med[n] for n in names[:6])
-    # the loop of single patched forwards over all 3 x 12 points is not run (hours on a loaded
-    # 2-core machine): its time is (a)'s loop per forward (2 recording runs + 12 x seq
-    # patched ones) times the 2 + 36 x seq forwards it would make
-    loop3 = loop / (2 + 12 * seq) * (2 + n_sites)
-    print(f"{'patch 3 kinds x 12, loop (from (a))':40} {loop3:9.3f}")
-    ratios = [
-        ("(a) loop / batched activation patching, resid_pre.*", loop / batched, ">= 3x"),
-        (f"(b) brute force (loop, from (a)) / AtP, {n_sites} sites", loop3 / atp, ">= 50x"),
-        (f"(b) brute force (batched) / AtP, {n_sites} sites", batched3 / atp, "(info)"),
-        ("(c) AtP* / AtP", star / atp, "<= 3x"),
-        ("(d) AtP offload / AtP", off / atp, "(info)"),
-    ]
+    key = dict(zip(("loop", "batched", "batched3", "atp", "star", "off"), KEYS))
+    m = {short: med.get(k.format(bs=bs)) for short, k in key.items()}
+    ratios = []
+    if m["loop"] and m["batched"]:
+        ratios.append(
+            (
+                "(a) loop / batched activation patching, resid_pre.*",
+                m["loop"] / m["batched"],
+                ">= 3x",
+            )
+        )
+    if m["atp"]:
+        if m["loop"]:
+            # the loop of single patched forwards over all 3 x 12 points is not run (hours on a
+            # loaded 2-core machine): its time is (a)'s loop per forward (2 recording runs +
+            # 12 x seq patched ones) times the 2 + 36 x seq forwards it would make
+            loop3 = m["loop"] / (2 + 12 * seq) * (2 + n_sites)
+            print(f"{'patch 3 kinds x 12, loop (from (a))':40} {loop3:9.3f}")
+            ratios.append(
+                (
+                    f"(b) brute force (loop, from (a)) / AtP, {n_sites} sites",
+                    loop3 / m["atp"],
+                    ">= 50x",
+                )
+            )
+        if m["batched3"]:
+            ratios.append(
+                (
+                    f"(b) brute force (batched) / AtP, {n_sites} sites",
+                    m["batched3"] / m["atp"],
+                    "(info)",
+                )
+            )
+        if m["star"]:
+            ratios.append(("(c) AtP* / AtP", m["star"] / m["atp"], "<= 3x"))
+        if m["off"]:
+            ratios.append(("(d) AtP offload / AtP", m["off"] / m["atp"], "(info)"))
     print(f"\n{'ratio':56} {'value':>8} {'target':>8}")
     for label, value, target in ratios:
         print(f"{label:56} {value:8.2f} {target:>8}")
