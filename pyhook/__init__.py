@@ -30,6 +30,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   :func:`empty_pool` control the native capture-buffer pool;
 * installation: :func:`info` / :func:`format_info` report what was built and loaded (the
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
+* patching and attribution (:mod:`pyhook.patching`, imported on first use):
+  ``activation_patch`` (exact, many patches per forward), ``attribution_patch`` (AtP, AtP*)
+  and ``edge_attribution`` (EAP, EAP-IG) over the standard points, results keyed by point name;
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
   :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
@@ -183,6 +186,15 @@ __all__ = [
     "info",
     "format_info",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # pyhook.patching is imported on first use (``pyhook.patching.activation_patch``), so that
+    # ``import pyhook`` does not pay for it; ``import pyhook.patching`` works as usual.
+    if name == "patching":
+        return _importlib.import_module(".patching", __name__)
+    raise AttributeError(f"module 'pyhook' has no attribute {name!r}")
+
 
 # Once per process: warn (with the fix) if the native build failed, was skipped without the
 # user choosing it, or was built against another torch. Quiet after PYHOOK_BUILD_NATIVE=0.

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compiled import COMPILED_MARK, CompiledModelError
+from .distributed import _layouts_active, layout_hook
 from .points import Point
 
 __all__ = [
@@ -558,6 +559,8 @@ class HookSet:
         prepend: bool = False,
         always_call: bool = False,
         checked: bool = False,
+        inputs: bool = False,
+        name: str | None = None,
     ) -> Any:
         """``module.register_forward_hook(fn)``, thread-guarded, owned by this set.
 
@@ -566,16 +569,29 @@ class HookSet:
         ``checked=True``: the caller ran :func:`check_not_compiled` on ``module`` (which installs
         the dispatcher where one is needed), so its compile marks are not looked at again.
         The returned handle has ``remove()`` and ``id``, as a ``RemovableHandle``.
+
+        On a sharded model (``torch.distributed`` initialised) ``fn`` sees and returns whole
+        tensors (see :func:`pyhook.distributed.layout_hook`): its output always, its inputs when
+        ``inputs=True``; ``name`` (the layer's name) is what a refused layout is reported as.
         """
         if type(module) is Point:  # a standard hook point (pyhook.points) registers itself
             return module.register(
-                self, fn, with_kwargs=with_kwargs, prepend=prepend, always_call=always_call
+                self,
+                fn,
+                with_kwargs=with_kwargs,
+                prepend=prepend,
+                always_call=always_call,
+                inputs=inputs,
             )
         md = module.__dict__
         if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
             handle = self._dispatched(module, fn, True, with_kwargs, prepend)
             if handle is not None:
                 return handle
+        if _layouts_active():  # a sharded model: the hook sees and returns whole tensors
+            fn = layout_hook(
+                module, fn, post=True, with_kwargs=with_kwargs, inputs=inputs, name=name
+            )
         guarded = self._guard(fn, 4 if with_kwargs else 3)
         (handle,) = _add_hooks(((md, guarded),), True, with_kwargs, prepend, always_call)
         self._handles.append(handle)
@@ -589,9 +605,11 @@ class HookSet:
         with_kwargs: bool = False,
         prepend: bool = False,
         checked: bool = False,
+        name: str | None = None,
     ) -> Any:
         """``module.register_forward_pre_hook(fn)``, thread-guarded, owned by this set
-        (dispatched on compiled models, as :meth:`forward`)."""
+        (dispatched on compiled models, as :meth:`forward`; whole first input on a sharded
+        model, as :meth:`forward`'s output)."""
         if type(module) is Point:
             raise TypeError(
                 f"standard point {module.name!r} takes forward hooks only (a point that is a "
@@ -602,6 +620,8 @@ class HookSet:
             handle = self._dispatched(module, fn, False, with_kwargs, prepend)
             if handle is not None:
                 return handle
+        if _layouts_active():  # (compiled models are not laid out: dispatched as they are)
+            fn = layout_hook(module, fn, post=False, with_kwargs=with_kwargs, name=name)
         (handle,) = _add_hooks(((md, self._guard(fn)),), False, with_kwargs, prepend)
         self._handles.append(handle)
         return handle
@@ -627,7 +647,13 @@ class HookSet:
 
     # -- removal ------------------------------------------------------------------------
     def forward_shared(
-        self, modules: list[nn.Module], fn: Callable[..., Any], *, with_kwargs: bool = False
+        self,
+        modules: list[nn.Module],
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        inputs: bool = False,
+        names: list[str | None] | None = None,
     ) -> list[Any]:
         """:meth:`forward` with the same ``fn`` on each of ``modules`` (which must be eager
         modules checked with :func:`check_not_compiled`, and distinct), registered in bulk.
@@ -635,6 +661,12 @@ class HookSet:
         ``fn`` tells the modules apart by its first argument; one thread guard serves them all
         (a tracer's hundreds of layers: no function made per layer).
         """
+        if _layouts_active():  # each module's hook is wrapped for its own layout
+            names = [None] * len(modules) if names is None else names
+            return [
+                self.forward(m, fn, with_kwargs=with_kwargs, checked=True, inputs=inputs, name=n)
+                for m, n in zip(modules, names)
+            ]
         guarded = self._guard(fn, 4 if with_kwargs else 3)
         handles = _add_hooks([(m.__dict__, guarded) for m in modules], True, with_kwargs)
         self._handles.extend(handles)

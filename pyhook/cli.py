@@ -39,6 +39,7 @@ from .pipeline.job import (
     default_corpus,
     default_layers,
     models_from_flags,
+    placement_from_flag,
 )
 from .pipeline.runner import BUILTIN_MODELS, DEFAULT_MODEL, RunnerError, check_device
 from .pipeline.runner import resolve_model_path as _resolve
@@ -115,6 +116,9 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
         given["gradients"] = True
     if isinstance(given.get("model"), list):  # --model DIR, or --model NAME=DIR repeated
         given["model"] = models_from_flags(given["model"])
+    for name in ("device_map", "max_memory"):  # a word, JSON, or KEY=VALUE,...
+        if isinstance(given.get(name), str):
+            given[name] = placement_from_flag(name, given[name])
     config = getattr(args, "config", None)
     values = CaptureJob.read_file(config) if config is not None else {}
     return CaptureJob(**{**values, **given})
@@ -128,7 +132,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
     if getattr(args, "dry_run", False):
-        print(plan.report(flags=True))
+        if plan.rank == 0:  # every rank's line is in rank 0's plan
+            print(plan.report(flags=True))
         return 0
     show = plan.rank == 0 and not quiet
     if show:
@@ -316,6 +321,123 @@ def _bytes_saved(reader: Any) -> str:
     )
 
 
+def _point_kinds(names: list[str]) -> dict[str, list[tuple[int | None, str]]]:
+    """Layer names grouped by kind: a name's first all-digit component is its layer, the rest
+    (that component written ``L``) its kind; names with no number are kinds of their own.
+
+    >>> kinds = _point_kinds(["mlp_in.1", "mlp_out.1", "mlp_in.2", "h.0.attn", "ln_f"])
+    >>> list(kinds)
+    ['mlp_in.L', 'mlp_out.L', 'h.L.attn', 'ln_f']
+    >>> kinds["mlp_in.L"], kinds["ln_f"]
+    ([(1, 'mlp_in.1'), (2, 'mlp_in.2')], [(None, 'ln_f')])
+    """
+    kinds: dict[str, list[tuple[int | None, str]]] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if at is None:
+            kinds.setdefault(name, []).append((None, name))
+        else:
+            kind = ".".join([*parts[:at], "L", *parts[at + 1 :]])
+            kinds.setdefault(kind, []).append((int(parts[at]), name))
+    for members in kinds.values():
+        members.sort(key=lambda m: -1 if m[0] is None else m[0])
+    return kinds
+
+
+#: Histograms drawn at most (more curves are not told apart); the plot says which are shown.
+_MAX_HISTOGRAMS = 8
+
+
+def _histogram_picks(kinds: dict[str, list[tuple[int | None, str]]]) -> tuple[list[str], str]:
+    """The points whose values are drawn, and which they are in words: each kind's first,
+    middle and last layer, fewer when that makes more than :data:`_MAX_HISTOGRAMS` curves.
+
+    >>> _histogram_picks({"a.L": [(0, "a.0"), (1, "a.1"), (2, "a.2"), (3, "a.3")]})
+    (['a.0', 'a.2', 'a.3'], "each kind's first, middle and last layer")
+    """
+    tiers = (
+        ((0, 0.5, 1), "each kind's first, middle and last layer"),
+        ((0, 1), "each kind's first and last layer"),
+        ((0,), "each kind's first layer"),
+    )
+    for pick, how in tiers:
+        names = []
+        for members in kinds.values():
+            at = sorted({round(f * (len(members) - 1)) for f in pick})
+            names += [members[i][1] for i in at]
+        if len(names) <= _MAX_HISTOGRAMS:
+            return names, how
+    return names[:_MAX_HISTOGRAMS], f"the first {_MAX_HISTOGRAMS} kinds' first layer"
+
+
+def _plot(
+    plt: Any,
+    stats: dict[str, dict[str, Any]],
+    sample: int,
+    model: str,
+    examples: int,
+    directory: str,
+    out: str,
+) -> None:
+    """``inspect --plot``: the mean row norm by layer, one line per kind of point (``mlp_in``,
+    ``mlp_out``, ``resid_post``, ...) over the layer number, and the value histograms of some
+    points, the plot saying which when not all are drawn."""
+    import torch
+
+    kinds = _point_kinds(list(stats))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    alone = []  # points with no layer number: a marker each, left of layer 0
+    for kind, members in kinds.items():
+        if members[0][0] is None:
+            alone.append(kind)
+            continue
+        x = [m[0] for m in members]
+        means = [stats[m[1]]["norm_mean"] for m in members]
+        stds = [stats[m[1]]["norm_std"] for m in members]
+        ax1.errorbar(x, means, yerr=stds, marker="o", markersize=3, capsize=2, label=kind)
+    numbered = [m[0] for ms in kinds.values() for m in ms if m[0] is not None]
+    first = min(numbered, default=0)
+    for j, name in enumerate(alone):
+        at = first - len(alone) + j
+        s = stats[name]
+        ax1.errorbar([at], [s["norm_mean"]], yerr=[s["norm_std"]], marker="s", capsize=2)
+        ax1.annotate(name, (at, s["norm_mean"]), fontsize=7, rotation=45, ha="left")
+    from matplotlib.ticker import MaxNLocator
+
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_title("row L2 norm by layer, per kind of point (mean ± std)")
+    ax1.set_xlabel("layer")
+    ax1.set_ylabel("‖row‖₂")
+    if len(kinds) > len(alone):
+        ax1.legend(fontsize=8, title="point", title_fontsize=8)
+    picks, how = _histogram_picks(kinds)
+    drawn = 0
+    for name in picks:
+        vals = stats[name]["values"]
+        if vals.numel():
+            lo, hi = torch.quantile(vals[:1_000_000], torch.tensor([0.001, 0.999])).tolist()
+            kept = vals[(vals >= lo) & (vals <= hi)]
+            ax2.hist(kept.numpy(), bins=100, histtype="step", label=name, density=True)
+            drawn += 1
+    ax2.set_yscale("log")
+    ax2.set_xlabel("value")
+    shown = (
+        f"all {len(stats)} points"
+        if len(picks) == len(stats)
+        else f"{len(picks)} of {len(stats)} points ({how})"
+    )
+    ax2.set_title(f"activation values (0.1-99.9 percentile), {shown}", fontsize=9)
+    if drawn:
+        ax2.legend(fontsize=8)
+    head = [model, f"{examples:,} examples", os.path.basename(_shown(directory).rstrip("/"))]
+    head.append(f"statistics over up to {sample:,} rows per point (--sample)")
+    fig.suptitle(" · ".join(h for h in head if h))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import open_capture
 
@@ -375,40 +497,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(_stored_stats(reader))
     if args.plot:
-        import torch
-
-        names = list(stats)
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        means = [stats[n]["norm_mean"] for n in names]
-        stds = [stats[n]["norm_std"] for n in names]
-        x = list(range(len(names)))
-        ax1.errorbar(x, means, yerr=stds, marker="o", capsize=3)
-        ax1.set_xticks(
-            x,
-            [n.split(".")[-1] if len(names) > 8 else n for n in names],
-            rotation=45,
-            ha="right",
-            fontsize=8,
-        )
-        ax1.set_title("row L2 norm by layer (mean ± std)")
-        ax1.set_xlabel("layer")
-        ax1.set_ylabel("‖row‖₂")
-        picks = sorted({0, len(names) // 2, len(names) - 1})
-        for i in picks:
-            vals = stats[names[i]]["values"]
-            if vals.numel():
-                lo, hi = torch.quantile(vals[:1_000_000], torch.tensor([0.001, 0.999])).tolist()
-                kept = vals[(vals >= lo) & (vals <= hi)]
-                ax2.hist(kept.numpy(), bins=100, histtype="step", label=names[i], density=True)
-        ax2.set_yscale("log")
-        ax2.set_title("activation values (0.1-99.9 percentile)")
-        ax2.legend(fontsize=8)
-        fig.suptitle(
-            f"{meta.get('model', '')} · {idx['examples']:,} examples · {os.path.basename(_shown(args.dir).rstrip('/'))}"
-        )
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        plt.close(fig)
+        _plot(plt, stats, args.sample, meta.get("model", ""), idx["examples"], args.dir, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -641,6 +730,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--positions", help="'all' tokens (default), 'last' valid token, or an index")
     c.add_argument("--device", help=device_help)
+    c.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="place a large model's layers as transformers does: 'auto', a device, or JSON "
+        '\'{"model.layers.0": "disk", ...}\' (offloaded layers run on their device when '
+        "reached; docs/large-models.md)",
+    )
+    c.add_argument(
+        "--max-memory",
+        metavar="DEV=SIZE,...",
+        help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB",
+    )
+    c.add_argument(
+        "--offload-folder",
+        metavar="DIR",
+        help="with --device-map: the folder for layers offloaded to the disk",
+    )
+    c.add_argument(
+        "--tp-size",
+        type=int,
+        metavar="N",
+        help="under torchrun: shard the model over tensor-parallel groups of N ranks (world/N "
+        "data-parallel groups split the corpus; the first rank of each group writes)",
+    )
     c.add_argument("--out", help="output directory or URL (default ./pyhook-activations)")
     c.add_argument("--shard-mb", type=float, help="approximate shard size in MB (default 256)")
     c.add_argument(
@@ -832,6 +945,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         _unknown_arguments(parser, args, extra)
     if args.command == "capture":
         args.job = job_from_args(args)
+        args.job.check_files()  # a missing --input: now, not after torch and the model load
     elif args.command == "layers":
         for flag in ("model", "tokenizer", "model_class"):  # as capture's: not the default
             v = getattr(args, flag)
@@ -842,9 +956,27 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
                         "the default, or name one"
                     )
         args.model = _one_model(args.model)
-    elif args.command == "inspect" and args.sample < 1:
-        raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
+    elif args.command == "inspect":
+        if args.sample < 1:
+            raise CLIError(f"--sample must be >= 1 (rows per layer), got {args.sample}")
+        _check_capture_dir(args.dir)
     return args
+
+
+def _check_capture_dir(path: str) -> None:
+    """``pyhook inspect DIR``: a missing folder, or a file, is answered before torch loads (a
+    URL is the reader's to check)."""
+    from .pipeline._paths import _is_url as is_url  # torch-free (pyhook.store imports torch)
+
+    if is_url(path):
+        return
+    if not os.path.exists(path):
+        raise CLIError(f"no capture at {path!r}: no such directory (the --out of pyhook capture)")
+    if os.path.isfile(path):
+        raise CLIError(
+            f"{path!r} is a file; pyhook inspect reads a capture directory "
+            "(the --out of pyhook capture)"
+        )
 
 
 def _one_model(values: list[str] | None) -> str | None:

@@ -13,6 +13,10 @@
   their shapes, so shards may differ in size along the gathered dimension and shapes that
   cannot be concatenated raise the same error on every rank. It returns a function that
   re-shards an edited full tensor so that each rank keeps its own slice.
+* :func:`layout_hook` is the layout layer under every tracer: the hooks pyhook registers on a
+  tensor-parallel model (transformers' ``tp_plan``, torch's parallel styles, DTensors) see and
+  return whole tensors; :func:`module_layout` tells how a module's tensors are sharded, and
+  :class:`LayoutError` refuses, by name, a layout that cannot be gathered exactly.
 * :class:`DistributedHookError` is raised, naming the module and the group, when a collective
   fails (typically because another rank failed or never reached the layer).
 
@@ -23,7 +27,9 @@ Nothing here is needed in a single process: with every parallel size 1 no group 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +39,14 @@ import torch.distributed as dist
 
 __all__ = [
     "DistributedHookError",
+    "LayoutError",
+    "ModuleLayout",
     "ParallelState",
     "gather_activation",
+    "gathered_first",
     "is_dtensor",
+    "layout_hook",
+    "module_layout",
     "parallel_layout",
 ]
 
@@ -491,3 +502,559 @@ def _gather_dtensor(
         return rep.redistribute(mesh, target)
 
     return full, reshard, saver
+
+
+# -- the layout layer: what is the whole tensor at a module? ----------------------------------
+#
+# Every pyhook tracer registers its forward hooks through pyhook._hooks.HookSet, which asks
+# layout_hook() here for the hook to register: on a process without torch.distributed the hook
+# itself; on a sharded model a wrapper that hands the hook the whole tensor (gathered from the
+# tensor-parallel ranks) and re-shards what the hook returns. One place knows the layouts:
+#
+# * transformers' tensor parallelism (``from_pretrained(..., tp_plan=...)``) replaces a
+#   module's ``forward`` with a closure over its style (ColwiseParallel, RowwiseParallel, ...)
+#   and its device mesh: hooks see the local tensors the style leaves (a column-parallel
+#   layer's output is this rank's slice of the features; a row-parallel layer's input too);
+# * torch's ``parallelize_module`` styles register hooks holding the style's layouts: inputs
+#   reach later hooks as DTensors, outputs as local shards or ``AsyncCollectiveTensor`` s;
+# * DTensor outputs of any module are gathered with ``full_tensor()``;
+# * FSDP2 and accelerate's offloading compute whole activations: nothing to do.
+#
+# A layout not known here is refused by name (LayoutError) when the hook is registered.
+
+
+class LayoutError(ValueError):
+    """A traced module's tensor is sharded in a way pyhook cannot gather exactly.
+
+    Raised when a hook is registered on such a module (so no hook stays registered), naming the
+    module and its parallel style: pyhook never hands out a shard as if it were the whole tensor.
+
+    Example::
+
+        >>> from pyhook.distributed import LayoutError
+        >>> issubclass(LayoutError, ValueError)
+        True
+    """
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """A local tensor that is this rank's slice along ``dim`` of a whole of size ``full``
+    (None: unknown, the ranks exchange their sizes), split over ``axis`` as torch.chunk does."""
+
+    dim: int
+    full: int | None
+    axis: _Axis
+    style: str
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """How a module's output and first input reach hooks on this rank.
+
+    ``output``/``input`` are None when hooks see them whole (replicated, or DTensors, which are
+    gathered whatever their placements); ``style`` names the parallel style, for messages.
+
+    Example::
+
+        >>> from pyhook.distributed import ModuleLayout
+        >>> ModuleLayout("transformers EmbeddingParallel").output is None  # whole on every rank
+        True
+    """
+
+    style: str
+    output: _Sharded | None = None
+    input: _Sharded | None = None
+
+
+_GATHERED = threading.local()  # .first: see gathered_first
+
+
+def gathered_first() -> bool | None:
+    """Inside a hook wrapped by :func:`layout_hook`: whether this rank is the first of every
+    group the hook's tensors were gathered over (the rank that saves one copy), None when
+    nothing was gathered for it.
+
+    Example::
+
+        >>> from pyhook.distributed import gathered_first
+        >>> gathered_first() is None  # not inside a hook on a sharded model
+        True
+    """
+    return getattr(_GATHERED, "first", None)
+
+
+def _note_gathered(first: bool) -> None:
+    prev = getattr(_GATHERED, "first", None)
+    _GATHERED.first = first if prev is None else (prev and first)
+
+
+def _layouts_active() -> bool:
+    """Whether sharded layouts can exist in this process (torch.distributed is initialised)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _mesh_axis(mesh: Any, what: str) -> _Axis:
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+    elif "tp" in (mesh.mesh_dim_names or ()):
+        group = mesh.get_group("tp")
+    else:
+        raise LayoutError(
+            f"{what}: the device mesh {mesh} has {mesh.ndim} dimensions and none named 'tp'; "
+            "pyhook gathers tensor-parallel shards over a 1-D mesh or the 'tp' dimension"
+        )
+    return _Axis("tensor", dist.get_process_group_ranks(group), dist.get_rank(group), group)
+
+
+def _shard_dim(placement: Any) -> int | None:
+    """The dimension of a ``Shard`` placement, None for ``Replicate``; raises for others."""
+    if placement.is_shard():
+        return int(placement.dim)
+    if placement.is_replicate():
+        return None
+    raise LayoutError(f"placement {placement}")
+
+
+def _cell_values(fn: Any) -> list[Any]:
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return out
+
+
+# transformers styles (by class name) whose hooks see whole tensors on both sides
+_HF_WHOLE = frozenset(
+    {
+        "TensorParallelLayer",  # "replicate": every rank keeps the whole parameter
+        "EmbeddingParallel",  # the ranks' lookups are reduced or gathered inside the style
+        "ReplicatedWithGradAllReduce",
+        "AllReduceParallel",
+        "LocalParamsParallel",  # local heads inside; the owner's output is reduced by its children
+    }
+)
+
+
+def _hf_layout(module: torch.nn.Module, style: Any, mesh: Any, what: str) -> ModuleLayout:
+    name = type(style).__name__
+    desc = f"transformers {name}"
+    if name in _HF_WHOLE:
+        return ModuleLayout(desc)
+    where = f"{what} (tensor-parallel style {desc})"
+    axis = _mesh_axis(mesh, where)
+    try:
+        if name == "ColwiseParallel":
+            d = _shard_dim(style.output_layouts) if style.use_local_output else None
+            full = getattr(module, "out_features", None) if d in (-1,) else None
+            return ModuleLayout(desc, output=None if d is None else _Sharded(d, full, axis, desc))
+        if name == "RowwiseParallel":
+            d_in = _shard_dim(style.input_layouts)
+            full_in = getattr(module, "in_features", None) if d_in == -1 else None
+            d_out = _shard_dim(style.output_layouts) if style.use_local_output else None
+            return ModuleLayout(
+                desc,
+                output=None if d_out is None else _Sharded(d_out, None, axis, desc),
+                input=None if d_in is None else _Sharded(d_in, full_in, axis, desc),
+            )
+        if name == "SequenceParallel":
+            d = int(style.sequence_dim)
+            out = _Sharded(d, None, axis, desc) if style.use_local_output else None
+            return ModuleLayout(desc, output=out, input=_Sharded(d, None, axis, desc))
+    except LayoutError as e:
+        raise LayoutError(f"{where}: pyhook cannot gather the {e} exactly") from None
+    raise LayoutError(
+        f"{where}: pyhook does not know how this style lays out the module's tensors, so it "
+        "cannot give the whole tensor there (it never hands out a shard as if it were whole); "
+        "trace the module that holds it (its output is whole) or a module with a known style"
+    )
+
+
+# torch.distributed.tensor.parallel styles whose layouts pyhook reads off their hooks
+_TORCH_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+
+
+def _torch_style_hooks(module: torch.nn.Module) -> list[tuple[str, str, Any, Any]]:
+    """``(kind, style, fn, mesh)`` for each hook a torch parallel style registered on ``module``
+    (kind "input"/"output"; ``fn`` the partial of the style's ``_prepare_*_fn``, or the style's
+    bound method), read off the hook's closure."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    found = []
+    for kind, hooks in (("input", module._forward_pre_hooks), ("output", module._forward_hooks)):
+        for hook in hooks.values():
+            cells = _cell_values(hook)
+            meshes = [c for c in cells if type(c).__name__ == "DeviceMesh"]
+            for c in cells:
+                target = c.func if isinstance(c, functools.partial) else c
+                owner = c if isinstance(c, ParallelStyle) else getattr(target, "__self__", None)
+                if isinstance(owner, ParallelStyle):
+                    found.append((kind, type(owner).__name__, c, meshes[0] if meshes else None))
+                elif (getattr(target, "__module__", None) or "").startswith(
+                    "torch.distributed.tensor.parallel"
+                ) and "._prepare_" in getattr(target, "__qualname__", ""):
+                    style = target.__qualname__.split(".")[0]
+                    found.append((kind, style, c, meshes[0] if meshes else None))
+    return found
+
+
+def _torch_layout(
+    module: torch.nn.Module, found: list[tuple[str, str, Any, Any]], what: str
+) -> ModuleLayout:
+    out: _Sharded | None = None
+    desc = f"torch {'+'.join(sorted({style for _, style, _, _ in found}))}"
+    where = f"{what} (parallel style {desc})"
+    for kind, style, fn, mesh in found:
+        if style not in _TORCH_STYLES or not isinstance(fn, functools.partial) or mesh is None:
+            raise LayoutError(
+                f"{where}: pyhook does not know how {style} lays out the module's tensors, so it "
+                "cannot give the whole tensor there (it never hands out a shard as if it were "
+                "whole); trace the module that holds it or a module with a known style"
+            )
+        if kind != "output":
+            continue  # inputs reach later hooks as DTensors, gathered whatever their placements
+        if style == "SequenceParallel":
+            (use_local,) = fn.args
+            placements: tuple[Any, ...] = ()
+        else:
+            layouts, use_local = fn.args
+            placements = tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)
+        if not use_local:
+            continue  # DTensor outputs
+        try:
+            d = 1 if style == "SequenceParallel" else _shard_dim(placements[0])
+        except LayoutError as e:
+            raise LayoutError(f"{where}: pyhook cannot gather the {e} exactly") from None
+        if d is not None:
+            full = getattr(module, "out_features", None) if d == -1 else None
+            out = _Sharded(d, full, _mesh_axis(mesh, where), desc)
+    return ModuleLayout(desc, output=out)
+
+
+def module_layout(module: torch.nn.Module, what: str | None = None) -> ModuleLayout | None:
+    """How ``module``'s output and first input are sharded across tensor-parallel ranks.
+
+    None when its hooks see whole tensors without help (an unsharded module, FSDP2,
+    accelerate's offloading; DTensors anywhere are gathered by :func:`layout_hook` at run
+    time). Raises :class:`LayoutError`, naming the module (``what``) and its style, for a
+    style pyhook does not know.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.distributed import module_layout
+        >>> module_layout(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    what = what or type(module).__name__
+    fwd = module.__dict__.get("forward")
+    if fwd is not None and getattr(fwd, "__closure__", None):
+        cells = _cell_values(fwd)
+        styles = [c for c in cells if _is_hf_style(c)]
+        if styles:
+            meshes = [c for c in cells if type(c).__name__ == "DeviceMesh"]
+            if not meshes:
+                raise LayoutError(f"{what}: transformers {type(styles[0]).__name__} without a mesh")
+            return _hf_layout(module, styles[0], meshes[0], what)
+    if module._forward_hooks or module._forward_pre_hooks:
+        found = _torch_style_hooks(module)
+        if found:
+            return _torch_layout(module, found, what)
+    return None
+
+
+def _is_hf_style(obj: Any) -> bool:
+    for cls in type(obj).__mro__:
+        if cls.__name__ == "TensorParallelLayer" and cls.__module__.startswith("transformers"):
+            return True
+    return False
+
+
+def _chunk_sizes(full: int, n: int) -> list[int]:
+    """The sizes torch.chunk (and DTensor's Shard) gives ``n`` ranks of a dimension ``full``."""
+    q = -(-full // n)
+    return [max(0, min(q, full - i * q)) for i in range(n)]
+
+
+class _GatherWhole(torch.autograd.Function):
+    """All-gather + concatenate, whose gradient is this rank's slice of the whole's gradient:
+    the whole is replicated (every rank's hooks run the same code on it), so its gradient is
+    the same on every rank (Megatron's gather_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, t: torch.Tensor, dim: int, group: Any, rank: int, sizes: list[int]
+    ) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.sizes = dim, rank, sizes
+        src = _padded(t, dim, max(sizes))
+        parts = [torch.empty_like(src) for _ in sizes]
+        dist.all_gather(parts, src, group=group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        mine = torch.split(grad, ctx.sizes, ctx.dim)[ctx.rank]
+        return mine.contiguous(), None, None, None, None
+
+
+class _ScatterWhole(torch.autograd.Function):
+    """This rank's slice of a whole tensor, whose gradient is all-gathered: the adjoint of
+    :class:`_GatherWhole`, so a whole tensor a hook keeps gets the whole gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, whole: torch.Tensor, dim: int, group: Any, rank: int, sizes: list[int]
+    ) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
+        return torch.split(whole, sizes, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        src = _padded(grad, ctx.dim, max(ctx.sizes))
+        parts = [torch.empty_like(src) for _ in ctx.sizes]
+        dist.all_gather(parts, src, group=ctx.group)
+        whole = torch.cat([p.narrow(ctx.dim, 0, n) for p, n in zip(parts, ctx.sizes)], ctx.dim)
+        return whole, None, None, None, None
+
+
+class _Waited(torch.autograd.Function):
+    """An ``AsyncCollectiveTensor`` as the plain tensor it stands for (waited for), keeping
+    the autograd link (native copies need a plain tensor's storage)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.trigger_wait().view_as(t.elem)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _is_async(x: Any) -> bool:
+    return type(x).__name__ == "AsyncCollectiveTensor" and hasattr(x, "trigger_wait")
+
+
+def _gather_sharded(t: torch.Tensor, side: _Sharded, what: str) -> tuple[torch.Tensor, Callable]:
+    """The whole tensor from this rank's slice ``t``, and the function that re-shards an
+    edited whole tensor (checked for shape) into this rank's slice."""
+    axis = side.axis
+    if _is_async(t):
+        t = _Waited.apply(t)
+    elif is_dtensor(t):  # a style configured to hand out DTensors after all
+        whole, reshard_dt, first = _gather_dtensor(t, what)
+        _note_gathered(first)
+        return whole, reshard_dt
+    d = _norm_dim(side.dim, t.dim())
+    where = f"{what} ({side.style})"
+    sizes = _chunk_sizes(side.full, axis.size) if side.full is not None else []
+    if not sizes or t.shape[d] != sizes[axis.rank]:  # unknown, or not torch.chunk's split
+        sizes = _exchange_sizes(t, d, axis, where, None)
+    whole = _collective(
+        lambda: _GatherWhole.apply(t, d, axis.group, axis.rank, sizes), where, axis, None
+    )
+    _note_gathered(axis.rank == 0)
+    shape = whole.shape
+
+    def reshard(new: Any) -> torch.Tensor:
+        if not isinstance(new, torch.Tensor) or new.shape != shape:
+            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            raise ValueError(
+                f"{where}: a hook must return the whole tensor, shape {tuple(shape)}, to be "
+                f"re-sharded over the tensor-parallel ranks; got {got}"
+            )
+        return _ScatterWhole.apply(new, d, axis.group, axis.rank, sizes)
+
+    return whole, reshard
+
+
+def _whole_leaf(x: Any, what: str) -> tuple[Any, Callable | None]:
+    """A run-time layout: a DTensor gathered, an AsyncCollectiveTensor waited for."""
+    if is_dtensor(x):
+        whole, reshard, first = _gather_dtensor(x, what)
+        _note_gathered(first)
+        return whole, reshard
+    if _is_async(x):
+        return _Waited.apply(x), None
+    return x, None
+
+
+def _whole_tree(value: Any, side: _Sharded | None, what: str) -> tuple[Any, Callable | None]:
+    """``value`` (a tensor, or a structure whose first tensor ``side`` describes) with every
+    sharded leaf made whole, and a function mapping an edited whole structure back to the local
+    layout (None when nothing was changed: the edited value is used as it is)."""
+    if type(value) is torch.Tensor and side is None:
+        return value, None
+    from . import _tree
+
+    leaves, spec = _tree.flatten(value)
+    firsts = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not firsts:
+        return value, None
+    whole_leaves = list(leaves)
+    fix: dict[int, Callable | None] = {}
+    for i in firsts:
+        if side is not None and i == firsts[0]:
+            whole_leaves[i], fix[i] = _gather_sharded(leaves[i], side, what)
+        else:
+            whole_leaves[i], fix[i] = _whole_leaf(leaves[i], what)
+    changed = [i for i in firsts if whole_leaves[i] is not leaves[i]]
+    if not changed:
+        return value, None
+    whole = _tree.unflatten(whole_leaves, spec)
+    versions = {i: whole_leaves[i]._version for i in changed}
+
+    def back(new: Any) -> Any:
+        """The local layout of ``new`` (None: the hook returned nothing; in-place edits of the
+        whole tensors are written back into the local ones)."""
+        if new is None or new is whole:
+            for i in changed:
+                w = whole_leaves[i]
+                if w._version != versions[i] and fix[i] is not None:
+                    with torch.no_grad():
+                        leaves[i].copy_(fix[i](w))
+            return None
+        if isinstance(value, torch.Tensor):
+            f = fix[0]
+            return f(new) if f is not None else new
+        new_leaves, new_spec = _tree.flatten(new)
+        if len(new_leaves) != len(leaves):
+            raise ValueError(
+                f"{what}: a hook on a sharded module must return the structure it was given "
+                f"({len(leaves)} leaves), got {len(new_leaves)}"
+            )
+        out = []
+        for i, x in enumerate(new_leaves):
+            if i in fix and x is whole_leaves[i]:
+                out.append(leaves[i])  # unchanged: the model goes on with its own local tensor
+            elif i in fix and fix[i] is not None:
+                out.append(fix[i](x))
+            else:
+                out.append(x)
+        return _tree.unflatten(out, new_spec)
+
+    return whole, back
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> str | int | None:
+    """Where a module's first input is: 0 (positional), a keyword, or None (no tensor)."""
+    if args:
+        return 0
+    if kwargs:
+        if "hidden_states" in kwargs:
+            return "hidden_states"
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                return k
+    return None
+
+
+def layout_hook(
+    module: torch.nn.Module,
+    fn: Callable[..., Any],
+    *,
+    post: bool,
+    with_kwargs: bool,
+    inputs: bool = False,
+    name: str | None = None,
+) -> Callable[..., Any]:
+    """``fn`` as the forward hook (``post``) or pre-hook to register on ``module``, seeing and
+    returning whole tensors whatever the model's layout.
+
+    Without ``torch.distributed`` initialised this is ``fn`` itself. Otherwise the wrapper
+    hands ``fn`` the whole output (a forward hook; its inputs too when ``inputs``) or the
+    whole first input (a pre-hook), gathered from the tensor-parallel ranks per
+    :func:`module_layout` (DTensors with ``full_tensor()``, ``AsyncCollectiveTensor`` s waited
+    for), and re-shards what ``fn`` returns, or edits in place, into this rank's layout: the
+    model goes on exactly as if the whole tensor had been edited. Only modules that are hooked
+    are gathered, and a replicated tensor is never sent. A layout it cannot gather exactly
+    raises :class:`LayoutError` naming ``name`` (the layer), before anything is registered.
+
+    Every pyhook tracer registers through :class:`pyhook._hooks.HookSet`, which calls this.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.distributed import layout_hook
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> hook = lambda m, args, out: out * 0
+        >>> layout_hook(lin, hook, post=True, with_kwargs=False) is hook  # no torch.distributed
+        True
+    """
+    if not _layouts_active():
+        return fn
+    what = name if name is not None else type(module).__name__
+    layout = module_layout(module, repr(what) if name is not None else what)
+    out_side = layout.output if layout is not None else None
+    in_side = layout.input if layout is not None else None
+    label = f"layer {what!r}" if name is not None else what
+
+    if post:
+
+        def whole_post(mod: Any, args: Any, *rest: Any) -> Any:
+            output = rest[-1]
+            _GATHERED.first = None
+            whole, back = _whole_tree(output, out_side, label)
+            if inputs and args:
+                args = _whole_tree(args, in_side, label)[0]
+            try:
+                res = fn(mod, args, *rest[:-1], whole)
+            finally:
+                _GATHERED.first = None
+            if back is None:
+                return res
+            return back(res)
+
+        if with_kwargs:
+
+            def post4(mod: Any, args: Any, kwargs: Any, output: Any) -> Any:
+                return whole_post(mod, args, kwargs, output)
+
+            return post4
+
+        def post3(mod: Any, args: Any, output: Any) -> Any:
+            return whole_post(mod, args, output)
+
+        return post3
+
+    def whole_pre(mod: Any, args: Any, kwargs: Any) -> Any:
+        where = _first_input(args, kwargs)
+        if where is None:
+            return fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
+        value = args[0] if where == 0 else kwargs[where]
+        _GATHERED.first = None
+        whole, back = _whole_tree(value, in_side, label)
+        if back is None:
+            _GATHERED.first = None
+            return fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
+        if where == 0:
+            args = (whole, *args[1:])
+        else:
+            kwargs = {**kwargs, where: whole}
+        try:
+            res = fn(mod, args, kwargs) if with_kwargs else fn(mod, args)
+        finally:
+            _GATHERED.first = None
+        if res is None:
+            back(None)  # in-place edits of the whole input go into the local one
+            return None
+        if with_kwargs:
+            new_args, new_kwargs = res
+        else:
+            new_args, new_kwargs = (res if isinstance(res, tuple) else (res,)), kwargs
+        new = new_args[0] if where == 0 else new_kwargs.get(where)
+        local = value if new is whole else back(new)
+        if where == 0:
+            new_args = (local, *new_args[1:])
+        else:
+            new_kwargs = {**new_kwargs, where: local}
+        return (new_args, new_kwargs) if with_kwargs else new_args
+
+    if with_kwargs:
+        return whole_pre
+
+    def pre2(mod: Any, args: Any) -> Any:
+        return whole_pre(mod, args, None)
+
+    return pre2

@@ -31,7 +31,7 @@ from torch import nn
 from . import _backend, _tree
 from ._compiled import unwrap_compiled
 from ._hooks import HookSet, check_not_compiled
-from .distributed import ParallelState, gather_activation, is_dtensor
+from .distributed import ParallelState, gather_activation, gathered_first, is_dtensor
 from .modules import _not_found, get_module, get_parameter
 from .points import module_path, resolve_targets
 
@@ -305,6 +305,9 @@ class HookFunction:
         )
         if full is None:  # gathered to another rank, which saves it; nothing edited here
             return t
+        first = gathered_first()  # gathered by the layout layer (a tensor-parallel model)
+        if first is not None:
+            saver = saver and first
         dp_scale = (
             hook_type in _BACKWARD
             and par.distributed

@@ -556,13 +556,16 @@ class Point:
         with_kwargs: bool = False,
         prepend: bool = False,
         always_call: bool = False,
+        inputs: bool = False,
     ) -> Any:
         """Register ``fn`` on this point through ``hooks`` (a :class:`~pyhook._hooks.HookSet`).
 
         ``fn`` is called as a forward hook whose ``output`` is the point's tensor:
         ``fn(module, args, value)`` (``fn(module, args, kwargs, value)`` with ``with_kwargs``),
         where ``module``/``args`` are those of :attr:`module`; returning another tensor replaces
-        the value, ``None`` (or the value itself) leaves it.
+        the value, ``None`` (or the value itself) leaves it. On a sharded model the value is
+        the whole tensor (``args`` too with ``inputs``), gathered by the layout layer
+        (:func:`pyhook.distributed.layout_hook`) before ``attn_z`` splits it into heads.
         """
         point = self
         if self.norm is not None:
@@ -586,7 +589,13 @@ class Point:
                 return _replace_output(output, new)
 
             return hooks.forward(
-                self.module, on_output, with_kwargs=True, prepend=prepend, always_call=always_call
+                self.module,
+                on_output,
+                with_kwargs=True,
+                prepend=prepend,
+                always_call=always_call,
+                inputs=inputs,
+                name=self.name,
             )
 
         inplace = self.inplace
@@ -614,7 +623,9 @@ class Point:
                 return (new, *args[1:]), kwargs
             return args, {**kwargs, key: new}
 
-        return hooks.forward_pre(self.module, on_input, with_kwargs=True, prepend=prepend)
+        return hooks.forward_pre(
+            self.module, on_input, with_kwargs=True, prepend=prepend, name=self.name
+        )
 
     def _register_norm(
         self,

@@ -294,7 +294,14 @@ class Trace(contextlib.AbstractContextManager):
                 self._edit_plan = call_plan(self.edit_output, names)
             if self.edit_output is None or self._edit_plan is not False:
                 hook = self._hook_compiled
-        self._handle = self._hooks.forward(self.module, hook, with_kwargs=True, checked=checked)
+        self._handle = self._hooks.forward(
+            self.module,
+            hook,
+            with_kwargs=True,
+            checked=checked,
+            inputs=self.retain_input or self.edit_output is not None,
+            name=self.layer,
+        )
         self.registered_hook = self._handle
 
     @property
@@ -607,8 +614,13 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 for trace in members:
                     trace._register(checked=True)
                 continue
+            like = members[0]
             handles = self._hooks.forward_shared(
-                list(by_module), _group_hook(by_module, members[0]), with_kwargs=True
+                list(by_module),
+                _group_hook(by_module, like),
+                with_kwargs=True,
+                inputs=like.retain_input or like.edit_output is not None,
+                names=[t.layer for t in by_module.values()],
             )
             for trace, handle in zip(members, handles):
                 trace._handle = trace.registered_hook = handle

@@ -77,6 +77,10 @@ def dist_worker(rank: int, world: int, port: int, outdir: str, corpus: str, limi
             got = list(s)
             res[name] = {k: torch.cat([b[k] for b in got]) for k in got[0]}
             res[f"{name}_batches"] = len(got)
+            if tee is not None:  # a second pass reads the complete tee, each rank its share
+                again = list(s)
+                res["tee_again"] = {k: torch.cat([b[k] for b in again]) for k in again[0]}
+                res["tee_again_from_tee"] = (s.from_tee, s.examples)
         # a trainer with a collective per batch (as DDP makes) over uneven shares
         for even in (False, True):
             s = pyhook.stream(net, src, LAYERS, batch_size=4, buffer_rows=8, even_batches=even)

@@ -475,31 +475,42 @@ def test_corpus_errors_are_one_line_before_the_weights_and_write_nothing(
 
 
 def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsys):
-    """Past the sample the estimate reads, a record of another type is found while capturing:
-    the command still ends with one line naming it (exit 2), no traceback, no hook left, and
-    the contexts before it stay stored (resumable, as after Ctrl-C)."""
+    """A record of another type found while capturing (here: written after the plan read the
+    corpus, which it reads whole to estimate packed contexts): the command still ends with one
+    line naming it (exit 2), no traceback, no hook left, and the contexts before it stay
+    stored (resumable, as after Ctrl-C)."""
     from _hygiene import hook_snapshot
+
+    from pyhook.pipeline.job import CaptureJob
 
     path = tmp_path / "late.jsonl"
     with open(path, "w") as f:
         for n in range(1, 3001):
-            f.write(json.dumps({"text": {"oops": 1} if n == 2500 else DOCS[n % 60]}) + "\n")
+            f.write(json.dumps({"text": DOCS[n % 60]}) + "\n")
     models = []
     load = runner.load_weights
+    plan = CaptureJob.plan
 
     def keep_model(*a, **k):
         models.append(load(*a, **k))
         return models[-1]
+
+    def plan_then_damage(job):
+        got = plan(job)
+        with open(path, "a") as f:
+            f.write(json.dumps({"text": {"oops": 1}}) + "\n")
+        return got
 
     out = str(tmp_path / "o")
     args = ["capture", "--model", str(ckpt / "model"), "--input", str(path)]
     extra = ["--context-size", "64", "--batch-size", "256", "--layers", "transformer.h.1"]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(runner, "load_weights", keep_model)
+        m.setattr(CaptureJob, "plan", plan_then_damage)
         assert main([*args, *extra, "--out", out, "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert f"{path}', record 2,500 (line 2,500), column 'text': holds a dict" in err[0], err
+    assert f"{path}', record 3,001 (line 3,001), column 'text': holds a dict" in err[0], err
     assert models and not any(
         hooks for hooks in hook_snapshot(models[0]).values() if isinstance(hooks, list)
     )

@@ -321,8 +321,8 @@ def test_plan_refuses_a_different_capture_and_run_refuses_what_does_not_fit(
         ({"layers": 3}, "layers must be a list of layer names", "--layers must be a list"),
         ({"overwrite": "yes"}, "overwrite must be true or false", "--overwrite must be"),
         (
-            {"model": torch.nn.Sequential(*[torch.nn.Linear(2, 2)] * 3)},
-            "model must be a string, got a Sequential (a checkpoint folder",
+            {"model": 3.5},  # a torch.nn.Module is taken (tests/test_large_jobs.py)
+            "model must be a string, got 3.5 (a checkpoint folder",
             "--model must be a string",
         ),
         (
@@ -499,9 +499,10 @@ def test_help_is_shown_without_torch_and_a_good_command_still_imports_it():
     assert p.returncode == 0 and "--config JOB.yaml" in p.stdout
     assert "torch" not in _imported(p.stderr)
     # the control: a command that parses goes on and imports torch (the check above can fail)
-    p = _command("inspect", "/nonexistent/acts")
+    empty = tempfile.mkdtemp()  # a folder, but no capture: found by the reader, after torch
+    p = _command("inspect", empty)
     assert p.returncode == 2 and "torch" in _imported(p.stderr)
-    assert "does not exist" in "\n".join(_errors(p.stderr))
+    assert empty in "\n".join(_errors(p.stderr))
 
 
 # -- words a user reads --------------------------------------------------------------------------
@@ -567,3 +568,313 @@ def test_inspect_labels_its_two_stds_and_each_is_what_it_says(tmp_path, capsys):
     value = float(stats_line.split()[cols.index("dim std")])
     assert value == pytest.approx(float(rows.var(0, correction=0).sqrt().mean()), rel=1e-3)
     assert abs(value - float(rows.std())) > 0.1  # the two are different numbers
+
+
+# -- job files are data (issue 45): what a job can make pyhook do -------------------------------
+def _code_dir(tmp_path):
+    """A folder whose custom_generate/generate.py, imported, writes the file SENTINEL next to
+    it (what a job naming it with `custom_generate` made transformers import and run)."""
+    root = tmp_path / "evil"
+    (root / "custom_generate").mkdir(parents=True)
+    sentinel = root / "SENTINEL"
+    (root / "custom_generate" / "generate.py").write_text(
+        f"open({str(sentinel)!r}, 'w').write('ran')\n"
+        "def generate(model, *args, **kwargs):\n"
+        "    raise SystemExit('custom generate ran')\n"
+    )
+    return root, sentinel
+
+
+def test_a_job_that_names_code_to_run_is_refused_and_the_code_never_runs(ckpt, tmp_path):
+    # Before: generate_kwargs went to model.generate as given; custom_generate with
+    # trust_remote_code imported (ran) the job's file.
+    root, sentinel = _code_dir(tmp_path)
+    base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.txt"), "generate": 2}
+    base |= {"layers": LAYERS[:1], "limit": 2, "out": str(tmp_path / "o")}
+    kw = {"custom_generate": str(root), "trust_remote_code": True}
+    with pytest.raises(JobError, match=r"'custom_generate' is refused: it runs a generate funct"):
+        CaptureJob(**base, generate_kwargs=kw).run()
+    # the same inside a generation_config mapping, and from a job file through the command
+    (tmp_path / "job.json").write_text(
+        json.dumps({**base, "generate_kwargs": {"generation_config": kw}})
+    )
+    with pytest.raises(JobError, match=r"generation_config 'custom_generate' is refused"):
+        CaptureJob.from_file(tmp_path / "job.json")
+    assert main(["capture", "--config", str(tmp_path / "job.json")]) == 2
+    assert not sentinel.exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("trust_remote_code", True, "lets transformers run code from a repository"),
+        ("assistant_model", "./other", "it runs another model"),
+        ("prefix_allowed_tokens_fn", "os.system", "it takes a function"),
+        ("streamer", "x", "it takes an object"),
+        ("dola_layers", "high", "DoLa decoding is loaded from a Hub repository"),
+        ("penalty_alpha", 0.6, "contrastive search is loaded from a Hub repository"),
+        ("num_beam_groups", 2, "group beam search"),
+        ("cache_implementation", "paged", "replaces the model's KV cache"),
+        ("output_attentions", True, "is not a generate option a job passes"),
+        ("temprature", 0.5, "(did you mean 'temperature'?)"),
+        ("num_beams", 4, "beam search reorders the sequences"),
+        ("temperature", "hot", "'temperature' must be a number > 0, got 'hot'"),
+        ("eos_token_id", [1, 1.5], "a token id or a list of them"),
+        ("top_k", 10**30, "an integer >= 0"),
+        ("stop_strings", [["nested"]], "a string or a list of strings"),
+        ("use_cache", False, "capture runs generate with its KV cache"),
+    ],
+)
+def test_generate_kwargs_are_an_allow_list_of_plain_data(key, value, words):
+    with pytest.raises(JobError) as e:
+        CaptureJob(generate=2, generate_kwargs={key: value})
+    assert words in str(e.value) and repr(key) in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_every_allowed_generate_option_is_a_plain_generation_config_field():
+    # The allow-list names GenerationConfig fields only (a typo would pass nothing), and every
+    # field it leaves out is refused by name; plain values of each allowed option are accepted.
+    from transformers import GenerationConfig
+
+    from pyhook.pipeline._generate_options import GENERATE_OPTIONS
+
+    fields = GenerationConfig().to_dict()
+    assert set(GENERATE_OPTIONS) <= set(fields)
+    good = {
+        "bad_words_ids": [[3]],
+        "suppress_tokens": [3],
+        "begin_suppress_tokens": [3],
+        "exponential_decay_length_penalty": [4, 1.5],
+        "stop_strings": ["\n\n"],
+        "eos_token_id": [2, 3],
+        "forced_eos_token_id": 2,
+        "num_beams": 1,
+        "num_return_sequences": 1,
+        "use_cache": True,
+        "prefill_chunk_size": None,
+    }
+    for key, (ok, _) in GENERATE_OPTIONS.items():
+        value = good.get(key, True if ok(True) else 2)
+        CaptureJob(generate=2, generate_kwargs={key: value, "generation_config": {key: value}})
+    for key in set(fields) - set(GENERATE_OPTIONS):
+        with pytest.raises(JobError, match=repr(key)):
+            CaptureJob(generate=2, generate_kwargs={key: 1})
+
+
+def test_plain_generate_options_still_reach_generate(ckpt, tmp_path):
+    # the allow-list passes what it lists: eos_token_id null runs every sequence to its end
+    base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.txt"), "generate": 3}
+    base |= {"layers": LAYERS[:1], "limit": 2, "batch_size": 2}
+    kw = {"eos_token_id": None, "generation_config": {"temperature": 0.5, "top_k": 4}}
+    CaptureJob(**base, out=str(tmp_path / "a"), generate_kwargs=kw, sampling="sample").run()
+    r = open_capture(tmp_path / "a")
+    assert int(r.generated.sum()) == 2 * 2  # 3 new tokens each, the last one never run
+    assert r.settings["generate_kwargs"] == kw
+
+
+def test_a_token_id_beyond_the_vocabulary_is_refused_by_the_plan(ckpt, tmp_path):
+    # Before: the run failed inside generate (an index error) after the weights loaded.
+    job = CaptureJob(
+        model=str(ckpt / "model"),
+        input=str(ckpt / "c.txt"),
+        generate=2,
+        generate_kwargs={"generation_config": {"bad_words_ids": [[1, 10**9]]}},
+        out=str(tmp_path / "o"),
+    )
+    with pytest.raises(JobError, match=r"'bad_words_ids' names the token id 1000000000, above"):
+        job.plan()
+
+
+def test_a_checkpoint_that_asks_for_its_own_code_is_refused_without_running_it(
+    ckpt, tmp_path, capsys
+):
+    # A job's model loads with transformers' default trust_remote_code (off): a folder whose
+    # config maps its class to a file beside it is refused in one line, and the file never runs.
+    import shutil
+
+    model = tmp_path / "remote"
+    shutil.copytree(ckpt / "model", model)
+    sentinel = tmp_path / "SENTINEL"
+    (model / "modeling_evil.py").write_text(
+        f"open({str(sentinel)!r}, 'w').write('ran')\n"
+        "from transformers import GPT2LMHeadModel as EvilModel\n"
+    )
+    (model / "configuration_evil.py").write_text(
+        f"open({str(sentinel)!r}, 'w').write('ran')\n"
+        "from transformers import GPT2Config as EvilConfig\n"
+    )
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModel": "modeling_evil.EvilModel",
+    }
+    (model / "config.json").write_text(json.dumps(cfg))
+    job = CaptureJob(model=str(model), input=str(ckpt / "c.txt"), out=str(tmp_path / "o"))
+    # a known model type: its files are ignored, the built-in class loads
+    assert job.plan().model_class == "GPT2LMHeadModel"
+    assert not sentinel.exists()
+    # a type only its own code knows: refused in one line, without transformers' prompt
+    # ("Do you wish to run the custom code? [y/N]", which a terminal's user could answer y)
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "evil"}))
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="contains custom code which must be executed") as e:
+        job.plan()
+    assert "\n" not in str(e.value)
+    assert "Do you wish" not in "".join(capsys.readouterr())
+    assert not sentinel.exists()
+
+
+def test_an_unknown_option_from_python_names_the_closest_one():
+    # Before: CaptureJob(context_sise=12) was dataclass's bare TypeError, where the same key
+    # in a job file got "did you mean".
+    with pytest.raises(
+        JobError, match=r"unknown option 'context_sise' \(did you mean 'context_size'\?\)"
+    ) as e:
+        CaptureJob(context_sise=12)
+    assert isinstance(e.value, TypeError)
+    with pytest.raises(TypeError, match="a job's keys are: model, tokenizer"):
+        CaptureJob(zzz=1)
+    assert CaptureJob(context_size=12).context_size == 12  # the signature is the dataclass's
+    assert "context_size" in str(__import__("inspect").signature(CaptureJob))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["capture", "--input", "no-such-corpus.txt"], "cannot read --input 'no-such-corpus.txt'"),
+        (["inspect", "no-such-capture"], "no capture at 'no-such-capture': no such directory"),
+    ],
+)
+def test_a_missing_input_or_capture_is_answered_before_torch(args, message):
+    # Before: both were answered after torch imported and (capture) the model loaded.
+    p = _command(*args)
+    assert p.returncode == 2, p.stderr
+    assert _errors(p.stderr) == [
+        f"pyhook: error: {message}"
+        + (
+            ": No such file or directory"
+            if args[0] == "capture"
+            else " (the --out of pyhook capture)"
+        )
+    ], _errors(p.stderr)
+    assert "torch" not in _imported(p.stderr)
+
+
+@pytest.mark.parametrize("how", ["limit", "exact"])
+def test_a_rerun_with_other_layers_is_refused_not_nothing_to_do(ckpt, tmp_path, capsys, how):
+    # Before: a finished store, rerun with other layers, said "nothing to do" and exited 0:
+    # the check that refuses a different capture ran before the layers were resolved.
+    base = {"model": str(ckpt / "model"), "input": str(ckpt / "c.parquet"), "context_size": 16}
+    base |= {"out": str(tmp_path / "acts")} | ({"limit": 3} if how == "limit" else {})
+    CaptureJob(**base, layers=["transformer.h.0"]).run()
+    with pytest.raises(
+        JobError,
+        match=r"different capture .*layers transformer.h.1 now, "
+        r"transformer.h.0 when stored",
+    ):
+        CaptureJob(**base, layers=["transformer.h.1"]).plan()
+    flags = ["capture", "--model", base["model"], "--input", base["input"], "--out", base["out"]]
+    flags += ["--context-size", "16"] + (["--limit", "3"] if how == "limit" else [])
+    capsys.readouterr()
+    assert main([*flags, "--layers", "transformer.h.*"]) == 2  # h.0 and h.1: another capture
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layers transformer.h.0 transformer.h.1 now" in err[0], err
+    # the same layers, however named: nothing to do (said before the weights load when named
+    # as stored, after resolving them otherwise)
+    for layers in (["transformer.h.0"], ["transformer.*.0"]):
+        plan = CaptureJob(**base, layers=layers).plan()
+        assert plan.note is not None and "nothing to do" in plan.note and plan.layers == []
+    assert open_capture(base["out"]).layers == ["transformer.h.0"]
+
+
+def _uneven_corpus(path, n=4000):
+    """Its first half: lines of a few long words; its second: lines of many short ones (few
+    tokens per byte first, many after)."""
+    long_words = " ".join(["number"] * 3)  # words of the tokenizer's (no [UNK], a special)
+    short_words = " ".join(["."] * 12)
+    lines = [long_words] * (n // 2) + [short_words] * (n - n // 2)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_estimate_samples_across_the_corpus(ckpt, tmp_path):
+    # Before: tokens per byte came from the first 2,000 documents: far off when they differ
+    # from the rest (the issue's corpus: 13% low).
+    from pyhook.pipeline.runner import load_tokenizer
+    from pyhook.pipeline.source import open_source
+
+    tok, _ = load_tokenizer(str(ckpt / "model"), "")
+    src = open_source(_uneven_corpus(tmp_path / "c.txt"), tokenizer=tok, context_size=16)
+    est = src.estimate()
+    counted = sum(len(b.examples) for b in src.batches())
+    assert not est["exact"] and est["rows"] > 0
+    assert abs(est["examples"] - counted) <= 0.05 * counted, (est["examples"], counted)
+    # one example per row: the examples counted, their tokens and rows drawn the same way
+    src = open_source(tmp_path / "c.txt", tokenizer=tok, max_length=32)
+    est = src.estimate()
+    tokens = rows = 0
+    for b in src.batches():
+        tokens += int(b.attention_mask.sum())
+        rows += int(b.keep.sum())
+    assert not est["exact"] and est["examples"] == 4000
+    assert abs(est["tokens"] - tokens) <= 0.05 * tokens, (est["tokens"], tokens)
+    assert abs(est["rows"] - rows) <= 0.05 * rows, (est["rows"], rows)
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "arrow"])
+def test_a_large_corpus_is_sampled_in_windows_across_it(ckpt, tmp_path, monkeypatch, kind):
+    # Past _FULL_PASS_BYTES the estimate reads windows spread across the corpus instead of all
+    # of it (set to 0 here, so that this small corpus is "large").
+    from pyhook.pipeline import source
+    from pyhook.pipeline.runner import load_tokenizer
+
+    tok, _ = load_tokenizer(str(ckpt / "model"), "")
+    lines = _uneven_corpus(tmp_path / "c.txt", 12_000).read_text().splitlines()
+    path = tmp_path / f"c.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"text": lines}), path, row_group_size=100)
+    elif kind == "arrow":
+        datasets = pytest.importorskip("datasets")
+        path = tmp_path / "ds"
+        datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(path))
+    src = source.open_source(path, tokenizer=tok, context_size=16)
+    counted = sum(len(b.examples) for b in src.batches())
+    monkeypatch.setattr(source, "_FULL_PASS_BYTES", 0)
+    read = []
+    chunks = src._chunks
+
+    def counted_chunks():
+        for c in chunks():
+            read.append(len(c))
+            yield c
+
+    monkeypatch.setattr(src, "_chunks", counted_chunks)
+    est = src.estimate()
+    assert sum(read) < len(lines) / 2, sum(read)  # only the first documents are read whole
+    assert abs(est["examples"] - counted) <= 0.05 * counted, (est["examples"], counted)
+
+
+def test_the_progress_bar_grows_when_the_estimate_is_passed(ckpt, tmp_path, capsys):
+    # Before: once the count passed the estimate, tqdm dropped the total ("531ctx": no
+    # percentage, no time left). The estimate is made low here, as a skewed corpus makes it.
+    job = CaptureJob(
+        model=str(ckpt / "model"),
+        input=str(_uneven_corpus(tmp_path / "c.txt", 2400)),
+        context_size=64,
+        layers=LAYERS[:1],
+        batch_size=16,
+        stats=False,
+        out=str(tmp_path / "o"),
+    )
+    plan = job.plan()
+    assert not plan.exact
+    plan._state["share"]["examples"] //= 3
+    capsys.readouterr()
+    result = job.run(plan, progress=True)
+    renders = [r.strip() for r in capsys.readouterr().err.split("\r") if "ctx" in r]
+    assert renders and all("%" in r for r in renders), [r for r in renders if "%" not in r]
+    n = result.examples
+    assert "100%" in renders[-1] and f"{n}/{n}" in renders[-1], renders[-1]

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -551,3 +552,44 @@ def test_the_command_captures_verifies_and_inspects_an_s3_prefix(s3, tmp_path, m
         r.examples == 3 and rows.shape[0] == r.tokens.shape[0] == r.stats("resid_post.5")["count"]
     )
     torch.testing.assert_close(r.stats("resid_post.5")["mean"], rows.double().mean(0))
+
+
+def test_dataloader_fork_workers_read_s3_with_an_empty_cache(s3, tmp_path, monkeypatch):
+    # Forked DataLoader workers kept the parent's fsspec event loop (a thread only the parent
+    # has) and file system: with no shard cached yet every download waited its whole deadline
+    # (213 s by default) and failed as "no answer". Fork workers, empty cache, healthy server.
+    from torch.utils.data import DataLoader
+
+    from pyhook.dataset import CaptureDataset
+
+    url = s3()
+    x = torch.arange(48 * 16, dtype=torch.float32).reshape(48, 16)
+    with ShardWriter(url, shard_bytes=1) as w:
+        for i in range(0, 48, 4):  # 12 shards
+            w.add({"h": x[i : i + 4]}, examples=4)
+    # short bounds: the old failure is an error in seconds here, not a wait of minutes
+    for name, value in (("CONNECT_TIMEOUT", "3"), ("READ_TIMEOUT", "3"), ("ATTEMPTS", "1")):
+        monkeypatch.setenv(f"PYHOOK_REMOTE_{name}", value)
+    # the workers' caches go under tmp_path (a forked child inherits tempfile's directory)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = open_capture(url)
+    parent_dir = r._remote_cache.dir
+    assert r._remote_cache.downloads == 0 and not _cached_bytes(parent_dir)
+    ds = CaptureDataset(r, "h", batch_size=5, seed=3, with_index=True)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60
+    )
+    t0 = time.monotonic()
+    got = list(loader)
+    took = time.monotonic() - t0
+    index = torch.cat([b["index"] for b in got])
+    assert sorted(index.tolist()) == list(range(48))  # every row once
+    assert torch.equal(torch.cat([b["h"] for b in got]), x[index])
+    assert took < 30, f"{took:.0f} s"
+    assert r._remote_cache.downloads == 0  # the workers downloaded, into caches of their own
+    # the parent's cache is still there (no worker removed it); the workers' went with them
+    assert os.path.isdir(parent_dir)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(parent_dir)]
+    # the parent still reads (its own loop and file system)
+    assert torch.equal(r["h"][40:44], x[40:44])
+    r.close()

@@ -333,7 +333,92 @@ def test_overwrite_replaces_the_tee_once_not_every_pass(net, tok, corpus, tmp_pa
         if i == 1:
             break
     assert open_capture(tmp_path / "tee").examples == 30
-    assert list(s) == [] and s.examples_done == 30  # complete: nothing left to write
+    # complete: nothing left to write; the pass reads the tee
+    third = list(s)
+    assert s.examples_done == 30 and s.from_tee and s.examples == 0
+    assert sum(len(b["tokens"]) for b in third) == len(open_capture(tmp_path / "tee")["h.0"])
+
+
+def test_a_complete_tee_is_read_back_shuffled_on_later_passes_without_a_forward(
+    net, tok, corpus, tmp_path
+):
+    # pass 2 over a complete tee gave 0 rows: `for epoch in range(2)` trained one epoch
+    from pyhook.dataset import CaptureDataset
+
+    forwards = []
+    handle = net.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        s = pyhook.stream(
+            net,
+            W.source(corpus, tok, limit=40),
+            W.LAYERS,
+            batch_size=32,
+            buffer_rows=64,
+            seed=5,
+            tee=tmp_path / "tee",
+            dtype=torch.float16,
+            shard_bytes=4000,
+        )
+        live = list(s)
+        assert forwards and not s.from_tee
+        n = len(forwards)
+        passes = [list(s), list(s)]
+        assert len(forwards) == n  # no forward on the later passes
+        assert s.from_tee and s.examples == 0 and s.examples_done == 40
+    finally:
+        handle.remove()
+    want = by_row_index(joined(live))
+    for got in passes:
+        # the live pass's keys (in its order), dtypes and batch sizes
+        assert [list(b) for b in got] == [list(live[0])] * len(got)
+        assert [b[k].dtype for b in got for k in b] == [
+            live[0][k].dtype for _ in got for k in live[0]
+        ]
+        assert [len(b["tokens"]) for b in got] == [len(b["tokens"]) for b in live]
+        # every row of the live pass once (the same multiset), rows of a token together
+        rows = by_row_index(joined(got))
+        assert len(set(map(tuple, rows["row_index"].tolist()))) == len(rows["row_index"])
+        for k in want:
+            assert torch.equal(rows[k], want[k]), k
+    # shuffled over the whole store from (seed, pass), as CaptureDataset shuffles it
+    for epoch, got in enumerate(passes, start=1):
+        ds = CaptureDataset(tmp_path / "tee", W.LAYERS, batch_size=32, seed=5, row_index=True)
+        ds.set_epoch(epoch)
+        ref = list(ds)
+        assert all(torch.equal(a["row_index"], b["row_index"]) for a, b in zip(got, ref))
+    assert not torch.equal(joined(passes[0])["row_index"], joined(passes[1])["row_index"])
+    # a new stream over the complete tee reads it from its first pass (a rerun)
+    again = pyhook.stream(
+        net,
+        W.source(corpus, tok, limit=40),
+        W.LAYERS,
+        batch_size=32,
+        buffer_rows=64,
+        seed=5,
+        tee=tmp_path / "tee",
+        dtype=torch.float16,
+    )
+    first = list(again)
+    assert again.from_tee and len(forwards) == n
+    assert sorted(map(tuple, joined(first)["row_index"].tolist())) == sorted(
+        map(tuple, want["row_index"].tolist())
+    )
+
+
+def test_a_complete_tee_is_read_back_on_the_stream_s_device(tok, corpus, tmp_path, device):
+    # the live pass's rows are on the model's device: so are the rows read back from the tee
+    model = W.model(len(tok)).to(device)
+    kw = dict(batch_size=16, buffer_rows=32, tee=tmp_path / "tee")
+    s = pyhook.stream(model, W.source(corpus, tok, limit=6), W.LAYERS, **kw)
+    live, again = list(s), list(s)
+    assert s.from_tee and len(again) == len(live)
+    for b in again:
+        assert [(k, v.device.type, v.dtype) for k, v in b.items()] == [
+            (k, v.device.type, v.dtype) for k, v in live[0].items()
+        ]
+    want, got = by_row_index(joined(live)), by_row_index(joined(again))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_tee_holding_another_capture_is_refused_before_a_forward(net, tok, corpus, tmp_path):
@@ -671,6 +756,12 @@ def test_two_gloo_ranks_uneven_shares(net, tok, corpus, tmp_path):
     # the merged tee holds both shares: the single-process capture's rows
     r, rows = store_rows(tmp_path / "tee")
     assert r.examples == limit
+    # a second pass read the tee on both ranks (no forward): together every stored row once
+    assert [x["tee_again_from_tee"] for x in res] == [(True, 0), (True, 0)]
+    again = by_row_index({k: torch.cat([x["tee_again"][k] for x in res]) for k in rows})
+    assert torch.equal(again["row_index"], ref.row_index)
+    for layer in W.LAYERS:
+        assert torch.equal(again[layer], ref[layer])
     got = by_row_index(rows)
     assert torch.equal(got["row_index"], ref.row_index)
     for layer in W.LAYERS:

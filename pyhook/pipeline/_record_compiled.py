@@ -108,7 +108,9 @@ class CompiledPath:
         self.head = _Batch(None, {}, None, None, None)
         hooks.forward_pre(rec.model, self.begin, with_kwargs=True, prepend=True)
         for name, module in rec._modules:
-            hooks.forward(module, self.make_hook(name, flat=getattr(module, "flat", False)))
+            hooks.forward(
+                module, self.make_hook(name, flat=getattr(module, "flat", False)), name=name
+            )
         hooks.forward(rec.model, self.commit)
         # Batches that must be finished after each forward (disk, or rows on a GPU) are
         # finished by a hook on the torch.compile wrapper, which runs in eager Python once the

@@ -63,7 +63,9 @@ class EagerPath:
         rec = self.rec
         hooks.forward_pre(rec.model, self.begin, with_kwargs=True, prepend=True)
         for name, module in rec._modules:
-            hooks.forward(module, self.make_hook(name, flat=getattr(module, "flat", False)))
+            hooks.forward(
+                module, self.make_hook(name, flat=getattr(module, "flat", False)), name=name
+            )
         grads = getattr(rec, "_grads", None)
         if grads is not None:  # gradient layers: the backward runs after the forward, before commit
             grads.install(hooks, self, {n: getattr(m, "flat", False) for n, m in rec._modules})

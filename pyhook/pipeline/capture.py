@@ -62,6 +62,7 @@ from ._record_compiled import CompiledPath
 from ._record_eager import EagerPath
 from .encoding import Encoding
 from .format import dtype_name, parse_dtype
+from .ranks import rank_layout
 from .writer import ShardWriter
 
 __all__ = [
@@ -239,6 +240,41 @@ def _unwrapped(model: nn.Module) -> nn.Module:
         model = inner
 
 
+class _NullWriter:
+    """The writer of a tensor-parallel rank that is not its group's writer: its rows are the
+    writer rank's (the same examples, the same whole block outputs), so they are given back at
+    once; it resumes where its writer does and meets the other ranks before the index merge."""
+
+    _shard_limit = 0
+
+    def __init__(self, examples_done: int, on_release: Callable[[dict[str, Any]], None]) -> None:
+        self.examples_done = examples_done
+        self.on_release = on_release
+
+    def add(
+        self, batch: dict[str, Any], examples: int, *, wait: Any = None, skipped: bool = False
+    ) -> None:
+        if wait is not None:
+            wait()  # copies in flight into these buffers land before the buffers go back
+        self.on_release(batch)
+
+    def flush(self) -> None:
+        pass
+
+    def _check_error(self) -> None:
+        pass
+
+    def close(self, *, merge: bool = True, barrier: Any = None) -> None:
+        if barrier is not None:
+            barrier()  # the writers' close calls it once: every rank meets there
+
+    def abort(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
 class Recorder:
     """Records chosen layers' outputs over many forward passes; made by :func:`capture`.
 
@@ -304,6 +340,7 @@ class Recorder:
         settings: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        tp_size: int | None = None,
         fsync: bool = True,
         stats: bool | None = None,
         tokens: bool = True,
@@ -392,7 +429,9 @@ class Recorder:
         self.peak_held_bytes = 0
         _check_json("meta", meta)
         _check_json("settings", settings)
-        self._rank, self._world = self._dist_info(rank, world_size)
+        # the ranks (pyhook.pipeline.ranks): the store's writer ranks are the data-parallel ones
+        self.layout = rank_layout(tp_size=tp_size, model=model, rank=rank, world_size=world_size)
+        self._rank, self._world = self.layout.dp_rank, self.layout.dp_size
         self.model = model
         self.to = to
         self.out = os.fspath(out) if out is not None else None
@@ -474,7 +513,7 @@ class Recorder:
         # Made on first use: host captures of CPU tensors never need the engine.
         self._offloader_: Offloader | None = None
         self._hooks = HookSet()
-        self._writer: ShardWriter | None = None
+        self._writer: ShardWriter | _NullWriter | None = None
         self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
         # copy=False: (tensor, version) of each kept reference, checked on read
         self._guards: dict[str, list[Any]] = {n: [] for n in self.layers}
@@ -503,28 +542,25 @@ class Recorder:
 
     @staticmethod
     def _dist_info(rank: int | None, world: int | None) -> tuple[int, int]:
-        if rank is not None or world is not None:
-            if world is None:
-                world = 1
-            if not _is_int(world) or world < 1:
-                raise ValueError(f"world_size must be an int >= 1 (processes), got {world!r}")
-            if rank is None:
-                rank = 0
-            if not _is_int(rank) or not 0 <= rank < world:
-                raise ValueError(f"rank must be an int in [0, world_size={world}), got {rank!r}")
-            return rank, world
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        lay = rank_layout(rank=rank, world_size=world)
+        return lay.rank, lay.world
 
     @property
     def rank(self) -> int:
+        """This process's writer rank in the store: its data-parallel rank (``layout``)."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """The store's writer ranks: the data-parallel groups (``layout.dp_size``)."""
         return self._world
+
+    def _global_examples(self, start: int, n: int) -> torch.Tensor:
+        """Example indices of this rank's ``n`` examples from its ``start``-th, global across
+        the data-parallel ranks as a ``DistributedSampler`` without shuffling deals them
+        (example ``k`` of rank ``r`` of ``R`` is ``k * R + r``); one rank: ``start..``."""
+        local = torch.arange(start, start + n, dtype=torch.long)
+        return local * self._world + self._rank if self._world > 1 else local
 
     # -- lifetime --------------------------------------------------------------------------
     def __enter__(self) -> Recorder:
@@ -545,17 +581,7 @@ class Recorder:
             # hid a capture's growth, and the close did not trim.
             self._rss_before = resident_bytes() - _backend.pool_stats()["cached_bytes"]
             inline = write_inline(self.model)
-            self._writer = ShardWriter(
-                self.out,
-                settings=self.settings,
-                meta={**self.meta, "pyhook_version": __version__},
-                rank=self._rank,
-                world_size=self._world,
-                overwrite=self.overwrite,
-                on_release=self._release,
-                write_inline=inline,
-                **self._writer_opts,
-            )
+            self._writer = self._open_writer(inline)
             # Rows wait for at most one shard when the caller writes it at once (inline), so
             # the pools may keep the rest of the budget idle: a shard's buffers, given back
             # when it is written, are all reused by the next batches instead of faulting in
@@ -578,6 +604,60 @@ class Recorder:
             self._give_back_memory()
             raise
         return self
+
+    def _open_writer(self, inline: bool) -> ShardWriter | _NullWriter:
+        """This rank's writer: a :class:`ShardWriter` on the first rank of each
+        tensor-parallel group, a :class:`_NullWriter` on the others (their rows are their
+        writer's). They learn where their writer resumes (and whether it opened) from it."""
+        lay = self.layout
+        writer: ShardWriter | _NullWriter | None = None
+        error: BaseException | None = None
+        if lay.writer:
+            try:
+                writer = ShardWriter(
+                    self.out,
+                    settings=self.settings,
+                    meta={**self.meta, "pyhook_version": __version__},
+                    rank=self._rank,
+                    world_size=self._world,
+                    overwrite=self.overwrite,
+                    on_release=self._release,
+                    write_inline=inline,
+                    **self._writer_opts,
+                )
+            except BaseException as e:
+                error = e
+        if lay.tp_size == 1:
+            if error is not None:
+                raise error
+            assert writer is not None
+            return writer
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            if writer is not None:
+                writer.abort()
+            raise RuntimeError(
+                f"a tensor-parallel capture (tp_size={lay.tp_size}) needs torch.distributed "
+                "initialised: the ranks of a group learn from their writer where it resumes"
+            )
+        said = [
+            None
+            if not lay.writer
+            else (f"{type(error).__name__}: {error}" if error else writer.examples_done)  # type: ignore[union-attr]
+        ]
+        every: list[Any] = [None] * lay.world
+        dist.all_gather_object(every, said[0])
+        if error is not None:
+            raise error
+        if writer is not None:
+            return writer
+        theirs = every[lay.writer_rank]
+        if isinstance(theirs, str):
+            raise RuntimeError(
+                f"rank {lay.writer_rank}, the writer of this rank's tensor-parallel group, "
+                f"could not open {self.out!r}: {theirs}"
+            )
+        return _NullWriter(int(theirs), self._release)
 
     def _limit_pool(self) -> None:
         """During a disk capture, the native pool keeps at most a share of max_host_bytes idle:
@@ -661,7 +741,7 @@ class Recorder:
             if exc_type is None:
                 barrier = None
                 dist = torch.distributed
-                if self._world > 1 and dist.is_available() and dist.is_initialized():
+                if self.layout.world > 1 and dist.is_available() and dist.is_initialized():
                     barrier = self._barrier or dist.barrier
                 writer.close(barrier=barrier)
             else:
@@ -792,7 +872,7 @@ class Recorder:
                 )
             else:
                 start = self.examples_done + self.examples
-                extra["__text_examples__"] = torch.arange(start, start + len(enc), dtype=torch.long)
+                extra["__text_examples__"] = self._global_examples(start, len(enc))
             blob = b"".join(enc)
             extra["__text_bytes__"] = (
                 torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -815,7 +895,7 @@ class Recorder:
             index = note.examples
         else:
             start = self.examples_done + self.examples
-            index = torch.arange(start, start + shape[0], dtype=torch.long)
+            index = self._global_examples(start, shape[0])
         ids, rows = row_annotations(self._reduction, token_ids, mask, index)
         if any(c != rows.shape[0] for c in counts.values()):
             return extra
@@ -1067,8 +1147,13 @@ def capture(
     callable ``(args, kwargs) -> mask``) selecting the valid tokens; ``flatten`` makes tokens the
     rows; ``dtype`` casts on the device before the copy. Further options of :class:`Recorder`:
     ``select`` (output -> tensor; default the first tensor of the output), ``overwrite``,
-    ``meta``, ``settings``, ``rank``/``world_size`` (default: from ``torch.distributed`` or
-    ``RANK``/``WORLD_SIZE``); ``stats`` (per-layer statistics while capturing, default on for
+    ``meta``, ``settings``, ``rank``/``world_size`` (this process's writer rank in the store;
+    default: from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``), ``tp_size`` (tensor-parallel
+    ranks per group, default the model's ``tp_size``: the first rank of each group writes, the
+    groups are the store's ranks; see :mod:`pyhook.pipeline.ranks`). Without ``annotate``'s
+    ``examples``, the row index of several data-parallel ranks is global, as a
+    ``DistributedSampler`` without shuffling deals the examples (rank ``r`` of ``R``: ``r``,
+    ``r + R``, ...); ``stats`` (per-layer statistics while capturing, default on for
     disk captures), ``tokens`` (keep token ids/row index from ``input_ids``, default on);
     host memory: ``max_host_bytes`` (default 256 MiB) sizes ``shard_bytes`` (default a quarter
     of it), ``max_pending_shards`` (1), ``max_inflight_bytes`` (a quarter) and the buffer

@@ -43,6 +43,9 @@ __all__ = ["CaptureDataset", "dataset", "to_hf_dataset", "shuffle_quality"]
 TOKEN_IDS = "__token_ids__"
 # Each row's flag of a capture made during generate (bool): its token was generated.
 GENERATED = "__generated__"
+# Each row's (example or context, position) (int64 [rows, 2]), as stream() yields it.
+ROW_INDEX = "__row_index__"
+_EXTRA_KEYS = {TOKEN_IDS: "tokens", GENERATED: "generated", ROW_INDEX: "row_index"}
 _SHUFFLES = (False, True, "global", "chunks")
 
 
@@ -218,7 +221,7 @@ def _check_layers(reader: Any, layers: str | Sequence[str] | None, tokens: bool)
 
 def _key(name: str) -> str:
     """The batch key of a source: token ids come as ``"tokens"``."""
-    return "tokens" if name == TOKEN_IDS else "generated" if name == GENERATED else name
+    return _EXTRA_KEYS.get(name, name)
 
 
 def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -279,7 +282,8 @@ class CaptureDataset(IterableDataset):
     different ones each epoch when shuffling. ``tokens=True`` adds ``"tokens"`` (int64 token
     ids of the rows); ``with_index=True`` adds ``"index"`` (the rows' global numbers);
     ``generated=True`` adds ``"generated"`` (bool: the row's token was generated, for a capture
-    made during ``generate``). ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in
+    made during ``generate``); ``row_index=True`` adds ``"row_index"`` (int64 ``[n, 2]``: the
+    rows' example or context and position, the column :func:`pyhook.stream` yields). ``dtype`` (e.g. ``torch.bfloat16``) gives every layer's rows in
     that floating dtype: a compact store's quantised rows are dequantised straight into it (no
     float32 copy); plain rows of another dtype are cast after the gather. A batch of
     quantised layers (with plain ones such as token ids beside them) is read in one native
@@ -332,6 +336,7 @@ class CaptureDataset(IterableDataset):
         tokens: bool = False,
         with_index: bool = False,
         generated: bool = False,
+        row_index: bool = False,
         chunk_rows: int = 2048,
         buffer_chunks: int = 64,
         worker_slots: int = 8,
@@ -367,7 +372,7 @@ class CaptureDataset(IterableDataset):
             _resolve_ranks(0 if rank is None else rank, 1 if world_size is None else world_size)
         self.path = reader.path
         self.layers = _check_layers(reader, layers, tokens)
-        for key in ("tokens", "index"):
+        for key in ("tokens", "index", "row_index"):
             if key in self.layers:
                 raise ValueError(
                     f"layer {key!r} collides with the batch key {key!r}; read it alone"
@@ -404,6 +409,12 @@ class CaptureDataset(IterableDataset):
             raise ValueError(
                 f"generated=True, but the capture {reader.path!r} holds no generated flags "
                 "(they are stored by a capture during generate); pass generated=False"
+            )
+        self.row_index = bool(row_index)
+        if self.row_index and ROW_INDEX not in reader:
+            raise ValueError(
+                f"row_index=True, but the capture {reader.path!r} holds no row index (it is "
+                "recorded when every layer stores one row per kept token); pass row_index=False"
             )
         self.chunk_rows, self.buffer_chunks = chunk_rows, buffer_chunks
         self.worker_slots = worker_slots
@@ -448,9 +459,9 @@ class CaptureDataset(IterableDataset):
         if not self._cache:
             names = [*self.layers, *([TOKEN_IDS] if self.tokens else [])]
             names += [GENERATED] if self.generated else []
+            names += [ROW_INDEX] if self.row_index else []
             self._cache = {
-                n: _parts(self._layer(n), None if n in (TOKEN_IDS, GENERATED) else self.dtype)
-                for n in names
+                n: _parts(self._layer(n), None if n in _EXTRA_KEYS else self.dtype) for n in names
             }
             self._fused = _fused_plan(self._cache)
             # The parts are plain CPU memory maps: checked once here, so that each batch goes

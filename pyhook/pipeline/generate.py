@@ -51,6 +51,7 @@ import torch
 
 from .. import _backend
 from . import annotations
+from ._generate_options import _REFUSED  # options that break one row per token
 from ._record import batch_stats, stats_later
 
 __all__ = [
@@ -65,20 +66,6 @@ __all__ = [
 GENERATED = annotations.GENERATED
 #: Bytes of each text that are the prompt (int64, aligned with ``__text_lengths__``).
 TEXT_PROMPT_BYTES = annotations.TEXT_PROMPT_BYTES
-
-# generate options that would break the one-row-per-token bookkeeping
-_REFUSED = {
-    "input_ids": "the prompts come from the batches",
-    "attention_mask": "it is made from the prompts",
-    "max_new_tokens": "pass max_new_tokens (--generate N)",
-    "max_length": "pass max_new_tokens (--generate N)",
-    "num_return_sequences": "one completion per prompt is captured",
-    "num_beams": "beam search reorders the sequences between steps",
-    "assistant_model": "assisted decoding runs tokens through another model",
-    "prompt_lookup_num_tokens": "speculative decoding runs several tokens per step",
-    "assistant_early_exit": "self-speculative decoding runs several tokens per step",
-    "prefill_chunk_size": "chunked prefill runs each prompt in several calls of the model",
-}
 
 
 class GenerateError(ValueError):
@@ -824,7 +811,7 @@ def run_generate(
             on_cpu = torch.device(device).type == "cpu"
             with _Steps(rec, prefill_keep, max_new_tokens, on_cpu) as steps, fork, torch.no_grad():
                 if seeded:
-                    _seed(device, seed * 1_000_003 + int(b.examples[0]))
+                    _seed(device, (seed * 1_000_003 + int(b.examples[0])) % (1 << 64))
                 # the first call's rows (the prompts): their tokens, no padding
                 rec.annotate(ids, prefill_keep, b.examples.to("cpu", torch.long))
                 if stops is not None:

@@ -24,9 +24,12 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._names import check_model_name
+
+if TYPE_CHECKING:
+    from torch import nn
 from ._paths import _existing_dir, _is_url, check_out_dir
 
 __all__ = [
@@ -124,7 +127,10 @@ class _JobTypeError(JobError, TypeError):
 
 def _got(v: Any) -> str:
     """A value as an error shows it: its repr when short, else its type."""
-    text = repr(v)
+    try:
+        text = repr(v)
+    except (RecursionError, ValueError):  # nested deeply; an int too long for a string
+        return f"a {type(v).__name__}"
     return text if len(text) <= 60 else f"a {type(v).__name__}"
 
 
@@ -358,7 +364,12 @@ class CaptureJob:
       one store (layers stored as ``name/LAYER``; see :mod:`pyhook.pipeline.paired`).
       ``tokenizer`` (for a checkpoint saved without one),
       ``model_class`` (a transformers class name), ``model_dtype`` (dtype to load it in),
-      ``device``.
+      ``device``. A ``model`` may also be a model object already loaded (``tokenizer`` names
+      its tokenizer when it was not loaded from a folder).
+    * large models (docs/large-models.md): ``device_map``, ``max_memory``,
+      ``offload_folder`` (placed and offloaded by accelerate, as ``from_pretrained`` takes
+      them); ``tp_size`` (under torchrun: tensor-parallel groups of that many ranks; the
+      world / ``tp_size`` data-parallel groups split the corpus, the first rank of each writes).
     * ``input``: the corpus (txt, jsonl/json, csv, parquet or a folder of them, a
       ``save_to_disk`` folder; default the bundled corpus), ``text_column``, ``context_size``
       (pack documents into contexts of N tokens; default 128 for the bundled corpus without
@@ -388,7 +399,7 @@ class CaptureJob:
     :meth:`plan`, before the weights are loaded where it can be.
     """
 
-    model: str | dict[str, str] | None = None
+    model: str | dict[str, str] | nn.Module | None = None
     tokenizer: str | None = None
     model_class: str | None = None
     layers: list[str] | None = None
@@ -403,6 +414,10 @@ class CaptureJob:
     model_dtype: str | None = None
     positions: str | int = "all"
     device: str = "cpu"
+    device_map: str | dict[str, Any] | None = None
+    max_memory: dict[str, Any] | None = None
+    offload_folder: str | None = None
+    tp_size: int = 1
     out: str = "pyhook-activations"
     shard_mb: float = 256.0
     overwrite: bool = False
@@ -459,6 +474,10 @@ class CaptureJob:
                     raise JobError(f"`layers` must name at least one layer, got {_got(v)}")
             elif name == "model" and isinstance(v, dict):
                 _check_models(v)
+            elif name == "model" and _is_module(v):
+                continue  # a model already loaded (checked with the loading options below)
+            elif name in ("device_map", "max_memory"):
+                _check_placement(name, v)
             elif name == "positions":
                 if not (v in ("all", "last") or (isinstance(v, int) and not isinstance(v, bool))):
                     raise JobError(
@@ -490,7 +509,7 @@ class CaptureJob:
             elif "str" in kind and not (isinstance(v, str) or (v is None and "None" in kind)):
                 hint = (
                     " (a checkpoint folder or a model's name, or a mapping of names to them for "
-                    "a paired capture; a model object in memory is captured with pyhook.capture)"
+                    "a paired capture, or a torch.nn.Module already loaded)"
                     if name == "model"
                     else ""
                 )
@@ -501,6 +520,13 @@ class CaptureJob:
                 raise JobError(
                     f"`{name}` is empty, got {v!r}: leave it out for the default, or name one"
                 )
+        if isinstance(self.model_class, str) and not re.fullmatch(
+            r"[A-Za-z_][A-Za-z0-9_]*", self.model_class
+        ):  # a name in transformers (AutoModel, GPT2LMHeadModel), never a path or module
+            raise JobError(
+                "`model_class` must be the name of a transformers model class (e.g. AutoModel, "
+                f"AutoModelForCausalLM), got {_got(self.model_class)}"
+            )
         for name in ("dtype", "model_dtype"):
             v = getattr(self, name)
             if v is not None:
@@ -518,6 +544,7 @@ class CaptureJob:
                 )
         self._check_generate()
         self._check_gradients()
+        self._check_loading()
         if self.context_size is not None and self.max_length is not None:
             raise JobError(
                 "`max_length` cuts each example of a one-example-per-row capture; with "
@@ -562,6 +589,47 @@ class CaptureJob:
         if isinstance(self.model, dict):
             raise JobError("`gradients` are of one model, not several (`model` is a mapping)")
 
+    def _check_loading(self) -> None:
+        """The loading options: for one checkpoint the job loads (not a model object, not a
+        paired capture), and one way at a time (accelerate's placement or tensor parallelism)."""
+        given = [
+            n
+            for n, default in (
+                ("device_map", None),
+                ("max_memory", None),
+                ("offload_folder", None),
+                ("tp_size", 1),
+            )
+            if getattr(self, n) != default
+        ]
+        if not given:
+            return
+        if _is_module(self.model):
+            raise JobError(
+                f"`{given[0]}` is an option of loading a checkpoint; the `model` given is already "
+                "loaded (its layout is its own): leave the loading options out"
+            )
+        if isinstance(self.model, dict):
+            raise JobError(
+                f"`{given[0]}`: a paired capture (several named `model`s) loads each model "
+                "whole; load large models one at a time"
+            )
+        if self.device_map is None and ("max_memory" in given or "offload_folder" in given):
+            which = "max_memory" if "max_memory" in given else "offload_folder"
+            raise JobError(
+                f"`{which}` places layers with `device_map`: add `device_map` (e.g. 'auto')"
+            )
+        if self.device_map is not None and self.tp_size > 1:
+            raise JobError(
+                "`device_map` and `tp_size` are two ways of placing the model (offloading or "
+                "tensor parallelism), as in transformers: give one of them"
+            )
+        if self.generate is not None and self.tp_size > 1:
+            raise JobError(
+                "`generate` with `tp_size`: capture during generation runs on one model per "
+                "rank; drop `tp_size` or `generate`"
+            )
+
     def _check_generate(self) -> None:
         """The generation options: only with `generate`, and not with packed contexts."""
         if self.generate is None:
@@ -597,6 +665,19 @@ class CaptureJob:
                 f"`positions` {self.positions!r} with `generate`: use 'all' (every token) or "
                 "'last' (the last token of each generation step)"
             )
+
+    def check_files(self) -> None:
+        """Raise :class:`JobError` when a file the job reads is missing: ``input`` (a file or
+        folder; absent, the bundled corpus). Needs no torch: the command calls it with the
+        other checks of its arguments, and :meth:`plan` before it imports anything heavier.
+
+        >>> CaptureJob(input="no-such-corpus.txt").check_files()
+        Traceback (most recent call last):
+        ...
+        pyhook.pipeline.job.JobError: cannot read input 'no-such-corpus.txt': No such file or directory
+        """
+        if self.input is not None and not os.path.exists(self.input):
+            raise JobError(f"cannot read `input` {self.input!r}: No such file or directory")
 
     # -- files ----------------------------------------------------------------------------------
     @classmethod
@@ -640,6 +721,8 @@ class CaptureJob:
                 ) from None
             try:
                 data = yaml.safe_load(text)
+            except RecursionError:
+                raise JobError(f"{name} is nested too deeply to be a job") from None
             except yaml.YAMLError as e:
                 where = getattr(e, "problem_mark", None)
                 at = f" (line {where.line + 1})" if where is not None else ""
@@ -649,6 +732,8 @@ class CaptureJob:
         else:
             try:
                 data = json.loads(text)
+            except RecursionError:
+                raise JobError(f"{name} is nested too deeply to be a job") from None
             except json.JSONDecodeError as e:
                 raise JobError(f"{name} is not valid JSON (line {e.lineno}): {e.msg}") from None
         if data is None:
@@ -663,13 +748,7 @@ class CaptureJob:
         for key, v in data.items():
             k = str(key).replace("-", "_")
             if k not in known:
-                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
-                hint = (
-                    f" (did you mean {close[0]!r}?)"
-                    if close
-                    else f"; a job's keys are: {', '.join(known)}"
-                )
-                raise JobError(f"{name}: unknown key {key!r}{hint}")
+                raise JobError(f"{name}: unknown key {_got(key)}{_closest(k, known)}")
             if k in values and values[k] != v:  # `context-size` and `context_size` differ
                 raise JobError(f"{name}: the option {k!r} is given twice, with different values")
             values[k] = v
@@ -681,7 +760,21 @@ class CaptureJob:
 
     # -- the plan -------------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        """This rank's data-parallel rank and size (the share of the corpus it reads)."""
+        lay = self._layout()
+        return lay.dp_rank, lay.dp_size
+
+    def _layout(self) -> Any:
+        """The ranks (:func:`pyhook.pipeline.ranks.rank_layout`: torch.distributed or the
+        environment) with this job's ``tp_size`` (or a model object's own)."""
+        from .ranks import rank_layout
+
+        try:
+            if _is_module(self.model):
+                return rank_layout(model=self.model)
+            return rank_layout(tp_size=self.tp_size)
+        except ValueError as e:
+            raise JobError(f"`tp_size`: {e}") from None
 
     def _check_out(self, out: str) -> None:
         """``out`` must be (or be creatable as) a writable folder. A URL is checked by the
@@ -690,23 +783,32 @@ class CaptureJob:
 
     def _source(self, *, rank: int, world: int) -> dict[str, Any]:
         """The model's config and tokenizer and the corpus, all checked before the weights."""
-        from .runner import RunnerError, load_tokenizer, prepare_model
+        from .runner import RunnerError, in_memory, load_tokenizer, prepare_model
         from .source import SourceError, open_source
 
         paired = isinstance(self.model, dict)
+        loaded = _is_module(self.model)  # a model object, already loaded
         if paired:  # several named models, one store (pyhook.pipeline.paired)
             from .paired import prepare_models
 
             prepared = prepare_models(self.model, model_class=self.model_class)  # type: ignore[arg-type]
+        elif loaded:
+            prepared = in_memory(self.model)
         else:
             prepared = prepare_model(self.model, model_class=self.model_class, need_tokenizer=False)
         try:
+            if loaded and self.tokenizer is None and not os.path.isdir(prepared.path):
+                raise JobError(
+                    f"`tokenizer`: the `model` given ({type(self.model).__name__}) is in memory "
+                    "and names no folder (config.name_or_path): name its tokenizer (a folder "
+                    "or a built-in name)"
+                )
             if paired:  # each model's tokenizer; they must agree (checked here, before weights)
                 tokenizer, tok_path = prepared.load_tokenizer(self.tokenizer)
             else:
                 tokenizer, tok_path = load_tokenizer(self.tokenizer, prepared.path)
             tok_error = None
-        except RunnerError as e:
+        except (RunnerError, JobError) as e:
             tokenizer, tok_path, tok_error = None, None, e
         positions_limit = prepared.max_positions
         context_size = self.context_size
@@ -732,6 +834,7 @@ class CaptureJob:
                 )
         if self.generate is not None:
             _check_generation_model(prepared, self.generate, self.max_length, model_name)
+            _check_token_ids(self.generate_kwargs or {}, prepared.config, model_name)
         # the default: 128, or fewer when the model has fewer positions
         max_length = self.max_length or min(128, positions_limit or 128)
         if self.generate is not None and positions_limit is not None and not self.max_length:
@@ -797,6 +900,30 @@ class CaptureJob:
             "model_dtype": dtype_name(model_dtype) if model_dtype else None,
         }
 
+    def _load(self, prepared: Any, device: str, model_dtype: Any) -> Any:
+        """The model: the object given, or the checkpoint's weights loaded as the loading
+        options say (whole on ``device``; placed by ``device_map``; sharded by ``tp_size``)."""
+        from . import runner
+
+        if _is_module(self.model):
+            return self.model
+        if hasattr(prepared, "load_weights"):  # several models (pyhook.pipeline.paired)
+            return prepared.load_weights(device=device, dtype=model_dtype)
+        memory = self.max_memory
+        if memory is not None:  # a job file's keys are strings: "0" is GPU 0
+            memory = {
+                int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in memory.items()
+            }
+        return runner.load_weights(
+            prepared,
+            device=device,
+            dtype=model_dtype,
+            device_map=self.device_map,
+            max_memory=memory,
+            offload_folder=self.offload_folder,
+            tp_size=self.tp_size,
+        )
+
     def _device(self, world: int) -> str:
         """The device, after joining the process group when torchrun started several ranks."""
         import torch
@@ -833,10 +960,12 @@ class CaptureJob:
         dtype = parse_dtype(self.dtype, _spell("`dtype`"))
         model_dtype = parse_dtype(self.model_dtype, _spell("`model_dtype`"))
         positions = None if self.positions == "all" else self.positions
+        self.check_files()
         check_device(self.device)
         out = _shown(self.out)
         self._check_out(out)
-        rank, world = self._world()
+        lay = self._layout()
+        rank, world = lay.dp_rank, lay.dp_size  # the corpus's shares: one per writer
 
         # 1. The model's config and tokenizer, the corpus and out: all before the weights.
         got = self._source(rank=rank, world=world)
@@ -860,8 +989,9 @@ class CaptureJob:
             unit=unit,
             context_size=context_size,
             max_length=None if context_size else got["max_length"],
-            rank=rank,
-            world_size=world,
+            rank=lay.rank,
+            world_size=lay.world,
+            layout=lay,
         )
         stored = None if self.overwrite else _stored_capture(out)
         if stored is not None:
@@ -879,34 +1009,38 @@ class CaptureJob:
                 world,
             )
             plan.stored = stored.examples
-            if self.limit is not None and world == 1 and stored.examples >= self.limit:
-                plan.note = (
+        # Nothing to do when the store already holds every example asked for: said before the
+        # weights load only when the layers are told the same by name; otherwise the layers
+        # are resolved first (globs, standard points, the default), and other layers are
+        # refused as a different capture, not answered "nothing to do".
+        done_note = None
+        share = None
+        if stored is not None and world == 1:
+            if self.limit is not None and stored.examples >= self.limit:
+                done_note = (
                     f"{out} already holds {stored.examples:,} {unit.split(' ')[0]}, "
                     + ("more than" if stored.examples > self.limit else "all")
                     + f" the {self.limit:,} `limit` asks for: nothing to do "
                     "(`overwrite=True` starts again)"
                 )
+            else:
+                share = src.estimate()  # this rank's share, from its start (needs no weights)
+                if share["exact"] and stored.examples >= share["examples"]:
+                    done_note = (
+                        f"{out} already holds all {stored.examples:,} {unit.split(' ')[0]} of "
+                        f"{os.path.basename(got['input'])}: nothing to do (`overwrite=True` "
+                        "starts again)"
+                    )
+            if done_note is not None and self.layers == stored.settings.get("layers"):
+                plan.note = done_note
                 return plan
-        share = src.estimate()  # this rank's share, from its start (needs no weights)
-        if (
-            stored is not None
-            and world == 1
-            and share["exact"]
-            and stored.examples >= share["examples"]
-        ):
-            plan.note = (
-                f"{out} already holds all {stored.examples:,} {unit.split(' ')[0]} of "
-                f"{os.path.basename(got['input'])}: nothing to do (`overwrite=True` starts again)"
-            )
-            return plan
+        if share is None:
+            share = src.estimate()
 
         # 2. The weights, the layers, one probe forward for their widths.
-        device = self._device(world)
+        device = self._device(lay.world)
+        model = self._load(prepared, device, model_dtype)
         paired = hasattr(prepared, "load_weights")  # several models (pyhook.pipeline.paired)
-        if paired:
-            model = prepared.load_weights(device=device, dtype=model_dtype)
-        else:
-            model = runner.load_weights(prepared, device=device, dtype=model_dtype)
         layers = self.layers or (
             _paired_default_layers(model) if paired else [default_layers(model)]
         )
@@ -937,10 +1071,14 @@ class CaptureJob:
             tokens=self.tokens,
             quantize=self.quantize,
             compress=self.compress,
+            tp_size=lay.tp_size,
             **({"gradients": self.gradients, "metric": self.metric} if self.gradients else {}),
         )
         if stored is not None:  # (a store with gradients differs from one without)
             _refuse_different(out, stored, {"gradients": None, **rec.settings}, world)
+        if done_note is not None:  # the same layers, resolved: nothing to do after all
+            plan.note = done_note
+            return plan
         grads = getattr(rec, "_grads", None)  # "<layer>_grad": the rows of its layer's shape
         acts = [n for n in rec.layers if grads is None or n not in grads.names]
         shapes = _probe_layers(model, acts, src.peek(), device)
@@ -1016,6 +1154,7 @@ class CaptureJob:
         plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
         plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device
+        plan.ranks = _ranks_table(lay, model, plan.examples, plan.rows, plan.bytes)
         plan._state = {
             "model": model,
             "source": src,
@@ -1057,7 +1196,8 @@ class CaptureJob:
         with rec:
             src.skip = rec.examples_done
             todo = max(0, share["examples"] - rec.examples_done)
-            done_all, todo_all = _sum_over_ranks([rec.examples_done, todo], device)
+            w = int(rec.layout.writer)  # a group's rows are counted once, by its writer
+            done_all, todo_all = _sum_over_ranks([rec.examples_done * w, todo * w], device)
             if done_all and show:
                 print(
                     f"resuming {self.out}: {done_all:,} {unit} already stored, "
@@ -1086,7 +1226,12 @@ class CaptureJob:
                 tokens += int(b.attention_mask.sum())
                 dt = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {rec.bytes / dt / 1e6:,.1f} MB/s")
-                bar.update(len(b.examples))
+                n = len(b.examples)
+                if bar.total and bar.n + n >= bar.total and not plan.exact:
+                    # the estimate was low: grow the total before it is passed (tqdm drops a
+                    # passed total, and with it the percentage and the time left)
+                    bar.total = bar.n + n + max(n, math.ceil((bar.n + n) * 0.05))
+                bar.update(n)
 
             try:
                 if self.generate is not None:
@@ -1111,12 +1256,15 @@ class CaptureJob:
                     )
                 else:
                     timing = run(model, src, rec, device=device, keep=keep, on_batch=on_batch)
+                if bar.total != bar.n:  # an estimate, now counted: the bar ends at 100%
+                    bar.total = bar.n
+                    bar.refresh()
             finally:
                 bar.close()
         elapsed = time.perf_counter() - t0
         # The result is of the whole run: every rank's share.
         tokens, truncated, nbytes, generated = _sum_over_ranks(
-            [tokens, truncated, rec.bytes, generated], device
+            [v * w for v in (tokens, truncated, rec.bytes, generated)], device
         )
         result = CaptureResult(
             out=plan.out,
@@ -1181,7 +1329,6 @@ class CaptureJob:
             ) from None
         import inspect
 
-        from . import runner
         from .format import parse_dtype
         from .runner import check_device
 
@@ -1190,8 +1337,10 @@ class CaptureJob:
                 "`generate`: stream() runs plain forwards over the corpus; capture during "
                 "generation with run() (a store)"
             )
+        self.check_files()
         check_device(self.device)
-        rank, world = self._world()
+        lay = self._layout()
+        rank, world = lay.dp_rank, lay.dp_size
         got = self._source(rank=rank, world=world)
         params = inspect.signature(stream).parameters
         if self.positions != "all" and "positions" not in params:
@@ -1199,13 +1348,12 @@ class CaptureJob:
                 f"`positions` {self.positions!r}: stream() hands every kept token's row to the "
                 "trainer; positions is for run()"
             )
-        device = self._device(world)
+        device = self._device(lay.world)
         model_dtype = parse_dtype(self.model_dtype, "model_dtype")
+        model = self._load(got["prepared"], device, model_dtype)
         if hasattr(got["prepared"], "load_weights"):  # several models (pyhook.pipeline.paired)
-            model = got["prepared"].load_weights(device=device, dtype=model_dtype)
             layers = self.layers or _paired_default_layers(model)
         else:
-            model = runner.load_weights(got["prepared"], device=device, dtype=model_dtype)
             layers = self.layers or [default_layers(model)]
         kw: dict[str, Any] = {"device": device, "dtype": parse_dtype(self.dtype, "dtype")}
         if self.positions != "all":
@@ -1222,6 +1370,36 @@ class CaptureJob:
                 compress=self.compress,
             )
         return stream(model, got["source"], layers, **{**kw, **options})
+
+
+def _closest(key: str, known: list[str]) -> str:
+    """`` (did you mean 'context_size'?)`` for a mistyped option, else the list of options."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; a job's keys are: {', '.join(known)}"
+
+
+def _named_options_only(init: Any) -> Any:
+    """``CaptureJob(context_sise=12)`` is a :class:`JobError` (also a ``TypeError``) naming the
+    closest option, as the same key in a job file is, instead of dataclass's bare TypeError."""
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self: CaptureJob, *args: Any, **kwargs: Any) -> None:
+        known = [f.name for f in dataclasses.fields(CaptureJob)]
+        for key in kwargs:
+            if key not in known:
+                raise _JobTypeError(f"CaptureJob: unknown option {key!r}{_closest(key, known)}")
+        if len(args) > len(known):
+            raise _JobTypeError(
+                f"CaptureJob takes its options by name (model=..., layers=...), got "
+                f"{len(args)} positional values"
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CaptureJob.__init__ = _named_options_only(CaptureJob.__init__)  # type: ignore[method-assign]
 
 
 @dataclass
@@ -1249,8 +1427,9 @@ class CapturePlan:
     nothing to do. ``str(plan)`` is what ``pyhook capture --dry-run`` prints.
 
     Accuracy: with ``exact`` the rows are the rows the run writes and ``bytes`` is within the
-    shards' headers (a few kB each) of the store's size; estimated rows are extrapolated from
-    the corpus's first 2,000 documents (tokens per byte) and the corpus's size.
+    shards' headers (a few kB each) of the store's size; estimated packed contexts are
+    extrapolated from 2,000 documents drawn across the corpus (tokens per byte, times the
+    corpus's bytes), one example per row from its count and 2,000 documents drawn the same way.
     """
 
     job: CaptureJob
@@ -1277,6 +1456,12 @@ class CapturePlan:
     #: ``bytes`` is an upper bound, not an estimate: ``compress`` is set, and what it saves
     #: depends on the values (the rows uncompressed, plus zstd's framing)
     upper_bound: bool = False
+    #: the ranks (:class:`pyhook.pipeline.ranks.RankLayout`): data-parallel x tensor-parallel
+    layout: Any = None
+    #: per rank (every rank's, gathered): ``rank``, ``dp_rank``, ``writer``, ``examples``,
+    #: ``rows`` and ``bytes`` of its group's share, ``weights`` (bytes of its weights by device;
+    #: ``"offloaded"``: held by accelerate off the device, loaded when the layer runs)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1336,14 +1521,48 @@ class CapturePlan:
             return _table(rows, ["layer", "row shape", "rows", "dtype", "stored as", mb])
         return _table(rows, ["layer", "row shape", "rows", "dtype", "MB"])
 
+    def ranks_table(self) -> str:
+        """The layout: one line for the ranks (data-parallel x tensor-parallel, which write),
+        then per rank its share (examples, rows, MB written: 0 on a rank that does not write)
+        and the memory its weights take, by device. Empty for one process whose model is
+        whole on one device."""
+        if not self.ranks:
+            return ""
+        one = self.ranks[0]["weights"]
+        if len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one:
+            return ""
+        unit = self.unit.split(" ")[0]
+        rows = []
+        for r in self.ranks:
+            weights = ", ".join(f"{d} {_mb(b)}" for d, b in r["weights"].items()) or "-"
+            rows.append(
+                [
+                    str(r["rank"]),
+                    str(r["dp_rank"]),
+                    "yes" if r["writer"] else "no",
+                    f"{r['examples']:,}",
+                    f"{r['rows']:,}",
+                    _mb(r["bytes"] if r["writer"] else 0),
+                    weights,
+                ]
+            )
+        head = self.layout.describe() if self.layout is not None else ""
+        table = _table(
+            rows, ["rank", "dp rank", "writes", unit, "rows", "MB written", "weights MB"]
+        )
+        return f"layout: {head}\n{table}"
+
     def report(self, flags: bool = False) -> str:
-        """The model and corpus, the table and the summary (what ``--dry-run`` prints)."""
+        """The model and corpus, the table, the ranks' layout (several ranks or an offloaded
+        model) and the summary (what ``--dry-run`` prints)."""
         if self.note is not None:
             return self.summary(flags)
+        ranks = self.ranks_table()
         return "\n".join(
             [
                 f"model {self.model_path} ({self.model_class}), input {self.input}",
                 self.table(),
+                *([ranks] if ranks else []),
                 self.summary(flags),
             ]
         )
@@ -1420,18 +1639,152 @@ class CaptureResult:
 
 
 # -- helpers of the plan -----------------------------------------------------------------------
-def _check_generate_kwargs(v: Any) -> None:
-    """``generate_kwargs``: a mapping of JSON values (stored in the capture's settings)."""
-    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+def _weight_bytes(model: Any) -> dict[str, int]:
+    """Bytes of this rank's weights (parameters and buffers) by device: a tensor-parallel
+    shard counts its local part; weights accelerate holds off the device (on the ``meta``
+    device in the module) count as ``"offloaded"``."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        local = t.to_local() if hasattr(t, "to_local") else t
+        where = "offloaded" if local.device.type == "meta" else str(local.device)
+        out[where] = out.get(where, 0) + local.numel() * local.element_size()
+    return dict(sorted(out.items(), key=lambda kv: kv[0] == "offloaded"))
+
+
+def _ranks_table(
+    lay: Any, model: Any, examples: int, rows: int, nbytes: int
+) -> list[dict[str, Any]]:
+    """Every rank's line of the plan's layout (gathered over the process group)."""
+    import torch
+
+    mine = {
+        "rank": lay.rank,
+        "dp_rank": lay.dp_rank,
+        "writer": lay.writer,
+        "examples": examples,
+        "rows": rows,
+        "bytes": nbytes,
+        "weights": _weight_bytes(model),
+    }
+    dist = torch.distributed
+    if lay.world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    every: list[Any] = [None] * lay.world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _is_module(v: Any) -> bool:
+    """Whether ``v`` is a ``torch.nn.Module`` (told without importing torch)."""
+    return any(
+        c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(v).__mro__
+    )
+
+
+_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_placement(name: str, v: Any) -> None:
+    """``device_map`` (a word transformers knows, a device, or module names to devices) and
+    ``max_memory`` (devices to sizes such as ``"10GiB"`` or bytes)."""
+    if v is None:
+        return
+    if name == "device_map":
+        if isinstance(v, str):
+            if not v.strip():
+                raise JobError("`device_map` is empty: leave it out, or give 'auto' or a device")
+            return
+        if (
+            isinstance(v, dict)
+            and all(isinstance(k, str) for k in v)
+            and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in v.values())
+        ):
+            return
         raise _JobTypeError(
-            f"`generate_kwargs` must be a mapping of generate options, got {_got(v)}"
+            f"`device_map` must be {', '.join(map(repr, _MAP_WORDS))}, a device, or a mapping "
+            f"of module names to devices ('cpu', 'disk', 0, 'cuda:1'), got {_got(v)}"
         )
-    try:
-        json.dumps(v, allow_nan=False)
-    except (TypeError, ValueError):
+    ok = (
+        isinstance(v, dict)
+        and v
+        and all(
+            isinstance(k, (str, int))
+            and not isinstance(k, bool)
+            and (isinstance(m, str) or (isinstance(m, int) and not isinstance(m, bool) and m > 0))
+            for k, m in v.items()
+        )
+    )
+    if not ok:
         raise _JobTypeError(
-            f"`generate_kwargs` must hold JSON values (numbers, strings, lists), got {_got(v)}"
-        ) from None
+            "`max_memory` must be a mapping of devices to sizes (e.g. {0: '20GiB', 'cpu': "
+            f"'60GiB'}}; --max-memory 0=20GiB,cpu=60GiB), got {_got(v)}"
+        )
+
+
+def placement_from_flag(name: str, text: str) -> Any:
+    """``--device-map``/``--max-memory`` as the command gives them: a word or device, JSON,
+    or ``KEY=VALUE,...`` (a key of digits is a GPU index).
+
+    >>> placement_from_flag("max_memory", "0=20GiB,cpu=60GiB")
+    {0: '20GiB', 'cpu': '60GiB'}
+    >>> placement_from_flag("device_map", "auto")
+    'auto'
+    >>> placement_from_flag("device_map", '{"model.layers.0": "disk"}')
+    {'model.layers.0': 'disk'}
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise JobError(f"`{name}` {text!r} is not valid JSON: {e.msg}") from None
+    if "=" not in text:
+        if name == "max_memory":
+            raise JobError(f"`max_memory` {text!r}: give DEVICE=SIZE pairs, e.g. 0=20GiB,cpu=60GiB")
+        return text
+    out: dict[Any, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise JobError(f"`{name}` {text!r}: {part!r} is not KEY=VALUE")
+        k: Any = int(key) if key.isdigit() else key
+        out[k] = int(value) if value.isdigit() else value
+    return out
+
+
+def _check_generate_kwargs(v: Any) -> None:
+    """``generate_kwargs``: a mapping of the plain-data ``generate`` options a job may pass
+    (:data:`pyhook.pipeline._generate_options.GENERATE_OPTIONS`, each checked by type; stored
+    in the capture's settings); an option that loads code or another model is refused by name."""
+    from ._generate_options import check_generate_options
+
+    try:
+        check_generate_options(v)
+    except TypeError as e:
+        raise _JobTypeError(str(e)) from None
+    except ValueError as e:
+        raise JobError(str(e)) from None
+
+
+def _check_token_ids(options: dict[str, Any], config: Any, name: str) -> None:
+    """The token ids ``generate_kwargs`` names must be in the model's vocabulary (checked
+    before the weights load; generate would fail on them mid-run)."""
+    from ._generate_options import token_ids
+
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        return
+    for key, t in token_ids(options):
+        if t >= vocab:
+            raise JobError(
+                f"`generate_kwargs`: {key!r} names the token id {t}, above the {vocab} tokens "
+                f"of {name}'s vocabulary"
+            )
 
 
 def _stored_capture(out: str) -> Any:
@@ -1455,7 +1808,10 @@ def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) ->
     diff = settings_differences(stored.settings, now)
     old_world = stored.index.get("world_size", 1)
     if old_world != world:
-        diff.append(f"{world} rank(s) now, {old_world} when stored")
+        diff.append(
+            f"{world} writer rank(s) now, {old_world} when stored (one per data-parallel group: "
+            "the ranks / `tp_size`)"
+        )
     if diff:
         raise JobError(
             f"`out` {out!r} already holds a different capture ({stored.examples:,} examples): "

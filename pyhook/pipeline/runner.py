@@ -227,7 +227,10 @@ def _load_tokenizer(transformers: Any, spec: str | None, model_path: str) -> tup
             "save one next to the model with tokenizer.save_pretrained(DIR)"
         )
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # never a checkpoint's own code (nor transformers' prompt asking to run it): a job is data
+        tok = transformers.AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # reported in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(
@@ -270,7 +273,10 @@ def prepare_model(
             "pyhook capture needs transformers: pip install 'pyhook[cli]' (or transformers)"
         ) from e
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        # never a checkpoint's own code (nor transformers' prompt asking to run it): a job is data
+        config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # reported in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(
@@ -318,8 +324,25 @@ def _refuse_encoder_decoder(transformers: Any, config: Any, cls: Any, path: str)
     )
 
 
-def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> Any:
+def load_weights(
+    loaded: Loaded,
+    *,
+    device: str = "cpu",
+    dtype: Any = None,
+    device_map: Any = None,
+    max_memory: dict[Any, Any] | None = None,
+    offload_folder: str | None = None,
+    tp_size: int = 1,
+) -> Any:
     """Load ``loaded``'s weights onto ``device`` (in ``dtype``); sets and returns ``loaded.model``.
+
+    Large models load the way transformers loads them: ``device_map`` (``"auto"``, a device,
+    or a mapping of module names to devices, ``"cpu"`` or ``"disk"``) with ``max_memory`` and
+    ``offload_folder`` places the layers with accelerate (offloaded to the CPU or the disk:
+    each runs on its device when it is reached); ``tp_size`` > 1 shards every layer over
+    tensor-parallel groups of that many ranks of the initialised process group (transformers'
+    ``DistributedConfig``; the world / ``tp_size`` groups are data-parallel replicas). Either
+    way the model is not moved to ``device`` afterwards.
 
     >>> prepared = prepare_model("minilm")
     >>> type(load_weights(prepared)).__name__
@@ -331,10 +354,26 @@ def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> A
     cls = loaded.model_class
     with_bar = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
+    placed = device_map is not None or tp_size > 1
     try:
-        kwargs: dict[str, Any] = {"local_files_only": True}
+        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
         if dtype is not None:
             kwargs["dtype"] = dtype
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+            if max_memory is not None:
+                kwargs["max_memory"] = max_memory
+            if offload_folder is not None:
+                kwargs["offload_folder"] = offload_folder
+        if tp_size > 1:
+            import torch
+            from transformers.distributed import DistributedConfig
+
+            world = torch.distributed.get_world_size()
+            dp = world // tp_size
+            kwargs["distributed_config"] = DistributedConfig(
+                tp_size=tp_size, **({"dp_replicate_size": dp} if dp > 1 else {})
+            )
         model = cls.from_pretrained(loaded.path, **kwargs)
     except Exception as e:  # reported in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -345,8 +384,34 @@ def load_weights(loaded: Loaded, *, device: str = "cpu", dtype: Any = None) -> A
     finally:
         if with_bar:
             transformers.utils.logging.enable_progress_bar()
-    loaded.model = model.eval().to(dev)
+    loaded.model = model.eval() if placed else model.eval().to(dev)
     return loaded.model
+
+
+def in_memory(model: Any) -> Loaded:
+    """A model object already loaded (for a layout the job cannot build itself), described as
+    :func:`prepare_model` describes a checkpoint: its config, positions and class; ``path`` is
+    where it was loaded from (its config's ``name_or_path``), or ``<in memory: Class>``.
+
+    >>> import transformers
+    >>> m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
+    >>> got = in_memory(m)
+    >>> got.path, got.max_positions, got.model is m
+    ('<in memory: GPT2LMHeadModel>', 1024, True)
+    """
+    config = getattr(model, "config", None)
+    path = str(getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "") or "")
+    if not path:
+        path = f"<in memory: {type(model).__name__}>"
+    return Loaded(
+        model,
+        None,
+        path,
+        path,
+        max_positions(config) if config is not None else None,
+        config,
+        type(model),
+    )
 
 
 def load_model(

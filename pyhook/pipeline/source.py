@@ -47,9 +47,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
+import math
 import os
 import queue
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,8 +65,16 @@ from .._queues import put_unless_stopped
 __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
 _CHUNK = 1024  # rows read at once from a file
+# the estimate of packed contexts reads a corpus of up to this many bytes whole (a uniform
+# sample); a larger one in windows spread across it (txt, jsonl, parquet, datasets folders)
+_FULL_PASS_BYTES = 256 << 20
 _ENCODE = 64  # documents per tokenizer call when packing
 _INT = {int}  # the types a token id list may hold (not bool, float or str)
+
+
+def _content_bytes(v: Any) -> int:
+    """A document's size for the estimate: its text's UTF-8 bytes, or 4 bytes a token id."""
+    return len(v.encode()) if isinstance(v, str) else 4 * len(v)
 
 
 class SourceError(ValueError):
@@ -872,8 +883,12 @@ class CorpusSource:
 
     def estimate(self, sample: int = 2000) -> dict[str, Any]:
         """Expected examples (contexts), tokens and kept rows of this rank's share (after skip),
-        from the first ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
-        and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes).
+        from ``sample`` rows; ``exact`` when the sample is the whole corpus. ``texts``
+        and ``text_bytes``: the texts a capture stores with the batches (utf-8 bytes). Packed
+        contexts are estimated from ``sample`` documents drawn across the whole corpus (their
+        tokens per byte, times the corpus's bytes); one example per row is counted, its tokens
+        and rows per example taken from ``sample`` examples drawn the same way (the first ones,
+        with a ``limit``).
 
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
@@ -904,7 +919,7 @@ class CorpusSource:
             lo, hi = self.rank * n // share, (self.rank + 1) * n // share
             todo = max(0, hi - lo - self.skip)
             seen = tokens = kept = texts = text_bytes = 0
-            for b in self._sample_batches(sample):
+            for b in self._spread_batches(sample):
                 seen += len(b.examples)
                 tokens += int(b.attention_mask.sum())
                 kept += int(b.keep.sum())
@@ -919,20 +934,16 @@ class CorpusSource:
                 "text_bytes": round(text_bytes / max(seen, 1) * todo),
                 "exact": False,
             }
-        # packed: tokens per byte of the first documents, times the corpus's bytes
+        # packed: tokens per byte of documents drawn across the corpus, times its bytes
         bos, eos, _ = self.special_ids()
         extra = (bos is not None) + (eos is not None)
-        vals: list[Any] = []
-        for chunk in self._chunks():
-            vals.extend(v for v in chunk[: sample - len(vals)] if v)
-            if len(vals) >= sample:
-                break
-        sampled_bytes = sum(len(v.encode()) if isinstance(v, str) else 4 * len(v) for v in vals)
+        vals, factor = self._spread_sample(sample)
+        sampled_bytes = sum(_content_bytes(v) for v in vals)
         if self.pretokenized:
             sampled_tokens = sum(len(v) for v in vals)
         else:
             sampled_tokens = sum(len(x) + extra for x in self._encode(vals)) if vals else 0
-        total_tokens = round(sampled_tokens / max(sampled_bytes, 1) * self.text_bytes())
+        total_tokens = round(sampled_tokens * factor)
         contexts = total_tokens // self.context_size
         if self.limit is not None:
             contexts = min(contexts, self.limit)
@@ -950,6 +961,127 @@ class CorpusSource:
             ),
             "exact": False,
         }
+
+    def _spread_sample(self, k: int) -> tuple[list[Any], float]:
+        """``k`` non-empty values drawn across the whole corpus, and the factor from the sample
+        to the corpus (its content bytes over the sample's; the sample is the corpus when it
+        has fewer values). Up to ``_FULL_PASS_BYTES``: a uniform reservoir sample, seeded (the
+        same corpus gives the same sample), in one pass that reads the values without
+        tokenising them. A larger txt, jsonl, parquet or datasets corpus: windows spread across
+        it (:meth:`_windows_sample`). A corpus whose first documents are shorter or longer than
+        the rest is estimated as well as any other.
+
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ids.jsonl")
+        >>> _ = open(path, "w").write("".join(f'{{"input_ids": [{i}]}}\\n' for i in range(100)))
+        >>> sample, factor = open_source(path, context_size=4)._spread_sample(10)
+        >>> len(sample), max(v[0] for v in sample) > 50, factor   # not the first ten
+        (10, True, 10.0)
+        """
+        if self.kind in ("txt", "jsonl", "parquet", "arrow") and (
+            self.text_bytes() > _FULL_PASS_BYTES
+        ):
+            return self._windows_sample(k)
+        rng = random.Random(0)
+        total = 0
+
+        def values() -> Iterator[Any]:
+            nonlocal total
+            for chunk in self._chunks():
+                for v in chunk:
+                    if v:
+                        total += _content_bytes(v)
+                        yield v
+
+        it = values()
+        out = list(itertools.islice(it, k))
+
+        def weight() -> float:  # Li's algorithm L: skip ahead, a few random draws in all
+            return math.exp(math.log(1.0 - rng.random()) / k)
+
+        w = weight() if len(out) == k else 1.0
+        while len(out) == k:
+            if w >= 1.0:
+                w = weight()
+                continue
+            skip = int(math.log(1.0 - rng.random()) / math.log1p(-w))
+            nxt = next(itertools.islice(it, skip, None), None)
+            if nxt is None:
+                break
+            out[rng.randrange(k)] = nxt
+            w *= weight()
+        sampled = sum(_content_bytes(v) for v in out)
+        return out, total / max(sampled, 1)
+
+    def _windows_sample(self, k: int, windows: int = 64) -> tuple[list[Any], float]:
+        """About ``k`` non-empty values read in ``windows`` places spread evenly across a large
+        corpus (byte offsets of a txt or jsonl file, row groups of parquet files, rows of a
+        datasets folder), without reading the rest, and the factor from the sample to the
+        corpus (the file's bytes over the sampled lines' bytes; or the rows over the sampled
+        rows). Values that do not fit the column's kind (a line that is not JSON, a number for a
+        text) are skipped: the run reports them."""
+        per = -(-k // windows)
+        col, out = self.column, []
+
+        def fits(v: Any) -> bool:
+            if self.pretokenized:
+                return isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v)
+            return isinstance(v, str) and v.strip() != ""
+
+        if self.kind in ("arrow", "parquet"):
+            rows = self._raw_rows()
+            seen = 0
+            if self.kind == "arrow":
+                ds = self._dataset()
+                picked = sorted({i * rows // k for i in range(min(k, rows))})
+                values = list(ds.select(picked)[col])
+                seen, out = len(values), [v for v in values if fits(v)]
+            else:
+                import pyarrow.parquet as pq
+
+                groups = [
+                    (path, g)
+                    for path in self._parquet_files()
+                    for g in range(pq.ParquetFile(path).num_row_groups)
+                ]
+                chosen = sorted(
+                    {i * len(groups) // windows for i in range(min(windows, len(groups)))}
+                )
+                each = -(-k // max(len(chosen), 1))
+                for i in chosen:
+                    path, g = groups[i]
+                    column = pq.ParquetFile(path).read_row_group(g, columns=[col]).column(0)
+                    n = len(column)
+                    take = sorted({j * n // each for j in range(min(each, n))})
+                    values = column.take(take).to_pylist()
+                    seen += len(values)
+                    out += [v for v in values if fits(v)]
+            return out, rows / max(seen, 1)
+        size = os.path.getsize(self.path)
+        raw = 0  # bytes of the lines read, empty and unreadable ones too (the file holds them)
+        with open(self.path, "rb") as f:
+            for w in range(windows):
+                f.seek(w * size // windows)
+                if w:
+                    f.readline()  # the rest of a line begun before the window
+                got = 0
+                while got < per:
+                    line = f.readline()
+                    if not line:
+                        break
+                    raw += len(line)
+                    text = line.decode("utf-8", errors="replace").strip()
+                    v: Any = text
+                    if self.kind == "jsonl" and text:
+                        try:
+                            rec = json.loads(text)
+                        except ValueError:
+                            continue
+                        v = rec.get(col) if isinstance(rec, dict) else None
+                    if fits(v):
+                        out.append(v)
+                        got += 1
+        return out, size / max(raw, 1)
 
     def _small(self, sample: int) -> bool:
         """Whether the corpus (after ``limit``) has at most ``sample`` rows (cheap to check)."""
@@ -985,6 +1117,19 @@ class CorpusSource:
     def peek(self) -> Batch:
         """The corpus's first batch (whatever the share and skip): for a probe forward."""
         return next(iter(self._sample_batches(self.batch_size)))
+
+    def _spread_batches(self, rows: int) -> Iterator[Batch]:
+        """Batches of ``rows`` examples drawn across the corpus (:meth:`_spread_sample`), cut
+        as the run cuts them; with a ``limit``, of the first ``rows`` (the run reads those)."""
+        if self.limit is not None:
+            return self._sample_batches(rows)
+        vals, _ = self._spread_sample(rows)
+        clone = CorpusSource.__new__(CorpusSource)
+        clone.__dict__.update(self.__dict__)
+        clone.rank, clone.world_size, clone.skip, clone.limit = 0, 1, 0, None
+        clone._count, clone.batch_size = None, 64
+        clone._chunks = lambda: iter([vals])  # type: ignore[method-assign]
+        return clone.batches()
 
     def _sample_batches(self, rows: int) -> Iterator[Batch]:
         """Batches of the corpus's first ``rows`` examples (no share, no skip)."""

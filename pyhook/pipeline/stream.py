@@ -210,15 +210,11 @@ def _nrows(rows: dict[str, torch.Tensor]) -> int:
 
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        from .capture import Recorder
+    """This process's rank and the world (:func:`pyhook.pipeline.ranks.rank_layout`)."""
+    from .ranks import rank_layout
 
-        # checked as the recorder checks them: a rank outside [0, world_size) streamed no row
-        return Recorder._dist_info(rank, world_size)
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    lay = rank_layout(rank=rank, world_size=world_size)
+    return lay.rank, lay.world
 
 
 def _batches_of(source: Iterable[Any]) -> Iterator[Any]:
@@ -329,8 +325,9 @@ class Stream:
     Counters of the last pass: :attr:`rows`, :attr:`batches`, :attr:`examples` (examples or
     contexts run through the model), :attr:`dropped_rows` (``even_batches``),
     :attr:`wait_seconds` (the consumer's time waiting for
-    batches, after the first), :attr:`first_batch_seconds` (filling the buffer), and
-    :attr:`examples_done` (with a tee: examples already stored when the pass began).
+    batches, after the first), :attr:`first_batch_seconds` (filling the buffer),
+    :attr:`examples_done` (with a tee: examples already stored when the pass began), and
+    :attr:`from_tee` (the pass read a complete tee instead of running the model).
 
     Example::
 
@@ -363,6 +360,7 @@ class Stream:
         rank: int,
         world_size: int,
         even_group: Any = None,
+        tee_group: Any = None,
     ) -> None:
         self.model = model
         self.source = source
@@ -378,6 +376,8 @@ class Stream:
         self.rank = rank
         self.world_size = world_size
         self._even_group = even_group
+        self._tee_group = tee_group
+        self.from_tee = False
         self.dropped_rows = 0
         self._keep = keep
         self._passes = 0
@@ -423,7 +423,49 @@ class Stream:
                 "whose __iter__ starts over"
             )
 
-    def _produce(self, out: queue.Queue[Any], stop: threading.Event, seed: int) -> bool:
+    def _tee_is_complete(self) -> bool:
+        """Whether this pass found every example of the source in the tee already (it ran no
+        forward, and the tee holds rows): then the pass reads the tee. Several ranks agree on
+        it (a rank that still had examples to run makes every rank stream live)."""
+        ran_nothing = self.examples == 0
+        stored = self.examples_done
+        if self._tee_group is not None:
+            dist = torch.distributed
+            votes = torch.tensor([int(ran_nothing), -stored])
+            dist.all_reduce(votes, dist.ReduceOp.MIN, group=self._tee_group)
+            ran_nothing, stored = bool(votes[0]), -int(votes[1])
+        return ran_nothing and stored > 0
+
+    def _stored_batches(
+        self, stop: threading.Event, epoch: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """A pass over a complete tee: its rows read back, shuffled over the whole store from
+        ``(seed, epoch)`` (as :class:`~pyhook.dataset.CaptureDataset` shuffles), in this rank's
+        share, as batches with the live pass's keys, dtypes and device. No forward runs."""
+        from .dataset import CaptureDataset
+
+        assert self.tee is not None
+        ds = CaptureDataset(
+            self.tee,
+            self.layers,
+            batch_size=self.batch_size,
+            shuffle=True,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            tokens=True,
+            row_index=True,
+        )
+        ds.set_epoch(epoch)
+        keys = [*self.layers, *_RESERVED]
+        to = self.device if self.device.type != "cpu" else None
+        for b in ds:
+            if stop.is_set():
+                return
+            yield {k: b[k] if to is None else b[k].to(to) for k in keys}
+
+    def _produce(self, out: queue.Queue[Any], stop: threading.Event, seed: int, epoch: int) -> bool:
         from .runner import run
 
         rec = self.recorder
@@ -494,7 +536,11 @@ class Stream:
                         on_batch=after_forward,
                     )
                 drain()  # a tee's last shards went to disk when the recorder closed
-                if not stop.is_set():
+                if tee and self._tee_is_complete():
+                    # Every example was stored before this pass: the tee is the cache.
+                    self.from_tee = True
+                    emit(self._stored_batches(stop, epoch))
+                elif not stop.is_set():
                     emit(mixer.finish())
             last: Any = _DONE
         except BaseException as e:
@@ -515,8 +561,10 @@ class Stream:
         """Start a pass: its queue, its stop event and its producer."""
         if self._active is not None and self._active.is_alive():
             raise RuntimeError("this stream is already being iterated; finish or close() it first")
-        seed = (self.seed + self._passes) % 2**64  # the generator's seed is 64-bit (-1 is 2**64-1)
+        epoch = self._passes
+        seed = (self.seed + epoch) % 2**64  # the generator's seed is 64-bit (-1 is 2**64-1)
         self._passes += 1
+        self.from_tee = False
         self.rows = self.batches = self.examples = self.dropped_rows = 0
         self.wait_seconds = self.first_batch_seconds = self.forward_seconds = 0.0
         out: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
@@ -525,7 +573,7 @@ class Stream:
             # The forward moves to the producer thread: this thread's idle OpenMP workers go,
             # so that the producer's team is not throttled as one of too many (pyhook._omp).
             release_thread_team()
-        t = _Producer.start(lambda: self._produce(out, stop, seed))
+        t = _Producer.start(lambda: self._produce(out, stop, seed, epoch))
         self._active, self._stop, self._out = t, stop, out
         return out, stop, t
 
@@ -883,7 +931,12 @@ def stream(
     :func:`pyhook.capture`'s. ``tee=DIR_OR_URL``: the rows also go to a crash-safe store,
     the same bytes ``capture(out=)`` and :func:`pyhook.runner.run` write; a tee that holds part
     of this capture is resumed (the pass streams the examples it lacks), one that holds another
-    capture is refused (``overwrite=True`` replaces it).
+    capture is refused (``overwrite=True`` replaces it). A tee is also a cache: a pass that
+    finds every example of ``source`` already in it (the second epoch, or a rerun) runs no
+    forward and reads the tee instead: every stored row once, shuffled over the whole store
+    from ``(seed, k)`` for pass ``k`` (as :class:`~pyhook.dataset.CaptureDataset` shuffles),
+    in batches with the live pass's keys, dtypes and device (:attr:`Stream.from_tee` is then
+    True). A tee written with ``quantize=`` gives back its dequantised rows.
 
     ``even_batches=True`` (several ranks): every rank yields as many batches as the rank with
     the fewest, for a trainer with a collective per step (DDP), which would wait forever for a
@@ -961,7 +1014,13 @@ def stream(
 
         check_out_dir(tee, "tee", ValueError)  # a file, '', a folder no one can write to
         rec = Recorder(
-            model, layers, out=tee, overwrite=overwrite, rank=r, world_size=world, **rec_opts
+            model,
+            layers,
+            out=tee,
+            overwrite=overwrite,
+            rank=rank,
+            world_size=world_size,
+            **rec_opts,
         )
         if not overwrite:
             _refuse_other_capture(tee, rec)
@@ -982,7 +1041,7 @@ def stream(
     bad = [n for n in rec.layers if n in _RESERVED]
     if bad:
         raise ValueError(f"layers: {bad[0]!r} is a key stream reserves for its own columns")
-    even_group = None
+    even_group = tee_group = None
     if world > 1 and dist.is_available() and dist.is_initialized():
         # Groups of their own (gloo, made by every rank here, after the checks), so that the
         # stream's collectives never interleave with the trainer's: the tee's one barrier
@@ -1007,6 +1066,7 @@ def stream(
         rank=r,
         world_size=world,
         even_group=even_group,
+        tee_group=tee_group,
     )
 
 

@@ -213,11 +213,28 @@ class Remote:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
         self.limits = network_limits()
-        self._loop = (
-            getattr(self.fs, "loop", None) if getattr(self.fs, "async_impl", False) else None
-        )
+        self._conn: tuple[int, Any, Any] | None = None
+        self._connection()
+
+    def _connection(self) -> tuple[int, Any, Any]:
+        """``(pid, fs, loop)``: the file system and its event loop (None: not asynchronous)
+        of this process. A forked child (a ``DataLoader`` worker under Linux's default start
+        method) has neither of its parent's: fsspec's loop runs on a thread only the parent
+        has, so every operation there waited its whole deadline and failed. The child makes
+        its own at first use (its download threads may each do so: one of them is kept)."""
+        conn = self._conn
+        if conn is None or conn[0] != os.getpid():
+            fs, self.root = filesystem(self.url)
+            loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
+            # one assignment: another thread sees the parent's connection or this one whole
+            self._conn = conn = (os.getpid(), fs, loop)
+        return conn
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system (this process's own: see :meth:`_connection`)."""
+        return self._connection()[1]
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -231,16 +248,15 @@ class Remote:
     def run(self, what: str, url: str, method: str, *args: Any, nbytes: int = 0, **kw: Any) -> Any:
         """``fs.<method>(*args)``, bounded by :meth:`deadline` on an asynchronous file system.
         A timeout is :class:`RemoteStorageError`; other errors pass through."""
-        if self._loop is None:
-            return getattr(self.fs, method)(*args, **kw)
+        _, fs, loop = self._connection()
+        if loop is None:
+            return getattr(fs, method)(*args, **kw)
         import fsspec.asyn
         from fsspec.exceptions import FSTimeoutError
 
         seconds = self.deadline(nbytes)
         try:
-            return fsspec.asyn.sync(
-                self._loop, getattr(self.fs, "_" + method), *args, timeout=seconds, **kw
-            )
+            return fsspec.asyn.sync(loop, getattr(fs, "_" + method), *args, timeout=seconds, **kw)
         except FSTimeoutError:
             lim = self.limits
             raise RemoteStorageError(
@@ -545,7 +561,7 @@ class ShardCache:
         prefetch: int,
     ) -> None:
         self.remote = remote
-        self.dir = directory
+        self.dir: str | None = directory
         self.layers = layers
         self.cache_bytes = cache_bytes
         self.prefetch = prefetch
@@ -557,8 +573,30 @@ class ShardCache:
         self._order: list[str] = []
         self._shards: dict[str, Any] = {}
         self.downloads = 0
-        # the directory goes when the cache does (the reader, or the last LayerData, is gone)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
+        self._finalizer: Any = _remove_with(self, directory)
+        _CACHES.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a cache of its own. The parent's downloads in flight never end
+        here (their threads are the parent's), its locks may be held, and its directory is
+        the parent's to fill and evict: the child starts empty in a new directory (shards the
+        parent had mapped stay readable through the child's copy of the mapping)."""
+        self._slots = threading.BoundedSemaphore(max(1, min(self.prefetch, 4)))
+        self._lock = threading.Lock()
+        self._futures = {}
+        self._lru = OrderedDict()
+        self.downloads = 0
+        self._finalizer.cancel()  # the parent's directory is not the child's to remove
+        self._finalizer = None
+        # made at the first download: after multiprocessing has set the child up (it drops
+        # the finalizers registered before), and never in a child that reads nothing
+        self.dir = None
+
+    def _directory(self) -> str:
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="pyhook-remote-")
+            self._finalizer = _remove_with(self, self.dir)
+        return self.dir
 
     def register(self, shards: list[Any]) -> None:
         self._order = [m.entry["file"] for m in shards]
@@ -567,7 +605,7 @@ class ShardCache:
     def _download(self, entry: dict[str, Any]) -> str:
         """Download and check one shard (size, checksum, header); returns its local path."""
         name = entry["file"]
-        local = os.path.join(self.dir, name)
+        local = os.path.join(self._directory(), name)
         url = self.remote.url_of(name)
         try:
             self.remote.get(name, local, entry.get("bytes") or 0)
@@ -625,6 +663,7 @@ class ShardCache:
         """Local path, header and data start of ``shard`` (downloaded and checked if needed)."""
         name = shard.entry["file"]
         with self._lock:
+            self._directory()  # here, once: not in two download threads at the same time
             fut = self._submit(name)
             i = self._order.index(name)
             for ahead in self._order[i + 1 : i + 1 + self.prefetch]:
@@ -636,7 +675,7 @@ class ShardCache:
             with self._lock:
                 self._futures.pop(name, None)
             raise
-        header, start = _check_shard(self.dir, shard.entry, self.layers)
+        header, start = _check_shard(self._directory(), shard.entry, self.layers)
         with self._lock:
             self._lru[name] = os.path.getsize(local)
             self._lru.move_to_end(name)
@@ -656,13 +695,41 @@ class ShardCache:
             if shard is not None:
                 shard.release()
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(self.dir, name))
+                os.remove(os.path.join(self._directory(), name))
 
     def close(self) -> None:
         with self._lock:
             for fut in self._futures.values():
                 fut.cancel()
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _remove_dir(directory: str, pid: int) -> None:
+    if os.getpid() == pid:  # never a directory of another process (a forked parent's)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_with(owner: Any, directory: str) -> Any:
+    """A finalizer removing ``directory`` when ``owner`` goes, or when this process exits,
+    including a ``multiprocessing`` child such as a ``DataLoader`` worker (which ends with
+    ``os._exit``, past the ``atexit`` hooks a ``weakref.finalize`` relies on)."""
+    from multiprocessing import util
+
+    return util.Finalize(owner, _remove_dir, args=(directory, os.getpid()), exitpriority=0)
+
+
+#: The shard caches of this process, made anew in a forked child (:meth:`ShardCache._after_fork`).
+_CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def open_remote_index(

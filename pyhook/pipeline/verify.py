@@ -81,6 +81,8 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
             check_same_capture([p for p, _ in loaded], [part for _, part in loaded])
         except CaptureDamagedError as e:
             problems.append(str(e))
+    if not problems:  # each (example, position) once across every rank's shards
+        problems += duplicate_rows(out, loaded)
     merged = os.path.join(out, "index.json")
     if os.path.exists(merged):
         try:
@@ -94,3 +96,80 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
     return problems, notes
+
+
+def duplicate_rows(
+    out: str, parts: list[tuple[str, dict]] | None = None, *, show: int = 3
+) -> list[str]:
+    """Rows stored more than once: the same (example, position) of the row index
+    (``__row_index__``) in two places of the store, e.g. written by both ranks of a
+    tensor-parallel group, or by data-parallel ranks that each counted examples from 0. One
+    problem line naming how many rows repeat and the first ``show`` of them with their shards;
+    ``[]`` when every row is there once (or the store keeps no row index: ``tokens=False``).
+    ``parts`` are the ``(path, index)`` of the per-rank index files (read here when not given).
+
+    Example::
+
+        >>> import tempfile, torch, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> rows = torch.tensor([[0, 0], [0, 1]])
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(2, 4), "__row_index__": rows}, examples=1)
+        ...     w.add({"x": torch.ones(2, 4), "__row_index__": rows}, examples=1)
+        >>> (problem,) = duplicate_rows(out)
+        >>> print(problem.split(": ", 1)[1].split(". ")[0])
+        2 row(s) are stored more than once (the same example and position): example 0 position 0 in shard-r000-000000.safetensors (twice); example 0 position 1 in shard-r000-000000.safetensors (twice)
+    """
+    import torch
+    from safetensors import safe_open
+
+    if parts is None:
+        parts = []
+        for p in sorted(_glob(out, "index-r*.json")):
+            try:
+                parts.append((p, _load_part(p)))
+            except CaptureDamagedError:
+                continue
+    keys: list[torch.Tensor] = []
+    where: list[str] = []
+    for _, part in parts:
+        for s in part["shards"]:
+            path = os.path.join(out, s["file"])
+            try:
+                with safe_open(path, framework="pt") as f:
+                    if "__row_index__" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                        continue
+                    index = f.get_tensor("__row_index__")
+            except Exception:  # damage is the shard check's to report
+                continue
+            if index.dim() != 2 or index.shape[1] != 2 or index.numel() == 0:
+                continue
+            keys.append(index.to(torch.long))
+            where += [s["file"]] * index.shape[0]
+    if not keys:
+        return []
+    rows = torch.cat(keys)
+    uniq, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+    repeated = counts > 1
+    if not bool(repeated.any()):
+        return []
+    extra = int((counts[repeated] - 1).sum())
+    shown = []
+    for k in torch.nonzero(repeated).flatten()[:show].tolist():
+        files = [where[i] for i in torch.nonzero(inverse == k).flatten().tolist()]
+        ex, pos = uniq[k].tolist()
+        names = sorted(set(files))
+        if len(names) == 1:
+            held = f"{names[0]} ({'twice' if len(files) == 2 else f'{len(files)} times'})"
+        else:
+            held = " and ".join(names)
+        shown.append(f"example {ex} position {pos} in {held}")
+    more = f"; and {int(repeated.sum()) - len(shown)} more" if int(repeated.sum()) > show else ""
+    return [
+        f"{out}: {extra} row(s) are stored more than once (the same example and position): "
+        + "; ".join(shown)
+        + more
+        + ". Ranks that each wrote the same rows (every rank of a tensor-parallel group, or "
+        "data-parallel ranks that all counted their examples from 0); capture again with the "
+        "ranks' layout known (pyhook.pipeline.ranks)"
+    ]

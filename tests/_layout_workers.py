@@ -1,0 +1,292 @@
+"""Code run by the gloo ranks spawned in test_layout_parallel.py, and the shared scenarios.
+
+Each scenario is a function ``(model) -> dict of tensors`` run twice: on the sharded model by
+every rank (tensor parallel via transformers' ``tp_plan``, torch's ``parallelize_module``,
+FSDP2, accelerate's offloading) and on the unsharded model with the same weights in the test
+process; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+
+import pyhook
+from pyhook.capture import capture
+from pyhook.source import Batch
+
+IDS = torch.tensor([[3, 17, 5, 60, 22, 9, 41], [8, 8, 30, 2, 55, 13, 7]])
+
+
+# -- models (toy sizes; norms with non-trivial weights and biases) ------------------------------
+def _perturb_norms(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name or name.endswith("ln_f.weight"):
+                p.copy_(1 + 0.5 * torch.rand(p.shape, generator=g) if p.dim() == 1 else p)
+            if name.endswith("ln_f.bias") or (".ln_" in name and name.endswith("bias")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_llama(path: str) -> None:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    _perturb_norms(transformers.LlamaForCausalLM(cfg)).save_pretrained(path)
+
+
+def make_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    return _perturb_norms(transformers.GPT2LMHeadModel(cfg)).eval()
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+
+MLP_X = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The model's own output (torch's RowwiseParallel leaves it an AsyncCollectiveTensor)."""
+    return t.trigger_wait() if hasattr(t, "trigger_wait") else t
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+def _loss(out) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return (logits * torch.linspace(-1, 1, logits.shape[-1])).sum()
+
+
+def llama_scenarios(model: nn.Module) -> dict:
+    """Tracing, editing, retain_grad and capture at sites inside sharded layers."""
+    res: dict = {}
+    names = [
+        "resid_post.0",
+        "attn_out.0",
+        "mlp_out.1",
+        "attn_z.0",
+        "attn_z.1",
+        "mlp_hidden.0",
+        "model.layers.0.self_attn.q_proj",  # colwise: a local shard of the features
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.self_attn.o_proj",  # rowwise: whole output, sharded input
+    ]
+    with torch.no_grad():
+        with pyhook.TraceDict(model, names, retain_input=True) as tr:
+            res["logits"] = model(IDS).logits
+        for n in names:
+            res[f"out/{n}"] = tr[n].output
+        res["in/model.layers.1.self_attn.o_proj"] = tr["model.layers.1.self_attn.o_proj"].input
+        with pyhook.Trace(model, "model.layers.1.mlp.gate_proj", stop=True) as t:
+            model(IDS)
+        res["stop/gate_proj.1"] = t.output
+
+        # edits see and return the whole tensor
+        def zero_head(output):
+            output = output.clone()
+            output[..., 1, :] = 0
+            return output
+
+        def scale_features(output):
+            return output * torch.linspace(0.5, 1.5, output.shape[-1])
+
+        with pyhook.Trace(model, "attn_z.0", edit_output=zero_head):
+            res["edit/attn_z.0"] = model(IDS).logits
+        with pyhook.Trace(model, "model.layers.0.mlp.up_proj", edit_output=scale_features):
+            res["edit/up_proj.0"] = model(IDS).logits
+        with pyhook.Trace(model, "mlp_hidden.1", edit_output=scale_features):
+            res["edit/mlp_hidden.1"] = model(IDS).logits
+
+        def halve_in_place(output):
+            output.mul_(0.5)
+
+        with pyhook.Trace(model, "model.layers.1.self_attn.v_proj", edit_output=halve_in_place):
+            res["edit/v_proj.1 in place"] = model(IDS).logits
+
+        # capture (the recorder's rows) of sharded and whole sites
+        cap = ["resid_post.1", "attn_z.1", "mlp_hidden.0", "model.layers.0.self_attn.k_proj"]
+        with capture(model, cap, to="host") as rec:
+            model(IDS)
+        for n, t in rec.results().items():
+            res[f"capture/{n}"] = t
+
+    # pyhook.stream's rows (its recorder runs the forwards on a producer thread); every rank of
+    # the tensor-parallel group streams the same examples
+    src = [
+        Batch(
+            IDS,
+            torch.ones_like(IDS),
+            torch.ones(IDS.shape, dtype=torch.bool),
+            torch.arange(2),
+            None,
+        )
+    ]
+    rows = IDS.numel()
+    batches = list(
+        pyhook.stream(
+            model,
+            src,
+            ["mlp_hidden.0", "attn_z.1"],
+            batch_size=rows,
+            buffer_rows=rows,
+            rank=0,
+            world_size=1,
+        )
+    )
+    for n in ("mlp_hidden.0", "attn_z.1"):
+        res[f"stream/{n}"] = batches[0][n]
+
+    # FlexModel: its hook functions see the whole tensor too (attn_z split into whole heads)
+    saved: dict = {}
+    fm = pyhook.FlexModel(model, saved, save_on="all")
+    fm.register_forward_hook(pyhook.HookFunction("attn_z.0", expected_shape=(2, 7, 4, 8)))
+    fm.register_forward_hook(
+        pyhook.HookFunction("model.layers.1.mlp.gate_proj", expected_shape=(2, 7, 64))
+    )
+    with torch.no_grad():
+        fm(IDS)
+    for n, kept in saved.items():
+        res[f"flex/{n}"] = kept[0]
+    fm.restore()
+
+    # gradients: retain_grad on whole tensors at sharded sites
+    for n in ("model.layers.0.self_attn.q_proj", "mlp_hidden.1", "attn_z.0", "resid_post.0"):
+        model.zero_grad()
+        with pyhook.Trace(model, n, retain_grad=True) as t:
+            _loss(model(IDS)).backward()
+        res[f"grad/{n}"] = t.output.grad
+    return res
+
+
+def gpt2_scenarios(model: nn.Module) -> dict:
+    res: dict = {}
+    names = ["resid_post.0", "attn_z.1", "mlp_hidden.0", "attn_out.1", "transformer.h.1.mlp.c_fc"]
+    with torch.no_grad():
+        with pyhook.TraceDict(model, names) as tr:
+            res["logits"] = model(IDS).logits
+        for n in names:
+            res[f"out/{n}"] = tr[n].output
+        with pyhook.Trace(model, "mlp_hidden.0", edit_output=lambda output: output * 0.5):
+            res["edit/mlp_hidden.0"] = model(IDS).logits
+        with capture(model, ["resid_post.1", "attn_z.0"], to="host") as rec:
+            model(IDS)
+        for n, t in rec.results().items():
+            res[f"capture/{n}"] = t
+    with pyhook.Trace(model, "mlp_hidden.1", retain_grad=True) as t:
+        _loss(model(IDS)).backward()
+    res["grad/mlp_hidden.1"] = t.output.grad
+    return res
+
+
+def mlp_scenarios(model: nn.Module) -> dict:
+    res: dict = {}
+    with torch.no_grad():
+        with pyhook.TraceDict(model, ["0", "2"], retain_input=True) as tr:
+            res["y"] = _plain(model(MLP_X))
+        res["out/0"], res["out/2"], res["in/2"] = tr["0"].output, tr["2"].output, tr["2"].input
+        with pyhook.Trace(model, "0", edit_output=lambda output: output * 2 - 1):
+            res["edit/0"] = _plain(model(MLP_X))
+        with capture(model, ["0", "2"], to="host") as rec:
+            model(MLP_X)
+        for n, t in rec.results().items():
+            res[f"capture/{n}"] = t
+    with pyhook.Trace(model, "0", retain_grad=True) as t:
+        _loss(model(MLP_X)).backward()
+    res["grad/0"] = t.output.grad
+    return res
+
+
+# -- the ranks ------------------------------------------------------------------------------------
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _refusals(rank: int) -> dict:
+    """An unknown parallel style is refused by name, and leaves no hook behind."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mlp = make_mlp()
+    parallelize_module(
+        mlp,
+        mesh,
+        {"1": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1))},
+    )
+    before = len(mlp[1]._forward_hooks)
+    try:
+        pyhook.Trace(mlp, "1")
+        msg = None
+    except pyhook.distributed.LayoutError as e:
+        msg = str(e)
+    return {"message": msg, "hooks_left": len(mlp[1]._forward_hooks) - before}
+
+
+def worker(rank: int, world: int, port: int, outdir: str) -> None:
+    results: dict = {}
+    try:
+        _init(rank, world, port)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        llama = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(outdir, "llama"), tp_plan="auto"
+        ).eval()
+        results["llama_tp"] = llama_scenarios(llama)
+
+        mesh = init_device_mesh("cpu", (world,))
+        mlp = make_mlp()
+        parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        results["mlp_tp"] = mlp_scenarios(mlp)
+
+        gpt = make_gpt2()
+        for block in gpt.transformer.h:
+            fully_shard(block)
+        fully_shard(gpt)
+        results["gpt2_fsdp"] = gpt2_scenarios(gpt)
+
+        import accelerate
+
+        gpt = accelerate.cpu_offload(make_gpt2(), execution_device="cpu")
+        results["gpt2_offload"] = gpt2_scenarios(gpt)
+
+        results["refused"] = _refusals(rank)
+        dist.barrier()
+    except BaseException:
+        results["exception"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        if dist.is_initialized():
+            dist.destroy_process_group()

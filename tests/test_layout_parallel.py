@@ -1,0 +1,107 @@
+"""A name means the whole tensor on every layout (pyhook.distributed's layout layer).
+
+Two gloo ranks (spawned on 127.0.0.1, no mocks) run the same traces, edits, gradients and
+captures on sharded models: transformers' tensor parallelism (``tp_plan="auto"``), torch's
+``parallelize_module`` (column- and row-wise), FSDP2 and accelerate's offloading. Every value
+must equal the unsharded model's (same weights, computed here in one process), up to float32
+summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import _layout_workers as W
+import pytest
+import torch
+import transformers
+from test_distributed import _spawn
+
+import pyhook
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    outdir = str(tmp_path_factory.mktemp("layout"))
+    W.save_llama(os.path.join(outdir, "llama"))
+    return _spawn(W.worker, WORLD, outdir), outdir
+
+
+def _compare(got: dict, want: dict, rank: int, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for k, w in want.items():
+        g = got[k]
+        assert isinstance(g, torch.Tensor) and type(g) is torch.Tensor, (
+            f"{what} rank {rank}: {k} is a {type(g).__name__}, not a plain tensor"
+        )
+        assert g.shape == w.shape, (
+            f"{what} rank {rank}: {k} has shape {tuple(g.shape)}, the unsharded model's is "
+            f"{tuple(w.shape)} (a shard handed out as the whole?)"
+        )
+        torch.testing.assert_close(g, w, msg=lambda m, k=k: f"{what} rank {rank}: {k}: {m}")
+
+
+# One spawn runs every sharded scenario; one test checks them all (pytest-xdist would run a
+# module fixture once per worker, and the spawn is the slow part).
+SCENARIOS = [
+    ("llama_tp", "llama_tp"),  # transformers tp_plan="auto": colwise/rowwise Linear
+    ("mlp_tp", "mlp_tp"),  # torch parallelize_module: ColwiseParallel + RowwiseParallel
+    ("gpt2_fsdp", "gpt2"),  # FSDP2 fully_shard on GPT-2 (Conv1D)
+    ("gpt2_offload", "gpt2"),  # accelerate cpu_offload, with the layout layer active
+]
+
+
+def test_whole_tensor_on_every_layout(ranks):
+    """Trace/TraceDict outputs and inputs, stop, edits (returned and in place), retain_grad
+    gradients and capture rows on two ranks equal the unsharded model's, on every layout;
+    an unknown parallel style is refused by name and leaves no hook."""
+    results, outdir = ranks
+    llama = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(outdir, "llama")).eval()
+    references = {
+        "llama_tp": W.llama_scenarios(llama),
+        "mlp_tp": W.mlp_scenarios(W.make_mlp()),
+        "gpt2": W.gpt2_scenarios(W.make_gpt2()),
+    }
+    for scenario, reference in SCENARIOS:
+        for r, res in enumerate(results):
+            _compare(res[scenario], references[reference], r, scenario)
+
+    # the edits reached the model on every rank (an edit that did nothing would pass above)
+    ref = references["llama_tp"]
+    for k in ("edit/attn_z.0", "edit/up_proj.0", "edit/mlp_hidden.1", "edit/v_proj.1 in place"):
+        assert not torch.allclose(ref[k], ref["logits"]), k
+        for res in results:
+            assert not torch.allclose(res["llama_tp"][k], ref["logits"]), k
+
+    for r, res in enumerate(results):
+        msg = res["refused"]["message"]
+        assert msg is not None, f"rank {r}: a PrepareModuleOutput layer was traced, not refused"
+        assert "'1'" in msg and "PrepareModuleOutput" in msg, msg
+        assert res["refused"]["hooks_left"] == 0
+
+
+def test_offload_single_process_exact():
+    """Offloading (accelerate's hooks move the weights in per forward) without
+    torch.distributed: the same values as the model kept in memory."""
+    accelerate = pytest.importorskip("accelerate")
+    want = W.gpt2_scenarios(W.make_gpt2())
+    got = W.gpt2_scenarios(accelerate.cpu_offload(W.make_gpt2(), execution_device="cpu"))
+    _compare(got, want, 0, "offload")
+
+
+def test_module_layout_plain_model():
+    assert pyhook.distributed.module_layout(copy.deepcopy(W.make_mlp())[0]) is None
+
+
+@pytest.mark.parametrize("full,n", [(32, 2), (33, 2), (7, 4), (5, 4), (3, 4), (64, 3)])
+def test_shard_sizes_follow_torch_chunk(full, n):
+    """The sizes the layer expects each rank to hold (a transformers column-parallel output,
+    which DTensor splits as torch.chunk does), so no size exchange is needed."""
+    want = [len(c) for c in torch.arange(full).chunk(n)]
+    want += [0] * (n - len(want))
+    assert pyhook.distributed._chunk_sizes(full, n) == want
