@@ -588,6 +588,11 @@ class CaptureJob:
             raise JobError("`gradients` are of plain forwards: not with `generate`")
         if isinstance(self.model, dict):
             raise JobError("`gradients` are of one model, not several (`model` is a mapping)")
+        if self.tp_size != 1:
+            raise JobError(
+                "`gradients` are not taken through a tensor-parallel model (`tp_size` "
+                f"{self.tp_size}): its layers' outputs are shards; capture them with tp_size 1"
+            )
 
     def _check_loading(self) -> None:
         """The loading options: for one checkpoint the job loads (not a model object, not a
