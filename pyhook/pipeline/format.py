@@ -396,16 +396,24 @@ _STORE_FILE = re.compile(
 )
 
 
-def refuse_links(out: str) -> None:
-    """:class:`CaptureDamagedError` naming the first file of the store in directory ``out``
-    that is a symbolic link (what the writer checks before it touches any file)."""
+def store_links(out: str) -> list[str]:
+    """The files of the store in directory ``out`` that are symbolic links (what verify names
+    and the writer refuses before it touches any file), sorted."""
     try:
-        entries = sorted(os.scandir(out), key=lambda d: d.name)
+        entries = list(os.scandir(out))
     except OSError:
-        return  # not a directory (yet): the caller's own error says so
-    for d in entries:
-        if _STORE_FILE.match(d.name) and d.is_symlink():
-            raise _link_error(os.path.join(out, d.name))
+        return []  # not a directory (yet): the caller's own error says so
+    return sorted(
+        os.path.join(out, d.name) for d in entries if _STORE_FILE.match(d.name) and d.is_symlink()
+    )
+
+
+def refuse_links(out: str) -> None:
+    """:class:`CaptureDamagedError` naming the first file of the store in ``out`` that is a
+    symbolic link."""
+    links = store_links(out)
+    if links:
+        raise _link_error(links[0])
 
 
 def _open_new(path: str, flags: int = 0) -> int:

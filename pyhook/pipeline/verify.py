@@ -9,6 +9,7 @@ import os
 import re
 
 from .format import (
+    _LINK_ADVICE,
     CaptureDamagedError,
     _check_shard,
     _directory_arg,
@@ -17,6 +18,7 @@ from .format import (
     _load_part,
     check_merged,
     check_same_capture,
+    store_links,
 )
 from .transport import is_url
 
@@ -50,6 +52,8 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         return [f"{out}: no such capture directory"], []
     problems: list[str] = []
     notes: list[str] = []
+    # A link in place of a store's file: never followed (named, whether or not it is read).
+    problems += [f"{p}: is a symbolic link; {_LINK_ADVICE}" for p in store_links(out)]
     parts = sorted(_glob(out, "index-r*.json"))
     if not parts:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
