@@ -221,6 +221,18 @@ def test_deeply_nested_json_is_one_line(tmp_path, capsys, where):
     assert "nested more than" in verify_capture(str(tmp_path))[0][0]
 
 
+@pytest.mark.parametrize(
+    "field, value", [("byte_planes", 3), ("chunk_rows", 0), ("scale", "__nope__"), ("level", "1")]
+)
+def test_an_encoding_no_reader_can_decode_fails_verify(tmp_path, capsys, field, value):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pyhook.capture(net, "0", out=str(tmp_path), quantize="fp8", compress="zstd"):
+        net(torch.randn(6, 4))
+    _edit_index(tmp_path, lambda p: p["layers"]["0"]["encoding"].update({field: value}))
+    needle = f"layer '0' has encoding field {field!r} = {value!r}"
+    _refused_everywhere(tmp_path, capsys, needle, str(tmp_path / "index-r000.json"))
+
+
 def test_json_beyond_the_depth_limit_is_refused_by_the_writer_first(tmp_path):
     """What the writer writes, the readers read: meta nested past the limit is refused."""
     meta: dict = {}

@@ -733,7 +733,7 @@ _ENCODING_FIELDS = {
     "chunks": "layer",
     "level": "int",
     "chunk_rows": "positive",
-    "byte_planes": "positive",
+    "byte_planes": "planes",
 }
 
 
@@ -771,6 +771,7 @@ def check_layers(path: str, layers: Any) -> None:
                 "layer": isinstance(value, str) and value in layers,
                 "int": _is_int(value),
                 "positive": _is_int(value) and value >= 1,
+                "planes": value in (1, 2, 4, 8) and _is_int(value),
                 None: False,
             }[kind]
             if not ok:
