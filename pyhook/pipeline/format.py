@@ -398,7 +398,17 @@ _STORE_FILE = re.compile(
 
 def store_links(out: str) -> list[str]:
     """The files of the store in directory ``out`` that are symbolic links (what verify names
-    and the writer refuses before it touches any file), sorted."""
+    and the writer refuses before it touches any file), sorted.
+
+    Example::
+
+        >>> import os, tempfile
+        >>> from pyhook.store.format import store_links
+        >>> out = tempfile.mkdtemp()
+        >>> os.symlink("/etc/hostname", os.path.join(out, "index-r000.journal"))
+        >>> [os.path.basename(p) for p in store_links(out)]
+        ['index-r000.journal']
+    """
     try:
         entries = list(os.scandir(out))
     except OSError:
@@ -410,7 +420,15 @@ def store_links(out: str) -> list[str]:
 
 def refuse_links(out: str) -> None:
     """:class:`CaptureDamagedError` naming the first file of the store in ``out`` that is a
-    symbolic link."""
+    symbolic link (:func:`store_links`); ``None`` when there is none.
+
+    Example::
+
+        >>> import tempfile
+        >>> from pyhook.store.format import refuse_links
+        >>> refuse_links(tempfile.mkdtemp()) is None
+        True
+    """
     links = store_links(out)
     if links:
         raise _link_error(links[0])
@@ -430,9 +448,7 @@ def _open_new(path: str, flags: int = 0) -> int:
 def _refuse_link(path: str, err: OSError) -> None:
     """Raise :func:`_link_error` when ``err`` (from an ``O_NOFOLLOW`` open of ``path``) was
     caused by ``path`` being a symbolic link."""
-    if err.errno == errno.ELOOP or (err.errno == errno.EMLINK and os.path.islink(path)):
-        raise _link_error(path) from None
-    if os.path.islink(path):
+    if err.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):  # (EMLINK: BSDs)
         raise _link_error(path) from None
 
 
@@ -676,7 +692,17 @@ def _too_deep(obj: Any, limit: int) -> bool:
 
 def json_depth_error(value: Any) -> str | None:
     """Why ``value`` (plain JSON data) cannot go into a store's index (nested more than
-    :data:`MAX_JSON_DEPTH` deep), or ``None``; the writer checks ``settings`` and ``meta``."""
+    :data:`MAX_JSON_DEPTH` deep), or ``None``; the writer checks ``settings`` and ``meta``.
+
+    Example::
+
+        >>> from pyhook.store.format import json_depth_error
+        >>> deep = []
+        >>> for _ in range(100):
+        ...     deep = [deep]
+        >>> json_depth_error({"a": [1, 2]}), json_depth_error(deep)
+        (None, 'nested more than 64 levels deep')
+    """
     if _too_deep(value, MAX_JSON_DEPTH):
         return f"nested more than {MAX_JSON_DEPTH} levels deep"
     return None
@@ -739,7 +765,18 @@ _ENCODING_FIELDS = {
 
 def check_layers(path: str, layers: Any) -> None:
     """The schema of an index's layer table: layer name -> ``dtype`` (a name the store holds),
-    ``row_shape`` (a valid shape), and for a compact store's layer its ``encoding``."""
+    ``row_shape`` (a valid shape), and for a compact store's layer its ``encoding``.
+
+    Example::
+
+        >>> from pyhook.store.format import check_layers
+        >>> check_layers("index-r000.json", {"h": {"dtype": "float32", "row_shape": [4]}})
+        >>> try:
+        ...     check_layers("index-r000.json", {"h": {"dtype": "float32", "row_shape": [-4]}})
+        ... except ValueError as e:
+        ...     print(e)
+        index-r000.json: layer 'h' has row shape [-4], not a list of at most 32 non-negative integers
+    """
     if not isinstance(layers, dict):
         raise _fail(path, "the index has no 'layers' table")
     for name, info in layers.items():
@@ -782,7 +819,26 @@ def check_layers(path: str, layers: Any) -> None:
 
 def check_part(path: str, part: Any, rank: int | None) -> None:
     """The schema of a rank's index file (``index-rNNN.json``, rank ``rank`` by its name), its
-    shard list's bookkeeping (:func:`_check_entries`) and its own checksum."""
+    shard list's bookkeeping (:func:`_check_entries`) and its own checksum; what the readers,
+    verify and a resume check every rank's index with.
+
+    Example::
+
+        >>> import json, os, tempfile, torch
+        >>> from pyhook.store import ShardWriter, CaptureDamagedError
+        >>> from pyhook.store.format import check_part
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> part = json.load(open(os.path.join(out, "index-r000.json")))
+        >>> check_part("index-r000.json", part, 0)
+        >>> part["world_size"] = 1.0
+        >>> try:
+        ...     check_part("index-r000.json", part, 0)
+        ... except CaptureDamagedError as e:
+        ...     print(e.path)
+        index-r000.json
+    """
     if not isinstance(part, dict):
         raise _fail(path, f"the index is a JSON {type(part).__name__}, not an object")
     for key, kind in (("layers", dict), ("shards", list), ("settings", dict)):
@@ -819,7 +875,21 @@ def check_part(path: str, part: Any, rank: int | None) -> None:
 
 def check_journal_line(path: str, i: int, obj: Any) -> None:
     """The schema of line ``i`` of a rank's journal (its shard entry, the layer table when it
-    changed, its checksum); the entries' bookkeeping is checked with the index's."""
+    changed, its checksum); the entries' bookkeeping is checked with the index's.
+
+    Example::
+
+        >>> import json
+        >>> from pyhook.store.format import check_journal_line, journal_line
+        >>> line = json.loads(journal_line({"file": "shard-r000-000001.safetensors"}, None))
+        >>> check_journal_line("index-r000.journal", 1, line)
+        >>> line["entry"]["examples"] = 5
+        >>> try:
+        ...     check_journal_line("index-r000.journal", 1, line)
+        ... except ValueError as e:
+        ...     print(e)
+        index-r000.journal: line 1 does not match its checksum (edited or damaged)
+    """
     if not isinstance(obj, dict) or not isinstance(obj.get("entry"), dict):
         raise _fail(path, f"line {i} holds no shard entry")
     if "layers" in obj:
@@ -834,7 +904,18 @@ def check_journal_line(path: str, i: int, obj: Any) -> None:
 def check_merged(path: str, obj: Any) -> None:
     """The schema of the merged ``index.json`` (what the writer compares a resume with and
     verify checks): pyhook's format, the settings, meta, world size, shards, examples and
-    layers, and its own checksum."""
+    layers, and its own checksum.
+
+    Example::
+
+        >>> import json, os, tempfile, torch
+        >>> from pyhook.store import ShardWriter
+        >>> from pyhook.store.format import check_merged
+        >>> out = tempfile.mkdtemp()
+        >>> with ShardWriter(out) as w:
+        ...     w.add({"x": torch.ones(3, 4)}, examples=3)
+        >>> check_merged("index.json", json.load(open(os.path.join(out, "index.json"))))
+    """
     if not isinstance(obj, dict):
         raise _fail(path, f"the merged index is a JSON {type(obj).__name__}, not an object")
     for key, ok in (
@@ -857,7 +938,20 @@ def check_header(path: str, header: Any, data_start: int, size: int) -> None:
     the file of ``size`` bytes), what every reader relies on: ``__metadata__`` a table of
     strings; each tensor a dtype pyhook reads, a valid shape, and data offsets holding exactly
     its bytes; the tensors' bytes tile the data (no overlap, no gap, nothing after them), as
-    safetensors requires."""
+    safetensors requires.
+
+    Example::
+
+        >>> from pyhook.store.format import check_header
+        >>> a = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
+        >>> b = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}  # a's bytes again
+        >>> check_header("s.safetensors", {"a": a}, 64, 88)
+        >>> try:
+        ...     check_header("s.safetensors", {"a": a, "b": b}, 64, 88)
+        ... except ValueError as e:
+        ...     print(e)  # doctest: +ELLIPSIS
+        s.safetensors: tensor 'b' has data offsets [0, 24] in the header, which overlap the bytes of tensor 'a' ...
+    """
     if not isinstance(header, dict):
         raise _fail(path, "the header is not a JSON object")
     meta = header.get("__metadata__", {})

@@ -103,4 +103,4 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     for p in sorted(_glob(out, "shard-r*.safetensors")):
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
-    return problems, notes
+    return list(dict.fromkeys(problems)), notes  # (a linked index file: named once)
