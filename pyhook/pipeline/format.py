@@ -633,7 +633,7 @@ def _load_part(path: str) -> dict[str, Any]:
     for obj in _read_journal(journal):
         entry = obj["entry"]
         name = entry.get("file")
-        if name in listed:
+        if isinstance(name, str) and name in listed:  # (any other name: refused below)
             if listed[name] != entry:
                 raise CaptureDamagedError(
                     f"{journal}: the entry of {name} differs from the one in {path}", journal
@@ -729,6 +729,11 @@ def _parse_json(data: bytes, path: str, what: str) -> Any:
     return obj
 
 
+def _name_in(value: Any, names: Any) -> bool:
+    """``value in names`` for a JSON value of any type (a list is not hashable)."""
+    return isinstance(value, str) and value in names
+
+
 def _fail(path: str, what: str) -> CaptureDamagedError:
     return CaptureDamagedError(f"{path}: {what}", path)
 
@@ -784,7 +789,7 @@ def check_layers(path: str, layers: Any) -> None:
             raise _fail(path, "the layer table has a layer without a name")
         if not isinstance(info, dict):
             raise _fail(path, f"layer {name!r} of the layer table is not a table")
-        if info.get("dtype") not in _STORABLE_NAMES:
+        if not _name_in(info.get("dtype"), _STORABLE_NAMES):
             raise _fail(
                 path,
                 f"layer {name!r} has dtype {info.get('dtype')!r}, which a capture cannot hold",
@@ -804,8 +809,8 @@ def check_layers(path: str, layers: Any) -> None:
             kind = _ENCODING_FIELDS.get(key)
             ok = {
                 "text": isinstance(value, str),
-                "dtype": value in _STORABLE_NAMES,
-                "layer": isinstance(value, str) and value in layers,
+                "dtype": _name_in(value, _STORABLE_NAMES),
+                "layer": _name_in(value, layers),
                 "int": _is_int(value),
                 "positive": _is_int(value) and value >= 1,
                 "planes": value in (1, 2, 4, 8) and _is_int(value),
@@ -964,7 +969,7 @@ def check_header(path: str, header: Any, data_start: int, size: int) -> None:
         if not isinstance(t, dict):
             raise _fail(path, f"tensor {name!r} of the header is not a table")
         code = t.get("dtype")
-        if code not in _ST_TO_DTYPE:
+        if not _name_in(code, _ST_TO_DTYPE):
             raise _fail(
                 path,
                 f"tensor {name!r} has dtype {code!r} in the header, not one of "
