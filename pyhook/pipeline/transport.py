@@ -716,7 +716,7 @@ def merged_index_of(path: str) -> dict[str, Any]:
 def verify_remote(url: str) -> tuple[list[str], list[str]]:
     """:func:`verify_capture` of a URL: the index files, then each shard downloaded, checked
     and deleted (one at a time: the local disk needs room for one shard)."""
-    from .format import _check_checksum, _check_shard, _load_json, _load_part
+    from .format import _check_shard, _load_json, _load_part, check_merged
 
     try:
         remote, local, listing = open_remote_index(url)
@@ -758,9 +758,8 @@ def verify_remote(url: str) -> tuple[list[str], list[str]]:
                         os.remove(os.path.join(local, shard))
         if "index.json" in listing:
             try:
-                obj = _load_json(os.path.join(local, "index.json"))
-                if isinstance(obj, dict):
-                    _check_checksum(os.path.join(local, "index.json"), obj, "the merged index")
+                merged = os.path.join(local, "index.json")
+                check_merged(merged, _load_json(merged))  # the schema local verify checks
             except CaptureDamagedError as e:
                 problems.append(say(str(e)))
         for name in sorted(listing):
