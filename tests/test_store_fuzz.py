@@ -58,20 +58,27 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
 
 
-def _capture(net: torch.nn.Module, out: str, batches: list[torch.Tensor]) -> None:
-    with pyhook.capture(net, ["0", "1"], out=out, shard_bytes=1) as rec:
+def _capture(net: torch.nn.Module, out: str, batches: list[torch.Tensor], **kw) -> None:
+    with pyhook.capture(net, ["0", "1"], out=out, shard_bytes=1, **kw) as rec:
         for b in batches[rec.examples_done // 2 :]:
             net(b)
 
 
-@pytest.fixture(scope="module")
-def original(tmp_path_factory):
+#: A plain store, and a compact one (fp8 rows, zstd chunks: an ``encoding`` in the layer table
+#: and ``__scale__``/``__chunks__`` tensors in the shards).
+KINDS = {"plain": {}, "compact": {"quantize": "fp8", "compress": "zstd"}}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def original(request, tmp_path_factory):
     """A store of 4 shards in the state a crash leaves: the first 2 shards in the index, the
-    last 2 in the journal; with its rows per shard (every layer, the reserved ones too)."""
+    last 2 in the journal; with its rows per shard (every layer, the reserved ones too, as the
+    reader gives them) and the capture's options."""
+    kw = KINDS[request.param]
     base = tmp_path_factory.mktemp("original")
     out = str(base / "store")
     g = torch.Generator().manual_seed(1)
-    _capture(_net(), out, [torch.randn(2, 4, generator=g) for _ in range(N_SHARDS)])
+    _capture(_net(), out, [torch.randn(2, 4, generator=g) for _ in range(N_SHARDS)], **kw)
     path = os.path.join(out, "index-r000.json")
     with open(path) as f:
         part = json.load(f)
@@ -84,12 +91,14 @@ def original(tmp_path_factory):
         json.dump(F._with_checksum({**part, "shards": head}), f)
     r = open_capture(out, verify=True)
     layers = list(r.index["layers"])
-    rows = {
-        s["file"]: {n: m.tensor(n).clone() for n in s["rows"]}
-        for s, m in zip(r.index["shards"], r._shards)
-    }
+    rows: dict[str, dict[str, torch.Tensor]] = {s["file"]: {} for s in r.index["shards"]}
+    for n in layers:  # each layer's rows as read, split into the shards that hold them
+        listed = [s for s in r.index["shards"] if n in s["rows"]]
+        parts = r.layer(n).to_tensor().split([s["rows"][n] for s in listed])
+        for s, t in zip(listed, parts):
+            rows[s["file"]][n] = t
     assert len(rows) == N_SHARDS and verify_capture(out) == ([], [])
-    return out, layers, rows
+    return out, layers, rows, kw
 
 
 # -- mutations -------------------------------------------------------------------------------
@@ -338,18 +347,20 @@ def _read_all(out: str, layers: list[str], rows: dict, *, verify: bool) -> list[
     assert set(got) <= set(layers), list(got)
     for n, t in got.items():
         want = [rows[f][n] for f in listed if n in rows[f]]
-        expected = torch.cat(want) if want else torch.empty(0)
-        if verify:  # (unverified, only a checksum tells a changed data byte)
+        if verify and not want:
+            assert t.numel() == 0, n
+        elif verify:  # (unverified, only a checksum tells a changed data byte)
+            expected = torch.cat(want)
             assert t.dtype == expected.dtype and torch.equal(t, expected), n
     return listed
 
 
-@bounded(300)
+@bounded(150)
 @given(mutation=mutations(), data=st.data())
 def test_a_mutated_store_is_read_exactly_or_refused_by_name(
     original, tmp_path_factory, mutation, data
 ):
-    src, layers, rows = original
+    src, layers, rows, kw = original
     base = tmp_path_factory.mktemp("fuzz")
     out, outside = str(base / "store"), str(base / "outside")
     shutil.copytree(src, out, symlinks=True)
@@ -370,7 +381,7 @@ def test_a_mutated_store_is_read_exactly_or_refused_by_name(
         verified = _read_all(out, layers, rows, verify=True)
         _read_all(out, layers, rows, verify=False)
         try:
-            _capture(_net(), out, [])  # a resume: checks, then rewrites the index
+            _capture(_net(), out, [], **kw)  # a resume: checks, then rewrites the index
         except Exception as e:  # checked: a named error
             _named(e, out)
     finally:
@@ -382,7 +393,10 @@ def test_a_mutated_store_is_read_exactly_or_refused_by_name(
     assert not [p for p in _OPENED if p.startswith(outside + os.sep)], _OPENED
     for line in problems:
         assert out in line and "Traceback" not in line, line
-    if verified is None:
+    if verified is None and not kw.get("compress"):
+        # (verify does not decode zstd frames: a compressed layer's row shape or frame table
+        # edited with its checksums recomputed is refused by the read that decodes it, as a
+        # named error, and not by verify; docs/integrity.md)
         assert problems, "a store the verified reader refuses passed verify"
     if not problems:
         assert verified is not None, "verify passed a store the reader refuses"

@@ -74,6 +74,17 @@ _encoded_layout: Callable[[dict[str, Any], int, dict[str, Any]], tuple[str, list
 )
 
 
+#: The schema of a layer's ``encoding`` (what is wrong with it, or None) and the rows of its
+#: reserved tensors in a shard; set by :mod:`.encoding` when it is imported, as above.
+_encoding_schema: (
+    tuple[
+        Callable[[str, dict[str, Any], dict[str, Any]], str | None],
+        Callable[[dict[str, Any], int], dict[str, int]],
+    ]
+    | None
+) = None
+
+
 def _fault(step: str) -> None:
     if _fault_hook is not None:
         _fault_hook(step)
@@ -820,6 +831,9 @@ def check_layers(path: str, layers: Any) -> None:
                 raise _fail(
                     path, f"layer {name!r} has encoding field {key!r} = {value!r}, not valid"
                 )
+        why = _encoding_schema[0](name, info, layers) if _encoding_schema else None
+        if why is not None:
+            raise _fail(path, f"layer {name!r} {why}")
 
 
 def check_part(path: str, part: Any, rank: int | None) -> None:
@@ -1050,7 +1064,16 @@ def _check_entries(
                 f"(examples {examples!r}, rows {rows})",
                 path,
             )
-        for layer in rows:
+        for layer, n in rows.items():
+            info = layers.get(layer)
+            if isinstance(info, dict) and "encoding" in info and _encoding_schema:
+                for table, want in _encoding_schema[1](info, n).items():
+                    if rows.get(table) != want:
+                        raise _fail(
+                            path,
+                            f"the entry of {name} lists {rows.get(table)!r} rows of {table!r}, "
+                            f"where {n} rows of layer {layer!r} need {want}",
+                        )
             if layer not in layers:
                 raise _fail(
                     path,
