@@ -358,14 +358,14 @@ def test_a_rank_index_from_another_capture_is_refused(tmp_path, capsys):
 
 def test_unreadable_shard_is_one_line(tmp_path, capsys, monkeypatch):
     _write(tmp_path, _data(8))
-    real_open = open
+    real_open = os.open  # every read of a store file opens it with os.open (no link followed)
 
     def deny(path, *a, **k):
         if str(path).endswith("000001.safetensors"):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **k)
 
-    monkeypatch.setattr("builtins.open", deny)
+    monkeypatch.setattr("os.open", deny)
     _one_line_error(capsys, ["inspect", str(tmp_path)], "shard-r000-000001.safetensors")
 
 

@@ -149,8 +149,10 @@ class DirectFile:
     :class:`Refused` when the file system refuses direct I/O.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, follow: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
+        if not follow:  # a link in place of a store's file is never written through
+            flags |= getattr(os, "O_NOFOLLOW", 0)
         try:
             self.fd = os.open(path, flags, 0o666)
         except OSError as e:

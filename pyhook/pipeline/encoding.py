@@ -69,6 +69,9 @@ CHUNKS_PREFIX = "__chunks__."
 
 #: Uncompressed bytes per chunk (a chunk is at least one row).
 DEFAULT_CHUNK_BYTES = 64 << 10
+#: The largest chunk (uncompressed) a writer makes and a reader decodes: a received store's
+#: ``chunk_rows`` beyond it is refused (the decoder allocates a chunk's rows at once).
+MAX_CHUNK_BYTES = 1 << 30
 DEFAULT_LEVEL = 1  # measured on MiniLM bf16 rows: ratio 1.44 at level 1, 1.41 at 3 (byte planes)
 #: Decoded rows each compressed layer keeps for later reads (whole shards' worth, least
 #: recently used dropped first), unless ``open_capture(chunk_cache_bytes=...)``,
@@ -348,8 +351,10 @@ class Encoding:
         self.compress = check_compress(compress)
         if not isinstance(level, int) or not 1 <= level <= 22:
             raise ValueError(f"compress level must be an int in 1..22, got {level!r}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be an int in 1..{MAX_CHUNK_BYTES} (1 GiB), got {chunk_bytes!r}"
+            )
         self.level, self.chunk_bytes, self.byte_planes = level, chunk_bytes, bool(byte_planes)
 
     def __bool__(self) -> bool:
@@ -950,7 +955,85 @@ class DecodedSource:
         return self.layer._gather(idx, out)
 
 
+def check_encoding(name: str, info: dict[str, Any], layers: dict[str, Any]) -> str | None:
+    """What is wrong with the ``encoding`` of layer ``name`` in an index's layer table
+    ``layers`` (its fields already of their types), or ``None``: exactly what
+    :meth:`Encoding.layer_info` writes, so that what verify passes the decoder reads (a
+    received store is untrusted input: docs/integrity.md).
+
+    >>> info = Encoding(quantize="fp8").layer_info("h", torch.float32,
+    ...                                            {"dtype": "float32", "row_shape": [4]})
+    >>> layers = {"h": info, **Encoding.reserved(info)}
+    >>> check_encoding("h", info, layers) is None
+    True
+    >>> check_encoding("h", {**info, "encoding": {**info["encoding"], "stored": "int8"}}, layers)
+    "stores 'int8', where quantize 'fp8' stores 'float8_e4m3fn'"
+    """
+    enc = info["encoding"]
+    q, c = enc.get("quantize"), enc.get("compress")
+    fields = set()
+    stored = info["dtype"]
+    if q:
+        if q not in QUANTIZE:
+            return f"quantize {q!r}, not one of {sorted(QUANTIZE)}"
+        stored = QUANTIZE[q][0]
+        if not _dtype(info["dtype"]).is_floating_point or _dtype(info["dtype"]).itemsize < 2:
+            return f"quantize {q!r} of {info['dtype']} rows, which are not floating-point"
+        if enc.get("stored") != stored:
+            return f"stores {enc.get('stored')!r}, where quantize {q!r} stores {stored!r}"
+        if enc.get("scale") != SCALE_PREFIX + name:
+            return f"keeps its scales in {enc.get('scale')!r}, not {SCALE_PREFIX + name!r}"
+        fields |= {"quantize", "stored", "scale"}
+    if c:
+        if c not in COMPRESS:
+            return f"compress {c!r}, not one of {list(COMPRESS)}"
+        if enc.get("chunks") != CHUNKS_PREFIX + name:
+            return f"keeps its frame table in {enc.get('chunks')!r}, not {CHUNKS_PREFIX + name!r}"
+        missing = [k for k in ("level", "chunk_rows", "byte_planes") if k not in enc]
+        if missing:
+            return f"compresses without {missing}"
+        size = _dtype(stored).itemsize
+        row = _row_bytes(_dtype(stored), info["row_shape"])
+        if enc["chunk_rows"] > max(1, MAX_CHUNK_BYTES // max(row, 1)):
+            return f"has chunks of {enc['chunk_rows']} rows, more than {MAX_CHUNK_BYTES} bytes"
+        if enc["byte_planes"] not in {1, size if size in (2, 4, 8) else 1}:
+            return f"splits {stored} values into {enc['byte_planes']} byte planes"
+        fields |= {"compress", "level", "chunk_rows", "byte_planes", "chunks"}
+    if not fields:
+        return "has an encoding that neither quantizes nor compresses"
+    extra = sorted(set(enc) - fields)
+    if extra:
+        return f"has encoding fields {extra} that its encoding does not write"
+    for table, layout in Encoding.reserved(info).items():
+        have = layers.get(table)
+        have = {k: have.get(k) for k in layout} if isinstance(have, dict) else have
+        if have != layout:  # (the merged index's table adds rows and shape)
+            return f"needs {table!r} {layout} in the layer table, which has {have}"
+    return None
+
+
+def encoded_rows(info: dict[str, Any], rows: int) -> dict[str, int]:
+    """The rows of the reserved tensors that a shard holding ``rows`` rows of a layer encoded
+    as ``info`` (its index entry) lists: one scale per row, and the zstd frame table's
+    ``chunks * byte_planes + 1`` offsets.
+
+    >>> info = Encoding(compress="zstd").layer_info("h", torch.float32,
+    ...                                             {"dtype": "float32", "row_shape": [4]})
+    >>> info["encoding"]["byte_planes"], encoded_rows(info, 10)  # 1 chunk of 4 planes
+    (4, {'__chunks__.h': 5})
+    """
+    enc = info["encoding"]
+    out = {}
+    if enc.get("quantize"):
+        out[enc["scale"]] = rows
+    if enc.get("compress"):
+        out[enc["chunks"]] = -(-rows // enc["chunk_rows"]) * enc["byte_planes"] + 1
+    return out
+
+
 # The format checks each shard's header against the index; an encoded layer's header is this
-# module's to describe. Handed over here (the format never imports this module back): pyhook's
-# __init__ imports the dataset, which imports this module, before any capture is opened.
+# module's to describe, and so is its encoding's schema. Handed over here (the format never
+# imports this module back): pyhook's __init__ imports the dataset, which imports this module,
+# before any capture is opened.
 _format._encoded_layout = stored_layout
+_format._encoding_schema = (check_encoding, encoded_rows)

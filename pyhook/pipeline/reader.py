@@ -19,11 +19,12 @@ from .format import (
     CaptureDamagedError,
     _directory_arg,
     _is_int,
+    _open_regular,
     dtype_name,
     merged_index,
     parse_dtype,
 )
-from .transport import ShardCache, is_url, open_remote_index
+from .transport import ShardCache, at_url, is_url, open_remote_index
 from .verify import _check_shard
 
 
@@ -62,7 +63,7 @@ class _MappedShard:
             self.path, self.header, self.data_start = self.fetch(self)
             self.size = os.path.getsize(self.path)
         try:
-            with open(self.path, "rb") as f:
+            with _open_regular(self.path) as f:  # no link followed, no FIFO waited on
                 size = os.fstat(f.fileno()).st_size
                 if self.size is None:
                     self.size = size
@@ -106,17 +107,22 @@ class _MappedShard:
             self._open()
         self.check()
         assert self.header is not None and self._mm is not None
-        info = self.header[name]
-        dtype = _ST_TO_DTYPE[info["dtype"]]
-        begin, end = info["data_offsets"]
-        shape = info["shape"]
-        if end == begin:
-            view = torch.empty(shape, dtype=dtype)
-        else:
-            flat = torch.frombuffer(
-                self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
-            )
-            view = flat.view(dtype).view(shape)
+        try:  # the header passed check_header: this cannot fail, but if it did, say where
+            info = self.header[name]
+            dtype = _ST_TO_DTYPE[info["dtype"]]
+            begin, end = info["data_offsets"]
+            shape = info["shape"]
+            if end == begin:
+                view = torch.empty(shape, dtype=dtype)
+            else:
+                flat = torch.frombuffer(
+                    self._mm, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
+                )
+                view = flat.view(dtype).view(shape)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CaptureDamagedError(
+                f"{self.path}: tensor {name!r} cannot be read from its header: {e}", self.path
+            ) from None
         self._views[name] = view
         return view
 
@@ -384,7 +390,10 @@ class CaptureReader:
         try:
             if not any(n.startswith("index-r") and "/" not in n for n in listing):
                 raise FileNotFoundError(f"{url!r} holds no pyhook capture (no index-r*.json)")
-            self.index = merged_index(local)
+            try:
+                self.index = merged_index(local)
+            except CaptureDamagedError as e:  # named by its URL, not the local copy's path
+                raise at_url(e, local, remote.url) from None
             for s in self.index["shards"]:
                 if s["file"] not in listing:
                     u = remote.url_of(s["file"])

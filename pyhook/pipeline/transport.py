@@ -32,6 +32,7 @@ from typing import Any
 
 from .format import (
     _CHECKSUM_FUNCS,
+    MAX_INDEX_BYTES,
     CaptureDamagedError,
     _check_shard,
     _fault,
@@ -195,6 +196,13 @@ def filesystem(url: str) -> tuple[Any, str]:
     if hasattr(fs, "retries") and options:
         fs.retries = 1  # s3fs's retry loop around botocore's attempts: botocore's alone count
     return fs, root.rstrip("/")
+
+
+def at_url(e: CaptureDamagedError, local: str, url: str) -> CaptureDamagedError:
+    """``e`` (raised on the local copy in ``local`` of files of the capture at ``url``) naming
+    the objects by their URLs: the error of a remote capture names what is in the bucket."""
+    path = e.path.replace(local, url) if e.path else url
+    return CaptureDamagedError(str(e).replace(local, url), path)
 
 
 def _wrap(url: str, what: str, e: BaseException, hint: str = "") -> RemoteStorageError:
@@ -386,6 +394,13 @@ class Remote:
             m = _INDEX_OBJECT.match(name)
             if m:
                 names.setdefault(int(m.group(1)), []).append(name)
+            if (m or name == "index.json") and listing[name] > MAX_INDEX_BYTES:
+                url = self.url_of(name)  # refused before it is downloaded
+                raise CaptureDamagedError(
+                    f"{url}: {listing[name]} bytes, more than an index file may hold "
+                    f"({MAX_INDEX_BYTES} bytes)",
+                    url,
+                )
         if "index.json" in listing:
             self._get_if_there("index.json", local)
         for rank in sorted(names):
@@ -675,7 +690,10 @@ class ShardCache:
             with self._lock:
                 self._futures.pop(name, None)
             raise
-        header, start = _check_shard(self._directory(), shard.entry, self.layers)
+        try:
+            header, start = _check_shard(self._directory(), shard.entry, self.layers)
+        except CaptureDamagedError as e:
+            raise at_url(e, self._directory(), self.remote.url) from None
         with self._lock:
             self._lru[name] = os.path.getsize(local)
             self._lru.move_to_end(name)
@@ -753,9 +771,11 @@ def merged_index_of(path: str) -> dict[str, Any]:
     fetched into a temporary directory first)."""
     if not is_url(path):
         return merged_index(path)
-    _, local, _ = open_remote_index(str(path))
+    remote, local, _ = open_remote_index(str(path))
     try:
         return merged_index(local)
+    except CaptureDamagedError as e:
+        raise at_url(e, local, remote.url) from None
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -763,7 +783,7 @@ def merged_index_of(path: str) -> dict[str, Any]:
 def verify_remote(url: str) -> tuple[list[str], list[str]]:
     """:func:`verify_capture` of a URL: the index files, then each shard downloaded, checked
     and deleted (one at a time: the local disk needs room for one shard)."""
-    from .format import _check_checksum, _check_shard, _load_json, _load_part
+    from .format import _check_shard, _load_json, _load_part, check_merged
 
     try:
         remote, local, listing = open_remote_index(url)
@@ -805,9 +825,8 @@ def verify_remote(url: str) -> tuple[list[str], list[str]]:
                         os.remove(os.path.join(local, shard))
         if "index.json" in listing:
             try:
-                obj = _load_json(os.path.join(local, "index.json"))
-                if isinstance(obj, dict):
-                    _check_checksum(os.path.join(local, "index.json"), obj, "the merged index")
+                merged = os.path.join(local, "index.json")
+                check_merged(merged, _load_json(merged))  # the schema local verify checks
             except CaptureDamagedError as e:
                 problems.append(say(str(e)))
         for name in sorted(listing):

@@ -9,16 +9,21 @@ import os
 import re
 
 from .format import (
+    _LINK_ADVICE,
     CaptureDamagedError,
-    _check_checksum,
     _check_shard,
     _directory_arg,
     _glob,
     _load_json,
     _load_part,
+    check_merged,
     check_same_capture,
+    store_links,
 )
 from .transport import is_url
+
+#: Missing ranks named one per line, at most (an index may record a world of a million ranks).
+_SHOWN = 20
 
 
 def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
@@ -47,6 +52,8 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         return [f"{out}: no such capture directory"], []
     problems: list[str] = []
     notes: list[str] = []
+    # A link in place of a store's file: never followed (named, whether or not it is read).
+    problems += [f"{p}: is a symbolic link; {_LINK_ADVICE}" for p in store_links(out)]
     parts = sorted(_glob(out, "index-r*.json"))
     if not parts:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
@@ -71,10 +78,16 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
                 _check_shard(out, s, part["layers"], checksum=True, notes=notes)
             except CaptureDamagedError as e:
                 problems.append(str(e))
-    for r in sorted(set(range(world)) - ranks):  # a rank's rows the reader would not read
+    missing = sorted(set(range(world)) - ranks)  # ranks whose rows the reader would not read
+    for r in missing[:_SHOWN]:
         problems.append(
             f"{os.path.join(out, f'index-r{r:03d}.json')}: missing (rank {r} of {world}: its "
             "rows are not read; deleted, or that rank crashed or is still running)"
+        )
+    if len(missing) > _SHOWN:
+        problems.append(
+            f"{out}: the index files of {len(missing) - _SHOWN} more of the {world} ranks are "
+            "missing too"
         )
     if not problems:
         try:  # the ranks' indexes belong together (the ones read above, not read again)
@@ -86,16 +99,13 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     merged = os.path.join(out, "index.json")
     if os.path.exists(merged):
         try:
-            obj = _load_json(merged)
-            if not isinstance(obj, dict):
-                raise CaptureDamagedError(f"{merged}: the index is not a JSON object", merged)
-            _check_checksum(merged, obj, "the merged index")
+            check_merged(merged, _load_json(merged))
         except CaptureDamagedError as e:
             problems.append(f"{e} (rewritten from the per-rank index files on the next close)")
     for p in sorted(_glob(out, "shard-r*.safetensors")):
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
-    return problems, notes
+    return list(dict.fromkeys(problems)), notes  # (a linked index file: named once)
 
 
 def duplicate_rows(

@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -22,6 +23,7 @@ from . import _threadprio
 from .encoding import ENCODED_FORMAT_VERSION
 from .format import (
     _DTYPE_TO_ST,
+    _NOFOLLOW,
     _STORABLE,
     FORMAT_VERSION,
     CaptureDamagedError,
@@ -36,13 +38,18 @@ from .format import (
     _journal_path,
     _load_json,
     _load_part,
+    _open_new,
     _part_path,
+    _refuse_link,
     _settings_diff,
     _with_checksum,
     _write_file,
+    check_merged,
     dtype_name,
     journal_line,
+    json_depth_error,
     merged_index,
+    refuse_links,
 )
 from .transport import Remote, Uploader, is_url
 from .verify import _check_shard
@@ -54,12 +61,16 @@ def _json_arg(name: str, value: Any) -> Any:
     if not isinstance(value, dict):
         raise TypeError(f"{name} must be a dict, got {type(value).__name__}: {value!r}")
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as e:
+        value = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
         raise TypeError(
             f"{name} must hold only JSON values (str, int, float, bool, None, lists, dicts with "
             f"str keys): {e}"
         ) from None
+    why = json_depth_error(value)
+    if why is not None:  # no reader would read the index (format.MAX_JSON_DEPTH)
+        raise TypeError(f"{name} is {why}: the store's index could not be read back")
+    return value
 
 
 def _errno_of(err: BaseException) -> tuple[int, ...]:
@@ -67,6 +78,30 @@ def _errno_of(err: BaseException) -> tuple[int, ...]:
     "[Errno 0]" in front of a network error's message."""
     code = getattr(err, "errno", None)
     return (code,) if isinstance(code, int) and code else ()
+
+
+def _open_journal(path: str, flags: int, *, create: bool = True) -> int:
+    """The journal, the one file of the store written in place (appended, its torn tail cut),
+    opened without following a link, and refused when it is a hard link too: either would
+    make the writer change a file outside the store. FileNotFoundError passes through."""
+    flags |= _NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        _refuse_link(path, e)
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        what = "has other hard links" if stat.S_ISREG(st.st_mode) else "is not a regular file"
+        raise CaptureDamagedError(
+            f"{path}: {what}; pyhook writes the journal in place and will not change a file "
+            "outside the capture directory: remove it, or copy the file in its place",
+            path,
+        )
+    return fd
 
 
 def shard_limit(shard_bytes: int, max_buffer_bytes: int) -> int:
@@ -221,10 +256,18 @@ class ShardWriter:
     def _open_dir(self, overwrite: bool) -> None:
         try:
             os.makedirs(self.out, exist_ok=True)
+            # Never follow a link in the store: a received store's journal or lock file linked
+            # elsewhere would have that file truncated and written (docs/integrity.md).
+            refuse_links(self.out)
             probe = os.path.join(self.out, f".pyhook-probe-{os.getpid()}-{self.rank}")
-            with open(probe, "wb") as f:
-                f.write(b"x")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(probe)
+            os.close(_open_new(probe, os.O_EXCL))
             os.remove(probe)
+        except CaptureDamagedError as e:
+            raise CaptureDamagedError(
+                f"cannot write the capture in {self.out!r}: {e}", e.path
+            ) from None
         except OSError as e:
             raise CaptureWriteError(
                 e.errno, f"cannot write to the capture directory {self.out!r}: {e.strerror or e}"
@@ -243,7 +286,12 @@ class ShardWriter:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: no lock
             return None
-        fd = os.open(os.path.join(self.out, f".lock-r{self.rank:03d}"), os.O_RDWR | os.O_CREAT)
+        path = os.path.join(self.out, f".lock-r{self.rank:03d}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            _refuse_link(path, e)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -294,7 +342,9 @@ class ShardWriter:
                 break
         if existing is None and not overwrite and os.path.exists(merged):
             with contextlib.suppress(CaptureDamagedError):
-                existing = _load_json(merged)
+                obj = _load_json(merged)
+                check_merged(merged, obj)  # the fields compared below, with their types
+                existing = obj
         if (
             existing is not None
             and not existing.get("shards")
@@ -721,8 +771,7 @@ class ShardWriter:
     def _append_journal(self, line: bytes) -> None:
         if self._journal_fd is None:
             new = not os.path.exists(self._journal)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-            self._journal_fd = os.open(self._journal, flags, 0o644)
+            self._journal_fd = _open_journal(self._journal, os.O_WRONLY | os.O_APPEND)
             if new and self.fsync:
                 _fsync_dir(self.out)
         os.write(self._journal_fd, line)
@@ -735,15 +784,16 @@ class ShardWriter:
         """Cut a torn last line (a crash in the middle of an append) off the journal, so that
         the next line starts on a line of its own."""
         try:
-            with open(self._journal, "rb+") as f:
-                data = f.read()
-                end = data.rfind(b"\n") + 1
-                if end < len(data):
-                    f.truncate(end)
-                    f.flush()
-                    os.fsync(f.fileno())
+            fd = _open_journal(self._journal, os.O_RDWR, create=False)
         except FileNotFoundError:
-            pass
+            return
+        with os.fdopen(fd, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
 
     def _close_journal(self) -> None:
         fd, self._journal_fd = self._journal_fd, None

@@ -32,6 +32,12 @@ accepted wherever a directory is). ``pyhook.store.format``, ``.verify``, ``.writ
   into memory without reading it, and returns per-layer :class:`LayerData` (reads are copies the
   caller owns) or iterates in sequential or shuffled row batches. :func:`verify_capture`
   (``pyhook verify``) lists every problem of a directory.
+* A store from someone else is untrusted input: every index file, journal line and shard
+  header is parsed with size and nesting bounds and checked against one schema per kind
+  (``format.check_part``, ``check_journal_line``, ``check_merged``, ``check_header``) by the
+  readers, verify and a resume alike; no store file is read or written through a symbolic
+  link. What verify passes, the readers read (docs/integrity.md, "Received stores: the
+  threat model").
 
 The shard files are plain safetensors (``safetensors.torch.load_file`` reads them); pyhook writes
 them itself so that the pieces of a shard go to the file without being concatenated first.
