@@ -112,6 +112,8 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
     """
     names = {f.name for f in dataclasses.fields(CaptureJob)}
     given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("gradients") == []:  # --gradients alone: every captured layer
+        given["gradients"] = True
     if isinstance(given.get("model"), list):  # --model DIR, or --model NAME=DIR repeated
         given["model"] = models_from_flags(given["model"])
     for name in ("device_map", "max_memory"):  # a word, JSON, or KEY=VALUE,...
@@ -789,6 +791,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_object,
         metavar="JSON",
         help="with --generate: more generate options, e.g. '{\"temperature\": 0.7}'",
+    )
+    c.add_argument(
+        "--gradients",
+        nargs="*",
+        metavar="LAYER",
+        help="also store LAYER_grad, the gradient of --metric at each of these captured layers "
+        "(no names: every captured layer), one row per stored row (docs/job.md)",
+    )
+    c.add_argument(
+        "--metric",
+        help="with --gradients: 'loss' (each example's next-token loss over its kept positions) "
+        "or 'logit:ID' (token ID's logit at each example's last kept position)",
     )
     c.add_argument("--overwrite", action="store_true", help="replace a different capture in --out")
     c.add_argument(

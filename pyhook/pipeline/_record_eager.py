@@ -66,6 +66,9 @@ class EagerPath:
             hooks.forward(
                 module, self.make_hook(name, flat=getattr(module, "flat", False)), name=name
             )
+        grads = getattr(rec, "_grads", None)
+        if grads is not None:  # gradient layers: the backward runs after the forward, before commit
+            grads.install(hooks, self, {n: getattr(m, "flat", False) for n, m in rec._modules})
         hooks.forward(rec.model, self.commit)
 
     # -- one forward -----------------------------------------------------------------------

@@ -346,6 +346,8 @@ class Recorder:
         tokens: bool = True,
         quantize: str | None = None,
         compress: str | None = None,
+        gradients: bool | str | Iterable[str] | None = None,
+        metric: Any = None,
     ) -> None:
         # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
@@ -468,11 +470,24 @@ class Recorder:
         }
         self._modules = resolve_layers(model, layers)  # raises before anything is registered
         self.layers = [n for n, _ in self._modules]
+        self._grads = None  # gradient layers "<layer>_grad" (pipeline/_record_grad.py)
         # A compiled model (or one with compiled layers): hooks go through dispatchers, and the
         # batches are built in code dynamo traces, then finished lazily.
         self._compiled = any(
             compiled_path(model, module_path(n, m)) is not None for n, m in self._modules
         )
+        if gradients is not None or metric is not None:
+            from ._record_grad import GradientLayers
+
+            self._grads = GradientLayers(
+                model,
+                self.layers,
+                gradients,
+                metric,
+                select=select,
+                compiled=self._compiled,
+            )
+            self.layers = self.layers + self._grads.names
         self.meta = {"model": type(_unwrapped(model)).__name__, **(meta or {})}
         own = {
             "layers": self.layers,
@@ -483,6 +498,7 @@ class Recorder:
             "flatten": flatten,
             "dtype": dtype_name(self.dtype) if self.dtype is not None else None,
             **self._encoding.settings(),  # only when set: plain captures resume as before
+            **(self._grads.settings() if self._grads is not None else {}),  # likewise
         }
         for key in ("layers", "mask", "flatten", "dtype", "quantize", "compress"):
             # what the resume check compares: a caller's settings may add to it, not hide it
@@ -1144,7 +1160,13 @@ def capture(
     pools; raise it (e.g. ``1 << 30``) for speed when memory is plentiful. Compact stores
     (docs/store-format.md): ``quantize="fp8"`` (or ``"int8"``) stores float rows in one byte
     per value with one float32 scale per row, ``compress="zstd"`` compresses them losslessly in
-    chunks of rows; reads return the rows decoded, in the captured dtype.
+    chunks of rows; reads return the rows decoded, in the captured dtype. Gradients
+    (docs/capture.md, "Gradients (attribution datasets)"): ``gradients`` (True, or captured
+    layer names/globs) stores beside each of those layers a layer ``"<layer>_grad"``, the
+    gradient of ``metric`` (``"loss"``, ``"logit:<token id>"`` or a callable
+    ``(output, batch) -> [batch]`` tensor: one value per example) at that layer, rows reduced
+    as the layer's; the forward must run with autograd on (see
+    :mod:`pyhook.pipeline._record_grad`).
     """
     return Recorder(
         model,

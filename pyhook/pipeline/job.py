@@ -182,6 +182,8 @@ _SETTING_WORDS = {
     "sampling": "`sampling`",
     "seed": "`seed`",
     "generate_kwargs": "`generate_kwargs`",
+    "gradients": "`gradients`",
+    "metric": "`metric`",
 }
 _DEFAULT_WORDS = {
     "dtype": "the model's",
@@ -382,6 +384,10 @@ class CaptureJob:
       ``positions="last"``: the last token of each step), ``sampling`` (``"greedy"``,
       ``"sample"``, or ``"model"``: its ``generation_config``), ``seed``, ``generate_kwargs``
       (more ``generate`` options, e.g. ``{"temperature": 0.7}``).
+    * ``gradients`` (``true``, or names/globs among ``layers``) and ``metric``: also store
+      ``"<layer>_grad"``, the gradient of each example's metric at that layer (docs/job.md,
+      "Gradients"). In a file ``metric`` is a named metric, ``"loss"`` (next-token loss) or
+      ``"logit:<token id>"``; from Python also a callable ``(output, batch) -> [batch]``.
     * ``out`` (a folder or an fsspec URL), ``shard_mb``, ``overwrite`` (replace a different
       capture there), ``force`` (start even when the estimate exceeds the free space), ``stats``
       (per-layer statistics), ``tokens`` (token ids and row index next to the rows);
@@ -425,6 +431,8 @@ class CaptureJob:
     sampling: str = "greedy"
     seed: int = 0
     generate_kwargs: dict[str, Any] | None = None
+    gradients: bool | list[str] | None = None
+    metric: Any = None
 
     def __post_init__(self) -> None:
         # the forms a file or the command gives, made one (so equal jobs compare equal)
@@ -481,6 +489,8 @@ class CaptureJob:
             elif name == "generate_kwargs":
                 if v is not None:
                     _check_generate_kwargs(v)
+            elif name in ("gradients", "metric"):
+                continue  # _check_gradients, below
             elif name == "shard_mb":
                 if isinstance(v, bool) or not isinstance(v, float) or not 0 < v < math.inf:
                     raise JobError(
@@ -533,12 +543,55 @@ class CaptureJob:
                     f"`{name}` must be {' or '.join(map(repr, choices))} (or absent), got {_got(v)}"
                 )
         self._check_generate()
+        self._check_gradients()
         self._check_loading()
         if self.context_size is not None and self.max_length is not None:
             raise JobError(
                 "`max_length` cuts each example of a one-example-per-row capture; with "
                 f"`context_size` every row is a context of exactly {self.context_size} tokens: "
                 "drop one of them"
+            )
+
+    def _check_gradients(self) -> None:
+        g, m = self.gradients, self.metric
+        if g is not None and g is not True and g is not False:
+            if isinstance(g, str):
+                g = self.gradients = [g]
+            if not isinstance(g, list) or not g or not all(isinstance(x, str) and x for x in g):
+                raise _JobTypeError(
+                    f"`gradients` must be true or a list of captured layer names, got {_got(g)}"
+                )
+        if not g:
+            if m is not None:
+                raise JobError(
+                    "`metric` is the function whose gradient `gradients` stores: "
+                    "give `gradients` too (true, or layer names)"
+                )
+            return
+        if m is None:
+            raise JobError(
+                "`gradients` needs `metric`: 'loss' (each example's next-token loss) or "
+                "'logit:<token id>' (that token's logit at each example's last position)"
+            )
+        if isinstance(m, str):
+            if not re.fullmatch(r"loss|logit:\d+", m.strip()):
+                raise JobError(
+                    f"`metric` must be a named metric, 'loss' or 'logit:<token id>' (a callable "
+                    f"only from Python), got {_got(m)}"
+                )
+        elif not callable(m):
+            raise _JobTypeError(
+                f"`metric` must be 'loss', 'logit:<token id>' or (from Python) a callable "
+                f"(output, batch) -> [batch] tensor, got {_got(m)}"
+            )
+        if self.generate is not None:
+            raise JobError("`gradients` are of plain forwards: not with `generate`")
+        if isinstance(self.model, dict):
+            raise JobError("`gradients` are of one model, not several (`model` is a mapping)")
+        if self.tp_size != 1:
+            raise JobError(
+                "`gradients` are not taken through a tensor-parallel model (`tp_size` "
+                f"{self.tp_size}): its layers' outputs are shards; capture them with tp_size 1"
             )
 
     def _check_loading(self) -> None:
@@ -956,6 +1009,7 @@ class CaptureJob:
                     "positions": positions,
                     "quantize": self.quantize,  # compact stores: another encoding is another
                     "compress": self.compress,  # capture (None: absent, as plain ones store it)
+                    "metric": _metric_name(self.metric) if self.gradients else None,
                 },
                 world,
             )
@@ -1023,13 +1077,18 @@ class CaptureJob:
             quantize=self.quantize,
             compress=self.compress,
             tp_size=lay.tp_size,
+            **({"gradients": self.gradients, "metric": self.metric} if self.gradients else {}),
         )
-        if stored is not None:
-            _refuse_different(out, stored, rec.settings, world)
+        if stored is not None:  # (a store with gradients differs from one without)
+            _refuse_different(out, stored, {"gradients": None, **rec.settings}, world)
         if done_note is not None:  # the same layers, resolved: nothing to do after all
             plan.note = done_note
             return plan
-        shapes = _probe_layers(model, rec.layers, src.peek(), device)
+        grads = getattr(rec, "_grads", None)  # "<layer>_grad": the rows of its layer's shape
+        acts = [n for n in rec.layers if grads is None or n not in grads.names]
+        shapes = _probe_layers(model, acts, src.peek(), device)
+        if grads is not None:
+            shapes.update({g: shapes[a] for g, a in zip(grads.names, grads.layers)})
 
         # 3. The estimate: rows x width x dtype per layer (+ token ids, row index, statistics),
         # against the free space at out.
@@ -1764,6 +1823,11 @@ def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) ->
             + "; ".join(diff)
             + ". Use another `out`, or add `overwrite=True` to replace it."
         )
+
+
+def _metric_name(metric: Any) -> str:
+    """The name a store's settings record for ``metric`` (as the recorder does)."""
+    return metric if isinstance(metric, str) else getattr(metric, "__name__", type(metric).__name__)
 
 
 def _probe_layers(model: Any, layers: list[str], batch: Any, device: Any) -> dict[str, Any]:

@@ -486,7 +486,9 @@ def run(
     tokens = 0
     it = iter(batches)
     try:
-        with torch.no_grad():
+        # gradient layers (capture(gradients=...)): the recorder runs a backward after each forward
+        grads = getattr(rec, "_grads", None) is not None
+        with torch.enable_grad() if grads else torch.no_grad():
             while True:
                 t0 = time.perf_counter()
                 try:
