@@ -733,7 +733,8 @@ class Point:
             if new is None:
                 return None
             if cos is not None:  # the inverse rotation: back to the projection's output
-                new = new * cos - _rotate_half(new) * sin
+                # (divided by cos^2 + sin^2: Llama's cos/sin are float32 values, not unit)
+                new = (new * cos - _rotate_half(new) * sin) / (cos * cos + sin * sin)
             return _replace_output(output, new.flatten(-2).to(out.dtype))
 
         pre = hooks.forward_pre(attn, on_attn, with_kwargs=True, prepend=True)
