@@ -8,7 +8,8 @@ Index:
   one forward along the batch dimension; the results are those of one patch per forward.
 * :func:`attribution_patch` estimates all of those effects at once from one backward pass:
   AtP, ``(clean - corrupt) . d metric / d activation`` at the corrupt run (Nanda 2022), and
-  ``method="atp*"``, AtP with GradDrop (Kramár et al. 2024).
+  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop, and the QK fix for the query and key
+  points ``attn_q.L``/``attn_k.L`` (the attention pattern under the patch computed exactly).
 * :func:`edge_attribution` scores the edges between components: EAP (Syed et al. 2023), the
   upstream output's change times the gradient at the downstream component's residual read,
   and EAP-IG (Hanna et al. 2024) with ``steps`` integrated-gradient interpolations of the

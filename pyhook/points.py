@@ -24,6 +24,10 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 ``final``          the output of the final norm (the last block's output where there is none)
 =================  ===========================================================================
 
+On GPT-2 and Llama, ``attn_q.L``, ``attn_k.L`` and ``attn_v.L`` are the per-head queries, keys
+(after the rotary embedding) and values, ``[batch, pos, head, d_head]``; they are named
+explicitly (not in :func:`point_names` nor in ``*.L`` globs), and refused elsewhere.
+
 ``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
 a glob (``resid_post.*``, ``*.3``). TransformerLens' names are taken too, each holding what it
 holds in TransformerLens or refused with the reason (:func:`tl_unavailable`): aliases of points

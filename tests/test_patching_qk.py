@@ -303,3 +303,33 @@ def test_qk_fix_refuses_an_attention_it_does_not_recompute():
         )
     assert not any(m._forward_hooks for m in model.modules())
     assert [len(m._forward_pre_hooks) for m in model.modules() if m._forward_pre_hooks] == [1]
+
+
+def test_qk_fix_noising_and_padding():
+    model = _gpt2(2)
+    clean = torch.tensor([[1, 5, 2, 7, 3], [4, 4, 9, 1, 2]])
+    corrupt = torch.tensor([[1, 6, 2, 8, 3], [4, 11, 9, 1, 5]])
+
+    def metric(o):
+        return o.logits[:, -1, 3] - o.logits[:, -1, 6]
+
+    # noising: the clean run is the base, the corrupt run the source (last block: no GradDrop
+    # distortion, see above)
+    r = attribution_patch(
+        model, clean, corrupt, metric, ["attn_q.1", "attn_k.1"], method="atp*", noising=True
+    )
+    for which in "qk":
+        want = _qk_fixed_reference(model, 1, corrupt, clean, metric, which)
+        torch.testing.assert_close(r[f"attn_{which}.1"], want, **TOL)
+    # padding: the pattern is recomputed with the 2-D attention mask (ignoring it, the check
+    # against the model's attn_z would refuse the layer)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 1, 1]])
+    r = attribution_patch(
+        model,
+        {"input_ids": clean, "attention_mask": mask},
+        {"input_ids": corrupt, "attention_mask": mask},
+        metric,
+        "attn_k.*",
+        method="atp*",
+    )
+    assert r["attn_k.1"].shape == (5, 2) and bool(torch.isfinite(r["attn_k.1"]).all())
