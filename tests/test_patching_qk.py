@@ -227,6 +227,7 @@ def test_qk_fix_matches_hand_computation(family):
         return o.logits[:, -1, 3] - o.logits[:, -1, 6]
 
     n = len(_blocks(model))
+    r0 = attribution_patch(model, clean, corrupt, metric, "attn_q.0", method="atp*")
     for layer in range(n):
         r = attribution_patch(
             model, clean, corrupt, metric, [f"attn_q.{layer}", f"attn_k.{layer}"], method="atp*"
@@ -246,7 +247,9 @@ def test_qk_fix_matches_hand_computation(family):
     flat = attribution_patch(
         model, clean, corrupt, metric, "attn_k.1", method="atp*", per_head=False
     )
-    assert flat["attn_k.1"].shape == (5,)
+    torch.testing.assert_close(flat["attn_k.1"], r["attn_k.1"].sum(-1), **TOL)
+    off = attribution_patch(model, clean, corrupt, metric, "attn_q.0", method="atp*", offload=True)
+    torch.testing.assert_close(off["attn_q.0"], r0["attn_q.0"], **TOL)
     if n == 2:  # layer n-1: GradDrop's copies reduce to the plain gradient
         torch.testing.assert_close(r["attn_k.1"], want_k, **TOL)
 
