@@ -171,6 +171,12 @@ def test_qkv_points_are_the_query_key_value_used(family):
     torch.testing.assert_close(ret["attn_q.1"].output, q, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret["attn_k.1"].output, k, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret["attn_v.1"].output, v, rtol=0, atol=0)
+    # named explicitly only: ranges and negative layers, not in point_names() nor in *.L globs
+    assert [n for n, _ in expand_points(model, "attn_k.*")] == ["attn_k.0", "attn_k.1"]
+    assert [n for n, _ in expand_points(model, "attn_q.-1")] == ["attn_q.-1"]
+    assert not any(
+        n.startswith(("attn_q", "attn_k", "attn_v")) for n, _ in expand_points(model, "*.1")
+    )
     # an edit of the (rotated) key reaches the scores: the same as editing by hand
     new_k = k.clone()
     new_k[:, 2] *= -3.0
