@@ -8,7 +8,8 @@ Index:
   one forward along the batch dimension; the results are those of one patch per forward.
 * :func:`attribution_patch` estimates all of those effects at once from one backward pass:
   AtP, ``(clean - corrupt) . d metric / d activation`` at the corrupt run (Nanda 2022), and
-  ``method="atp*"``, AtP with GradDrop (Kramár et al. 2024).
+  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop, and the QK fix for the query and key
+  points ``attn_q.L``/``attn_k.L`` (the attention pattern under the patch computed exactly).
 * :func:`edge_attribution` scores the edges between components: EAP (Syed et al. 2023), the
   upstream output's change times the gradient at the downstream component's residual read,
   and EAP-IG (Hanna et al. 2024) with ``steps`` integrated-gradient interpolations of the
@@ -716,8 +717,14 @@ def attribution_patch(
     score ``sign(AtP) * sum_l |AtP with l dropped| / (L - 1)``, which does not vanish where a
     component's direct and indirect effects cancel. The ``L`` extra gradients come from ``L``
     more copies of the base batch in the same forward and backward (memory: ``L + 1`` times the
-    base run's). The paper's other fix (recomputing the attention softmax exactly for query and
-    key patches) is not implemented.
+    base run's). For query and key points (``attn_q.L``, ``attn_k.L``) ``"atp*"`` also applies
+    the paper's QK fix (section 3.1.1): the attention pattern under the patched query (or key)
+    is computed exactly, and only the rest is linearised: ``sum (pattern_patched -
+    pattern_base) . d metric / d pattern``, with ``d metric / d pattern`` from the gradient at
+    ``attn_z.L`` and the values (each copy of the GradDrop gradients gets the same treatment).
+    The pattern is recomputed from the captured query, key and the causal (and 2-D
+    ``attention_mask``) mask, and checked against the model's own ``attn_z.L``: an attention
+    that computes it otherwise (a sliding window, soft-capping) is refused, naming the layer.
 
     ``one_batch=True`` runs clean and corrupt as one forward of twice the batch (the metric sees
     the base rows only; each half gets its own gradient). ``offload=True`` keeps the source
@@ -786,8 +793,40 @@ def attribution_patch(
 
         return on_grad
 
+    # AtP*'s QK fix: query and key points are scored from the gradient at the attention
+    # pattern (from attn_z's gradient and the values) and the exact patched pattern
+    qk_fixed = [
+        n for n, p in resolved if method == "atp*" and p.qkv is not None and p.qkv[1] in "qk"
+    ]
     for name in names:
-        sites.add(name, site_hook(name))
+        if name not in qk_fixed:
+            sites.add(name, site_hook(name))
+    by_layer: dict[int, list[str]] = {}
+    for name in qk_fixed:
+        by_layer.setdefault(int(name.rsplit(".", 1)[1]), []).append(name)
+    for layer, qk_names in by_layer.items():
+        attn = dict(resolved)[qk_names[0]].qkv[2]  # type: ignore[index]
+        for kind in ("attn_q", "attn_k", "attn_v"):
+            sites.add(f"{kind}.{layer}", _no_grad_hook)
+        sites.add(
+            f"attn_z.{layer}",
+            _qk_fix_hook(
+                layer,
+                qk_names,
+                attn,
+                sites,
+                partial,
+                groups,
+                width,
+                base_rows,
+                src_rows,
+                src_acts,
+                one_batch,
+                heads_of,
+                store,
+                kw.get("attention_mask"),
+            ),
+        )
     for layer in range(blocks):
 
         def dropper(grad: torch.Tensor, copy: int = layer + 1) -> torch.Tensor:
@@ -835,6 +874,99 @@ def attribution_patch(
             result[name] = torch.sign(atp) * dropped
     clean_m, corrupt_m = (base_m, other_m) if noising else (other_m, base_m)
     return PatchResult(result, method, float(clean_m), float(corrupt_m), bool(noising))
+
+
+def _no_grad_hook(grad: torch.Tensor) -> None:
+    return None
+
+
+def _qk_fix_hook(
+    layer: int,
+    qk_names: list[str],
+    attn: nn.Module,
+    sites: _Sites,
+    partial: dict[str, torch.Tensor],
+    groups: int,
+    width: int,
+    base_rows: slice,
+    src_rows: slice,
+    src_acts: dict[str, torch.Tensor],
+    one_batch: bool,
+    heads_of: dict[str, bool],
+    store: torch.device | None,
+    attention_mask: Any,
+) -> Callable[[torch.Tensor], None]:
+    """The gradient hook at ``attn_z.layer`` that scores the query/key points of the layer
+    with AtP*'s QK fix, one score per GradDrop copy (``partial[name]``: ``[groups, pos,
+    head]``)."""
+
+    def base(kind: str) -> torch.Tensor:
+        t = sites.values[f"{kind}.{layer}"].detach().unflatten(0, (groups, width))
+        return t[0, base_rows]
+
+    def source(name: str) -> torch.Tensor:
+        if one_batch:
+            t = sites.values[name].detach().unflatten(0, (groups, width))
+            return t[0, src_rows]
+        return src_acts[name]
+
+    def on_grad(grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            q, k, v, z = base("attn_q"), base("attn_k"), base("attn_v"), base("attn_z")
+            dtype = grad.dtype
+            q, k, v, z = (t.to(grad.device, dtype) for t in (q, k, v, z))
+            b, s, n_heads = q.shape[:3]
+            rep = n_heads // k.shape[2]
+            kq, vq = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+            scaling = float(getattr(attn, "scaling", q.shape[-1] ** -0.5))
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            mask = mask.expand(b, 1, s, s)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                rows = attention_mask.unflatten(0, (groups, width))[0, base_rows]
+                mask = mask & rows.to(q.device).bool().view(b, 1, 1, s)
+            scores = torch.einsum("bihd,bjhd->bhij", q, kq) * scaling
+            pattern = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+            pattern = torch.nan_to_num(pattern)  # a row with every key masked
+            recomputed = torch.einsum("bhij,bjhd->bihd", pattern, vq)
+            # (models that take the softmax in float32 agree to float32's precision only)
+            tol = max(torch.finfo(dtype).eps ** 0.5, 3.5e-4) * max(float(z.abs().max()), 1e-12)
+            if float((recomputed - z).abs().max()) > tol:
+                raise ValueError(
+                    f"attribution_patch(method='atp*'): the QK fix recomputes block {layer}'s "
+                    f"attention pattern as softmax(q k^T * {scaling:g} + causal/padding mask), "
+                    f"but pattern @ v differs from attn_z.{layer} by "
+                    f"{float((recomputed - z).abs().max()):.3g} ({type(attn).__name__} computes "
+                    "it otherwise: a sliding window, soft-capping, ...); score attn_q/attn_k "
+                    "with method='atp' instead"
+                )
+            g = grad.unflatten(0, (groups, width))[:, base_rows].to(dtype)  # [G, b, s, H, dh]
+            d_pattern = torch.einsum("gbihd,bjhd->gbhij", g, vq)  # d metric / d pattern
+            dot = (pattern * d_pattern).sum(-1)  # [G, b, h, i]
+            for name in qk_names:
+                which = name.split(".")[0][-1]
+                src = source(name).to(q.device, dtype)
+                if which == "q":  # row i of the pattern, exactly, under the source query
+                    new = torch.einsum("bihd,bjhd->bhij", src, kq) * scaling
+                    new = torch.nan_to_num(torch.softmax(new.masked_fill(~mask, float("-inf")), -1))
+                    eff = ((new - pattern) * d_pattern).sum(-1)  # [G, b, h, i]
+                    per = eff.sum(1).transpose(1, 2)  # [G, pos, head]
+                else:  # column j under the source key: every row renormalised exactly
+                    new = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
+                    shift = torch.where(mask, new * scaling - scores, torch.zeros_like(scores))
+                    a = pattern.clamp(0, 1)
+                    # log of each row's new normaliser over the old: log(1 - a + a e^shift)
+                    lognorm = torch.logaddexp(torch.log1p(-a), torch.log(a) + shift)
+                    kept = torch.exp(-lognorm) * (dot.unsqueeze(-1) - a * d_pattern)
+                    moved = torch.exp(torch.log(a) + shift - lognorm) * d_pattern
+                    eff = kept + moved - dot.unsqueeze(-1)  # [G, b, h, i, j]
+                    eff = torch.where(mask.unsqueeze(0), eff, torch.zeros_like(eff))
+                    per = eff.sum((1, 3))  # [G, h, j]
+                    per = per.unflatten(1, (k.shape[2], rep)).sum(2).transpose(1, 2)
+                if not heads_of[name]:
+                    per = per.sum(-1)
+                partial[name] = per.to(store) if store is not None else per
+
+    return on_grad
 
 
 def _take(output: Any, index: torch.Tensor, total: int) -> Any:

@@ -24,6 +24,10 @@ places on all of them, and every pyhook tool takes them where it takes a module 
 ``final``          the output of the final norm (the last block's output where there is none)
 =================  ===========================================================================
 
+On GPT-2 and Llama, ``attn_q.L``, ``attn_k.L`` and ``attn_v.L`` are the per-head queries, keys
+(after the rotary embedding) and values, ``[batch, pos, head, d_head]``; they are named
+explicitly (not in :func:`point_names` nor in ``*.L`` globs), and refused elsewhere.
+
 ``L`` may be negative (``resid_post.-1``), a range (``resid_post.2:5``, Python's slice rules) or
 a glob (``resid_post.*``, ``*.3``). TransformerLens' names are taken too, each holding what it
 holds in TransformerLens or refused with the reason (:func:`tl_unavailable`): aliases of points
@@ -100,6 +104,10 @@ LAYER_KINDS = (
     "resid_post",
 )
 KINDS = ("embed", *LAYER_KINDS, "final")
+#: Per-head query, key and value points (``[batch, pos, head, d_head]``, the query and key after
+#: rotary embedding): named explicitly only (not in :func:`point_names`, nor in ``*.L`` globs),
+#: on the GPT-2 and Llama families (:data:`QKV_MODULES`); other architectures refuse them.
+QKV_KINDS = ("attn_q", "attn_k", "attn_v")
 #: The sites inside a block: the input of a module of the block (see :class:`Architecture`).
 SITE_KINDS = ("attn_in", "attn_z", "mlp_in", "mlp_hidden")
 #: TransformerLens' names of the sites inside a block that are aliases (``blocks.L.<alias>``).
@@ -547,6 +555,9 @@ class Point:
     #: the scale, before its weight and bias) or ``"scale"`` (``[..., 1]``), computed from the
     #: input of :attr:`module` (a norm); an edit gives the norm's output from the edited value
     norm: str | None = None
+    #: ``attn_q``/``attn_k``/``attn_v``: ``(family, "q"|"k"|"v", attention module)``, the value
+    #: cut from the projection's output (see :func:`_make_qkv`)
+    qkv: tuple[str, str, nn.Module] | None = None
 
     def register(
         self,
@@ -570,6 +581,8 @@ class Point:
         point = self
         if self.norm is not None:
             return self._register_norm(hooks, fn, with_kwargs, prepend, always_call)
+        if self.qkv is not None:
+            return self._register_qkv(hooks, fn, with_kwargs, prepend, always_call)
         if self.kind == "output":
             copy = self.copy
 
@@ -663,6 +676,77 @@ class Point:
             self.module, on_norm, with_kwargs=True, prepend=prepend, always_call=always_call
         )
 
+    def _register_qkv(
+        self,
+        hooks: Any,
+        fn: Callable[..., Any],
+        with_kwargs: bool,
+        prepend: bool,
+        always_call: bool,
+    ) -> Any:
+        """:meth:`register` for the per-head query/key/value points (:attr:`qkv`)."""
+        point = self
+        family, which, attn = self.qkv  # type: ignore[misc]
+        heads = self.heads
+        assert heads is not None
+
+        def call(module: nn.Module, args: Any, kwargs: Any, value: torch.Tensor) -> Any:
+            new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
+            if new is None or new is value:
+                return None
+            return _merge_heads(point, new, value).unflatten(-1, value.shape[-2:])
+
+        if family == "gpt2":  # c_attn's output is [q | k | v] along the features
+
+            def on_fused(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+                out = _output_tensor(point, output)
+                d = out.shape[-1] // 3
+                i = "qkv".index(which)
+                value = _split_heads(point, out[..., i * d : (i + 1) * d], heads)
+                new = call(module, args, kwargs, value)
+                if new is None:
+                    return None
+                new = new.flatten(-2).to(out.dtype)
+                return torch.cat([out[..., : i * d], new, out[..., (i + 1) * d :]], dim=-1)
+
+            return hooks.forward(
+                self.module, on_fused, with_kwargs=True, prepend=prepend, always_call=always_call
+            )
+
+        # llama: q_proj / k_proj / v_proj, the query and key then rotated by the rotary
+        # embedding the attention module receives (kwargs["position_embeddings"] = (cos, sin))
+        seen: dict[str, Any] = {}
+
+        def on_attn(module: nn.Module, args: Any, kwargs: Any) -> None:
+            seen["pe"] = kwargs.get("position_embeddings")
+
+        def on_proj(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            out = _output_tensor(point, output)
+            value = _split_heads(point, out, heads)
+            cos = sin = None
+            if which != "v":
+                pe = seen.get("pe")
+                if not (isinstance(pe, (tuple, list)) and len(pe) == 2):
+                    raise TypeError(
+                        f"standard point {point.name!r}: the attention module was called without "
+                        "position_embeddings=(cos, sin), which the query and key are rotated by"
+                    )
+                cos, sin = (t.unsqueeze(-2).to(value.dtype) for t in pe)
+                value = value * cos + _rotate_half(value) * sin
+            new = call(module, args, kwargs, value)
+            if new is None:
+                return None
+            if cos is not None:  # the inverse rotation: back to the projection's output
+                # (divided by cos^2 + sin^2: Llama's cos/sin are float32 values, not unit)
+                new = (new * cos - _rotate_half(new) * sin) / (cos * cos + sin * sin)
+            return _replace_output(output, new.flatten(-2).to(out.dtype))
+
+        pre = hooks.forward_pre(attn, on_attn, with_kwargs=True, prepend=True)
+        post = hooks.forward(
+            self.module, on_proj, with_kwargs=True, prepend=prepend, always_call=always_call
+        )
+        return _Handles(post, pre)
+
     @property
     def kind_name(self) -> str | None:
         """The standard point kind (``"attn_z"``, ...), None for a module input (``name:in``)."""
@@ -670,6 +754,66 @@ class Point:
             return None
         parts = _split(self.name)
         return parts[0] if parts is not None else None
+
+
+class _Handles:
+    """Several hooks' handles as one (``remove()`` removes them all; ``id``: the first's)."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+        self.id = handles[0].id
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+#: The architectures with ``attn_q``/``attn_k``/``attn_v`` points: ``model_type -> (family,
+#: the attention module's class name)``; the projections are found relative to the block.
+QKV_MODULES = {"gpt2": ("gpt2", "GPT2Attention"), "llama": ("llama", "LlamaAttention")}
+
+
+def _make_qkv(model: nn.Module, layout: _Layout, kind: str, layer: int, name: str) -> Point:
+    """The Point of ``attn_q.L``/``attn_k.L``/``attn_v.L`` (see :data:`QKV_KINDS`)."""
+    arch = layout.arch
+    what = type(model).__name__
+    row = QKV_MODULES.get(arch.key)
+    which = kind[-1]
+    if row is None:
+        raise PointUnavailableError(
+            name,
+            f"standard point {name!r} does not exist on {what}: per-head query/key/value points "
+            f"are implemented for {', '.join(sorted(QKV_MODULES))} only (model_type "
+            f"{arch.key!r}); hook the projections by module name instead",
+        )
+    family, cls = row
+    blocks = layout.path(arch.blocks)
+    attn_name = f"{blocks}.{layer}.{arch.attn_in}"
+    attn = _lookup(model, attn_name)
+    if attn is None or type(attn).__name__ != cls:
+        raise PointUnavailableError(
+            name,
+            f"standard point {name!r} does not exist on {what}: it needs {attn_name!r} to be "
+            f"transformers' {cls}, found {type(attn).__name__ if attn is not None else 'nothing'}",
+        )
+    if family == "gpt2":
+        if getattr(attn, "is_cross_attention", False):
+            raise PointUnavailableError(name, f"{name!r}: {attn_name!r} is cross-attention")
+        module_name = f"{attn_name}.c_attn"
+        heads = int(attn.num_heads)
+    else:
+        module_name = f"{attn_name}.{which}_proj"
+        config = attn.config
+        n = config.num_attention_heads
+        heads = n if which == "q" else getattr(config, "num_key_value_heads", None) or n
+    module = get_module(model, module_name)
+    _check_not_shared(layout, module, module_name, name)
+    return Point(name, module_name, module, "output", heads=heads, qkv=(family, which, attn))
 
 
 def _input_key(kwargs: dict[str, Any]) -> str | None:
@@ -917,7 +1061,7 @@ def _unknown(model: nn.Module, keys: list[str]) -> UnknownArchitectureError:
 
 
 # -- names ------------------------------------------------------------------------------------
-_CANON_KINDS = "|".join(LAYER_KINDS)
+_CANON_KINDS = "|".join((*LAYER_KINDS, *QKV_KINDS))
 # TransformerLens' hook_<kind> names only for the residual-stream kinds: its hook_attn_in and
 # hook_mlp_in are other tensors (the un-normalised residual stream) than attn_in and mlp_in.
 _ALIAS_KINDS = "|".join(k for k in LAYER_KINDS if k not in SITE_KINDS)
@@ -934,7 +1078,7 @@ _TL_RX = re.compile(
 #: The spelling of a module's input (``"transformer.h.3.mlp:in"``): see :func:`resolve_targets`.
 INPUT_SUFFIX = ":in"
 _GLOB = re.compile(r"[*?\[]")
-_HEADS = frozenset(KINDS)
+_HEADS = frozenset((*KINDS, *QKV_KINDS))
 _TL_HEADS = ("blocks.", "hook_embed", "ln_final.")
 
 
@@ -1057,6 +1201,8 @@ def _make_new(model: nn.Module, layout: _Layout, kind: str, layer: int | None, n
     blocks = layout.path(arch.blocks)
     if kind in TL_ONLY_KINDS:
         return _make_tl(model, layout, kind, layer, name)
+    if kind in QKV_KINDS:
+        return _make_qkv(model, layout, kind, layer, name)  # type: ignore[arg-type]
     if kind in ("embed", "resid_pre"):
         i = 0 if kind == "embed" else layer
         module_name, side, inplace, copy = f"{blocks}.{i}", "input", False, False
@@ -1551,7 +1697,11 @@ def expand_points(model: nn.Module, pattern: str) -> list[tuple[str, Point]]:
             err = _tl_refusal(model, layout, kind, pattern, layers[0] if layers else None)
             if err is not None:
                 raise err
-        if kind not in _available(layout.arch) and kind not in TL_ONLY_KINDS:
+        if (
+            kind not in _available(layout.arch)
+            and kind not in TL_ONLY_KINDS
+            and kind not in QKV_KINDS
+        ):
             raise _unavailable(model, layout.arch, kind, pattern)
         hits = [(_spell(kind, i, tl), kind, i) for i in layers]
     else:
