@@ -437,7 +437,7 @@ CASES: list[Case] = [
     ),
     # --- capture store
     ("CaptureJob", lambda: pyhook.CaptureJob(limit=0), (ValueError,), "limit must be >= 1, got 0"),
-    ("CaptureJob", lambda: pyhook.CaptureJob(model=M), (TypeError,), "model must be a string"),
+    ("CaptureJob", lambda: pyhook.CaptureJob(model=3.5), (TypeError,), "model must be a string"),
     ("CaptureJob", lambda: pyhook.CaptureJob(layers=[3]), (TypeError,), "layers must be a list"),
     (
         "CaptureJob",
