@@ -393,10 +393,7 @@ def test_a_mutated_store_is_read_exactly_or_refused_by_name(
     assert not [p for p in _OPENED if p.startswith(outside + os.sep)], _OPENED
     for line in problems:
         assert out in line and "Traceback" not in line, line
-    if verified is None and not kw.get("compress"):
-        # (verify does not decode zstd frames: a compressed layer's row shape or frame table
-        # edited with its checksums recomputed is refused by the read that decodes it, as a
-        # named error, and not by verify; docs/integrity.md)
+    if verified is None:  # (compact stores too: verify checks the zstd frame table and sizes)
         assert problems, "a store the verified reader refuses passed verify"
     if not problems:
         assert verified is not None, "verify passed a store the reader refuses"
