@@ -117,6 +117,18 @@ def check_decodable(path: str, entry: dict, layers: dict, header: dict) -> None:
     are >= 0 and add up to the shard's text bytes, each text valid utf-8. Raises
     :class:`CaptureDamagedError` naming the file. A received store is untrusted input: what
     verify passes, the readers read (docs/integrity.md).
+
+    Example (a store whose text is not utf-8, its checksums right)::
+
+        >>> import tempfile, torch, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.zeros(1, 1), "__text_lengths__": torch.tensor([3]),
+        ...            "__text_bytes__": torch.tensor([104, 255, 33], dtype=torch.uint8)},
+        ...           examples=1)
+        >>> (problem,), _ = store.verify_capture(out)
+        >>> problem.split(": ", 1)[1]
+        "text 0 in '__text_bytes__' is not utf-8 (invalid start byte)"
     """
     import numpy as np
     from safetensors import safe_open
