@@ -9,6 +9,7 @@ import json
 import os
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,3 +306,155 @@ def test_s3_errors_name_the_url_not_the_local_cache(tmp_path, s3, capsys):
     assert str(e.value).startswith(f"{s3}/index-r000.json: ")
     _cli_one_line(capsys, ["inspect", s3], f"{s3}/index-r000.json: ")
     _cli_one_line(capsys, ["verify", s3], f"{s3}/index-r000.json: ")
+
+
+# -- compact stores and texts: what the readers decode, verify checks first ----------------------
+def _compact(out):
+    """A compact store (fp8 rows in zstd frames) of 2 shards, and its rows as read."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pyhook.capture(net, "0", out=str(out), quantize="fp8", compress="zstd", shard_bytes=1):
+        for i in range(2):
+            net(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)))
+    return open_capture(str(out))["0"].to_tensor()
+
+
+def _edit_tensor(out, i, name, fn):
+    """Rewrite the bytes of tensor ``name`` of shard ``i`` (``fn`` edits them as a numpy array
+    of the tensor's dtype), then record the shard's new size and checksum in the index."""
+    path = _shard(out, i)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    (n,) = struct.unpack("<Q", data[:8])
+    h = json.loads(data[8 : 8 + n])[name]
+    a, b = (8 + n + o for o in h["data_offsets"])
+    dtype = {"I64": "<i8", "U8": "u1"}[h["dtype"]]
+    arr = np.frombuffer(bytes(data[a:b]), dtype=dtype).copy()
+    fn(arr)
+    data[a:b] = arr.tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+    _edit_index(out, lambda p: p["shards"][i].update(checksum=F._file_checksum(path, "crc32c")))
+
+
+def _refused_by_verify_and_read(out, needle, path):
+    """verify names ``needle`` for shard ``path``; the read that decodes it refuses, naming it."""
+    problems, _ = verify_capture(str(out))
+    assert [p for p in problems if p.startswith(path + ": ") and needle in p], problems
+    with pytest.raises(CaptureDamagedError) as e:
+        open_capture(str(out))["0"].to_tensor()
+    assert e.value.path == path and path in str(e.value)
+
+
+def test_a_compact_store_verifies_and_reads(tmp_path):
+    rows = _compact(tmp_path)
+    assert verify_capture(str(tmp_path)) == ([], [])
+    assert rows.shape == (6, 8)
+
+
+def test_a_compressed_layer_whose_row_shape_is_edited_fails_verify(tmp_path):
+    """The frames decode to 8 bytes a row; the index (checksum recomputed) says 4."""
+    _compact(tmp_path)
+    _edit_index(tmp_path, lambda p: p["layers"]["0"].update(row_shape=[4]))
+    _refused_by_verify_and_read(tmp_path, "decodes to 24 bytes", _shard(tmp_path, 0))
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda o: o.__setitem__(-1, o[-1] - 1), "has frames over bytes 0.."),  # a byte short
+        (lambda o: o.__setitem__(0, 1), "has frames over bytes 1.."),  # the first byte skipped
+    ],
+    ids=["short", "skipped"],
+)
+def test_a_forged_frame_table_fails_verify(tmp_path, edit, needle):
+    _compact(tmp_path)
+    _edit_tensor(tmp_path, 1, "__chunks__.0", edit)
+    _refused_by_verify_and_read(tmp_path, needle, _shard(tmp_path, 1))
+
+
+def test_a_frame_of_another_size_fails_verify(tmp_path):
+    """A well-formed zstd frame (its checksums right) holding one row less than its chunk."""
+    import zstandard
+
+    rows = _compact(tmp_path)
+    fewer = zstandard.ZstdCompressor(write_content_size=True).compress(b"\x01" * 16)
+    path = _shard(tmp_path, 0)
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    body = bytearray(data[8 + n :])
+    a, b = header["0"]["data_offsets"]
+    body[a:b] = fewer
+    shift = len(fewer) - (b - a)
+    for name, h in header.items():  # every tensor after the blob moves by the size change
+        if name != "__metadata__":
+            lo, hi = h["data_offsets"]
+            h["data_offsets"] = [lo + shift * (lo >= b), hi + shift * (hi >= b)]
+    c0, c1 = header["__chunks__.0"]["data_offsets"]
+    body[c0:c1] = np.array([0, len(fewer)], dtype="<i8").tobytes()
+    header["0"]["shape"] = [len(fewer)]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + body)
+
+    def relist(part):
+        part["shards"][0].update(bytes=os.path.getsize(path))
+        part["shards"][0].update(checksum=F._file_checksum(path, "crc32c"))
+
+    _edit_index(tmp_path, relist)
+    _refused_by_verify_and_read(tmp_path, "decodes to 16 bytes, the 3 rows of its chunk", path)
+    assert rows.shape == (6, 8)
+
+
+def _texts(out, lengths, raw, prompts=None):
+    """A store (written by the ordinary writer: every checksum right) holding these texts."""
+    extra = {"__text_prompt_bytes__": torch.tensor(prompts)} if prompts is not None else {}
+    with ShardWriter(str(out)) as w:
+        w.add(
+            {
+                "x": torch.zeros(1, 1),
+                "__text_lengths__": torch.tensor(lengths),
+                "__text_bytes__": torch.tensor(list(raw), dtype=torch.uint8),
+                **extra,
+            },
+            examples=len(lengths),
+        )
+    return _shard(out, 0)
+
+
+@pytest.mark.parametrize(
+    "lengths, raw, example, needle",
+    [
+        ([2, 2], b"ok\xff\xfe", 1, "text 1 in '__text_bytes__' is not utf-8"),
+        ([3], b"hello", 0, "add up to 3 bytes, '__text_bytes__' holds 5"),
+        ([-1, 6], b"hello", 1, "length -1"),
+        ([7, -2], b"hello", 0, "length -2"),
+    ],
+    ids=["not-utf8", "short", "negative", "negative-later"],
+)
+def test_forged_texts_fail_verify_and_text_names_the_shard(tmp_path, lengths, raw, example, needle):
+    path = _texts(tmp_path, lengths, raw)
+    problems, _ = verify_capture(str(tmp_path))
+    assert [p for p in problems if p.startswith(path + ": ") and needle in p], problems
+    with pytest.raises(CaptureDamagedError, match=needle) as e:
+        pyhook.annotations.text(open_capture(str(tmp_path)), example)
+    assert e.value.path == path
+
+
+def test_a_prompt_splitting_a_character_is_a_named_error(tmp_path):
+    path = _texts(tmp_path, [3], "hé".encode(), prompts=[2])  # "h" and half of "é"
+    r = open_capture(str(tmp_path))
+    assert pyhook.annotations.text(r, 0) == "hé"
+    with pytest.raises(CaptureDamagedError, match="do not split it into utf-8") as e:
+        pyhook.annotations.completion(r, 0)
+    assert e.value.path == path
+
+
+def test_valid_texts_still_verify_and_read(tmp_path):
+    _texts(tmp_path, [2, 0, 6], "hiwörld".encode())
+    assert verify_capture(str(tmp_path)) == ([], [])
+    r = open_capture(str(tmp_path))
+    assert [pyhook.annotations.text(r, i) for i in range(3)] == ["hi", "", "wörld"]

@@ -143,7 +143,47 @@ def text(reader: Any, example: int) -> str:
     offsets, example = _text_slot(reader, example)
     lo, hi = int(offsets[example]), int(offsets[example + 1])
     raw = reader.layer(TEXT_BYTES)[lo:hi] if hi > lo else torch.empty(0, dtype=torch.uint8)
-    return bytes(raw.tolist()).decode("utf-8")
+    try:
+        return bytes(raw.tolist()).decode("utf-8")
+    except UnicodeDecodeError as e:
+        path = _TEXT_CACHE[reader][2][example]
+        raise _damaged(
+            path, f"text {example} in {TEXT_BYTES!r} is not utf-8 ({e.reason})"
+        ) from None
+
+
+def _damaged(path: str | None, what: str) -> Exception:
+    from .format import CaptureDamagedError
+
+    return CaptureDamagedError(
+        f"{path}: {what} (the shard is damaged or forged; pyhook verify checks the texts)", path
+    )
+
+
+def _text_shards(reader: Any, lengths: torch.Tensor) -> list[str | None]:
+    """The shard file of each stored text, after checking each shard's texts' lengths against
+    its text bytes (>= 0, adding up to them): CaptureDamagedError naming the shard otherwise."""
+    shards = getattr(reader, "_shards", None)
+    if shards is None:  # (a reader without shards: no file to name, nothing to check per shard)
+        return [None] * lengths.numel()
+    owner: list[str | None] = []
+    at = 0
+    for m in shards:
+        rows = m.entry["rows"]
+        n, size = int(rows.get(TEXT_LENGTHS, 0)), int(rows.get(TEXT_BYTES, 0))
+        mine = lengths[at : at + n].to(torch.long)
+        at += n
+        path = getattr(m, "path", None)
+        if n and int(mine.min()) < 0:
+            raise _damaged(path, f"a text has length {int(mine.min())} in {TEXT_LENGTHS!r}")
+        if (n and int(mine.max()) > size) or int(mine.sum()) != size:
+            raise _damaged(
+                path,
+                f"its texts' lengths ({TEXT_LENGTHS!r}) add up to {int(mine.sum())} bytes, "
+                f"{TEXT_BYTES!r} holds {size}",
+            )
+        owner += [path] * n
+    return owner
 
 
 def _text_slot(reader: Any, example: int) -> tuple[torch.Tensor, int]:
@@ -156,13 +196,14 @@ def _text_slot(reader: Any, example: int) -> tuple[torch.Tensor, int]:
                 f"capture {reader.path!r} keeps no texts (made from token ids, or by a pyhook "
                 "without text bookkeeping)"
             )
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        owner = _text_shards(reader, lengths)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.to(torch.long).cumsum(0)])
         ids = _read(reader, TEXT_EXAMPLES)  # absent in stores written before it existed
         where = None
         if ids is not None and ids.numel() == lengths.numel():
             where = {int(e): i for i, e in enumerate(ids.tolist())}
-        cached = _TEXT_CACHE[reader] = (offsets, where)
-    offsets, where = cached
+        cached = _TEXT_CACHE[reader] = (offsets, where, owner)
+    offsets, where, _ = cached
     n = offsets.shape[0] - 1
     if isinstance(example, bool) or not isinstance(example, int):
         example = int(torch.as_tensor(example))
@@ -206,7 +247,18 @@ def completion(reader: Any, example: int) -> str:
         )
     full = text(reader, example).encode("utf-8")
     _, slot = _text_slot(reader, example)
-    return full[int(prompts[slot]) :].decode("utf-8")
+    cut = int(prompts[slot]) if slot < prompts.numel() else -1
+    try:
+        if not 0 <= cut <= len(full):
+            raise ValueError(f"a prompt of {cut} bytes in a text of {len(full)}")
+        return full[cut:].decode("utf-8")
+    except (ValueError, UnicodeDecodeError) as e:
+        path = _TEXT_CACHE[reader][2][slot]
+        raise _damaged(
+            path,
+            f"text {slot}: its prompt's bytes ({TEXT_PROMPT_BYTES!r}) do not split it into "
+            f"utf-8 prompt and completion ({e})",
+        ) from None
 
 
 def generated(reader: Any) -> torch.Tensor | None:

@@ -1037,3 +1037,58 @@ def encoded_rows(info: dict[str, Any], rows: int) -> dict[str, int]:
 # before any capture is opened.
 _format._encoded_layout = stored_layout
 _format._encoding_schema = (check_encoding, encoded_rows)
+
+
+def check_frames(
+    info: dict[str, Any], rows: int, blob: np.ndarray, offsets: np.ndarray
+) -> str | None:
+    """What is wrong with a shard's compressed layer for the decoder, or ``None``: its frame
+    table ``offsets`` (int64) tiles the layer's bytes ``blob`` (uint8) from 0 to the end, holds
+    one frame per byte plane of each chunk of ``chunk_rows`` of the shard's ``rows`` rows, and
+    each frame decodes to the bytes of its chunk's rows (its zstd header's content size; a
+    frame without one is decoded). What :func:`decompress_chunk` relies on, checked without
+    decoding the frames (``pyhook verify``; a received store is untrusted input).
+
+    >>> info = Encoding(compress="zstd").layer_info("h", torch.float32,
+    ...                                             {"dtype": "float32", "row_shape": [4]})
+    >>> info["encoding"]["chunk_rows"] = 2  # (4 byte planes of float32 rows of 4 values)
+    >>> blob, offsets = compress_rows(torch.ones(3, 4), 2, planes=4)
+    >>> check_frames(info, 3, blob.numpy(), offsets.numpy()) is None
+    True
+    >>> check_frames(info, 4, blob.numpy(), offsets.numpy())  # a row more than the frames hold
+    'frame 4 (chunk 1, plane 0) decodes to 4 bytes, the 2 rows of its chunk take 8'
+    """
+    enc = info["encoding"]
+    cr, planes = int(enc["chunk_rows"]), int(enc.get("byte_planes", 1))
+    stored = _dtype(enc.get("stored", info["dtype"]))
+    plane_bytes = _row_bytes(stored, info["row_shape"]) // planes  # one row's bytes per plane
+    chunks = -(-rows // cr)
+    if offsets.shape != (chunks * planes + 1,):
+        return (
+            f"has a frame table of {offsets.shape[0] if offsets.ndim else 0} offsets, its "
+            f"{rows} rows in chunks of {cr} need {chunks * planes + 1}"
+        )
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != blob.shape[0]:
+        return f"has frames over bytes {bounds[0]}..{bounds[-1]}, not the {blob.shape[0]} it holds"
+    zstd = _zstd()
+    for f, (a, b) in enumerate(itertools.pairwise(bounds)):
+        c, p = divmod(f, planes)
+        want = min(cr, rows - c * cr) * plane_bytes
+        where = f"frame {f} (chunk {c}, plane {p})"
+        if b < a:
+            return f"{where} ends at byte {b}, before it starts ({a})"
+        frame = blob[a:b].tobytes()
+        try:
+            size = zstd.frame_content_size(frame)
+        except Exception as e:  # zstandard.ZstdError: no frame header there
+            return f"{where}: not a zstd frame ({e})"
+        if size < 0:  # the content size is not in the header: decoded
+            try:
+                size = len(_decompressor().decompress(frame, max_output_size=want + 1))
+            except Exception as e:
+                return f"{where}: {e}"
+        if size != want:
+            n = min(cr, rows - c * cr)
+            return f"{where} decodes to {size} bytes, the {n} rows of its chunk take {want}"
+    return None

@@ -75,7 +75,8 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         for s in part["shards"]:
             seen.add(s["file"])
             try:
-                _check_shard(out, s, part["layers"], checksum=True, notes=notes)
+                header, _ = _check_shard(out, s, part["layers"], checksum=True, notes=notes)
+                check_decodable(os.path.join(out, s["file"]), s, part["layers"], header)
             except CaptureDamagedError as e:
                 problems.append(str(e))
     missing = sorted(set(range(world)) - ranks)  # ranks whose rows the reader would not read
@@ -106,6 +107,84 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
     return list(dict.fromkeys(problems)), notes  # (a linked index file: named once)
+
+
+def check_decodable(path: str, entry: dict, layers: dict, header: dict) -> None:
+    """What the readers rely on beyond a shard's header and checksum, for the shard at
+    ``path`` (its index ``entry``, the index's ``layers``, its checked ``header``): each
+    compressed layer's zstd frame table tiles its bytes and each frame decodes to its chunk's
+    rows (:func:`.encoding.check_frames`, from the frames' headers), and the texts' lengths
+    are >= 0 and add up to the shard's text bytes, each text valid utf-8. Raises
+    :class:`CaptureDamagedError` naming the file. A received store is untrusted input: what
+    verify passes, the readers read (docs/integrity.md).
+
+    Example (a store whose text is not utf-8, its checksums right)::
+
+        >>> import tempfile, torch, pyhook.store as store
+        >>> out = tempfile.mkdtemp()
+        >>> with store.ShardWriter(out) as w:
+        ...     w.add({"x": torch.zeros(1, 1), "__text_lengths__": torch.tensor([3]),
+        ...            "__text_bytes__": torch.tensor([104, 255, 33], dtype=torch.uint8)},
+        ...           examples=1)
+        >>> (problem,), _ = store.verify_capture(out)
+        >>> problem.split(": ", 1)[1]
+        "text 0 in '__text_bytes__' is not utf-8 (invalid start byte)"
+    """
+    import numpy as np
+    from safetensors import safe_open
+
+    from . import encoding
+    from .annotations import TEXT_BYTES, TEXT_LENGTHS
+
+    def fail(what: str) -> CaptureDamagedError:
+        return CaptureDamagedError(f"{path}: {what}", path)
+
+    def load(f, name: str) -> np.ndarray:
+        return f.get_tensor(name).numpy()
+
+    names = entry["rows"]
+    compressed = [
+        n
+        for n in names
+        if isinstance(layers.get(n), dict) and (layers[n].get("encoding") or {}).get("compress")
+    ]
+    texts = TEXT_LENGTHS in names or TEXT_BYTES in names
+    if not compressed and not texts:
+        return
+    try:
+        with safe_open(path, framework="pt") as f:
+            for n in compressed:
+                info = layers[n]
+                problem = encoding.check_frames(
+                    info, int(names[n]), load(f, n), load(f, info["encoding"]["chunks"])
+                )
+                if problem:
+                    raise fail(f"layer {n!r} {problem} (the reader could not decode it)")
+            if texts:
+                if TEXT_LENGTHS not in names or TEXT_BYTES not in names:
+                    raise fail(f"holds only one of {TEXT_LENGTHS!r} and {TEXT_BYTES!r}")
+                lengths = load(f, TEXT_LENGTHS).astype(np.int64, copy=False).reshape(-1)
+                raw = load(f, TEXT_BYTES).reshape(-1)
+                if lengths.size and int(lengths.min()) < 0:
+                    i = int(np.argmin(lengths))
+                    raise fail(f"text {i} has length {int(lengths[i])} in {TEXT_LENGTHS!r}")
+                total = int(lengths.sum())
+                if (lengths.size and int(lengths.max()) > raw.size) or total != raw.size:
+                    raise fail(
+                        f"its texts' lengths ({TEXT_LENGTHS!r}) add up to {int(lengths.sum())} "
+                        f"bytes, {TEXT_BYTES!r} holds {raw.size}"
+                    )
+                ends = np.cumsum(lengths)
+                for i, (a, b) in enumerate(zip(ends - lengths, ends)):
+                    try:
+                        raw[a:b].tobytes().decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        what = f"text {i} in {TEXT_BYTES!r} is not utf-8 ({e.reason})"
+                        raise fail(what) from None
+    except CaptureDamagedError:
+        raise
+    except Exception as e:  # safetensors, numpy: bytes the header promised, not there
+        raise fail(f"cannot be decoded: {e}") from None
 
 
 def duplicate_rows(
