@@ -705,8 +705,17 @@ def test_a_difference_past_the_plans_sample_stops_the_run_before_that_batch(ckpt
 
     tok = _variant(ckpts["tok"], pre=pre_tokenizers.Whitespace())
     other = _checkpoint_with(ckpts, "chat-split", tok)
+    from pyhook.source import open_source
+
+    # The plan samples 2,000 documents across the corpus (seeded: which positions it draws
+    # depends only on how many documents there are); put the differing text at a position it
+    # does not draw, late in the corpus.
+    numbered = tmp_path / "numbered.jsonl"
+    numbered.write_text("".join(f'{{"input_ids": [{i}]}}\n' for i in range(2600)))
+    drawn = {v[0] for v in open_source(str(numbered), context_size=CONTEXT)._spread_sample(2000)[0]}
+    late = max(i for i in range(2000, 2600) if i not in drawn)
     docs = [DOCS[i % len(DOCS)] for i in range(2600)]
-    docs[2400] = "the king."
+    docs[late] = "the king."
     corpus = tmp_path / "big.txt"
     corpus.write_text("\n".join(docs) + "\n")
     out = tmp_path / "acts"
@@ -736,7 +745,7 @@ def test_a_difference_past_the_plans_sample_stops_the_run_before_that_batch(ckpt
     assert len(lines) == 1 and "for the text 'the king.'" in lines[0], lines
     assert verify_capture(out)[0] == []  # the batches before it: a store, intact
     r = open_capture(out)
-    total = len(_contexts(ckpts["tok"], docs[:2400])[0])
+    total = len(_contexts(ckpts["tok"], docs[:late])[0])
     assert 0 < r.examples <= total  # only contexts of the texts before the one that differs
 
 

@@ -458,3 +458,15 @@ def test_valid_texts_still_verify_and_read(tmp_path):
     assert verify_capture(str(tmp_path)) == ([], [])
     r = open_capture(str(tmp_path))
     assert [pyhook.annotations.text(r, i) for i in range(3)] == ["hi", "", "wörld"]
+
+
+def test_s3_verify_checks_texts_as_local_verify_does(tmp_path, s3):
+    # forged texts (every checksum right): the same problem from `pyhook verify s3://...`,
+    # named by the shard's URL, as from a local verify
+    _texts(tmp_path / "t", [2, 2], b"ok\xff\xfe")
+    local, _ = verify_capture(str(tmp_path / "t"))
+    assert any("is not utf-8" in p for p in local), local
+    _upload(tmp_path / "t", s3)
+    problems, _ = verify_capture(s3)
+    assert [p for p in problems if p.startswith(f"{s3}/shard-r000-000000.safetensors: ")
+            and "is not utf-8" in p], problems

@@ -780,9 +780,13 @@ def merged_index_of(path: str) -> dict[str, Any]:
         shutil.rmtree(local, ignore_errors=True)
 
 
-def verify_remote(url: str) -> tuple[list[str], list[str]]:
+def verify_remote(
+    url: str, check: Callable[[str, dict, dict, dict], None] | None = None
+) -> tuple[list[str], list[str]]:
     """:func:`verify_capture` of a URL: the index files, then each shard downloaded, checked
-    and deleted (one at a time: the local disk needs room for one shard)."""
+    and deleted (one at a time: the local disk needs room for one shard). ``check(path,
+    entry, layers, header)``, given by the reader's verify (the transport knows nothing of
+    encodings or texts), runs on each downloaded shard after its header and checksum."""
     from .format import _check_shard, _load_json, _load_part, check_merged
 
     try:
@@ -815,7 +819,9 @@ def verify_remote(url: str) -> tuple[list[str], list[str]]:
                     continue
                 try:
                     remote.get(shard, os.path.join(local, shard), listing[shard])
-                    _check_shard(local, s, part["layers"], checksum=True, notes=notes)
+                    header, _ = _check_shard(local, s, part["layers"], checksum=True, notes=notes)
+                    if check is not None:
+                        check(os.path.join(local, shard), s, part["layers"], header)
                 except FileNotFoundError:
                     problems.append(f"{remote.url_of(shard)}: missing (listed in the index)")
                 except (CaptureDamagedError, RemoteStorageError) as e:

@@ -46,7 +46,7 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     if is_url(path):
         from .transport import verify_remote
 
-        return verify_remote(str(path))
+        return verify_remote(str(path), check=check_decodable)
     out = _directory_arg("path", path)
     if not os.path.isdir(out):
         return [f"{out}: no such capture directory"], []
