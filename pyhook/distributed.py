@@ -311,6 +311,15 @@ def _padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad)], dim)
 
 
+def _gather_cat(t: torch.Tensor, dim: int, group: Any, sizes: list[int]) -> torch.Tensor:
+    """Every rank's ``t`` (``sizes[r]`` long along ``dim``), padded to one size for
+    ``all_gather`` and concatenated along ``dim`` without the padding."""
+    src = _padded(t, dim, max(sizes))
+    parts = [torch.empty_like(src) for _ in sizes]
+    dist.all_gather(parts, src, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+
 class _AllGatherCat(torch.autograd.Function):
     """All-gather + concatenate, differentiable: the gradient of this rank's slice is the sum
     over ranks of their gradients for it (an all-reduce, which every backend has)."""
@@ -320,10 +329,7 @@ class _AllGatherCat(torch.autograd.Function):
         ctx: Any, t: torch.Tensor, dim: int, group: Any, rank: int, sizes: list[int]
     ) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.rank, ctx.sizes = dim, group, rank, sizes
-        src = _padded(t, dim, max(sizes))
-        parts = [torch.empty_like(src) for _ in sizes]
-        dist.all_gather(parts, src, group=group)
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+        return _gather_cat(t, dim, group, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -788,10 +794,7 @@ class _GatherWhole(torch.autograd.Function):
         ctx: Any, t: torch.Tensor, dim: int, group: Any, rank: int, sizes: list[int]
     ) -> torch.Tensor:
         ctx.dim, ctx.rank, ctx.sizes = dim, rank, sizes
-        src = _padded(t, dim, max(sizes))
-        parts = [torch.empty_like(src) for _ in sizes]
-        dist.all_gather(parts, src, group=group)
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+        return _gather_cat(t, dim, group, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:

@@ -175,6 +175,7 @@ def _refusal(key: str, where: str) -> str:
 
 
 def _got(v: Any) -> str:
+    """A value as an error shows it: its repr when short, else its type (also job.py's)."""
     try:
         text = repr(v)
     except (RecursionError, ValueError):  # nested deeply; an int too long for a string

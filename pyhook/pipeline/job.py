@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._generate_options import _got
 from ._names import check_model_name
 
 if TYPE_CHECKING:
@@ -123,15 +124,6 @@ class JobError(ValueError):
 
 class _JobTypeError(JobError, TypeError):
     """A :class:`JobError` for a value of the wrong type (also a ``TypeError``)."""
-
-
-def _got(v: Any) -> str:
-    """A value as an error shows it: its repr when short, else its type."""
-    try:
-        text = repr(v)
-    except (RecursionError, ValueError):  # nested deeply; an int too long for a string
-        return f"a {type(v).__name__}"
-    return text if len(text) <= 60 else f"a {type(v).__name__}"
 
 
 def _human(n: float) -> str:
