@@ -213,6 +213,143 @@ def mlp_scenarios(model: nn.Module) -> dict:
     return res
 
 
+def _param_grads(model: nn.Module, tag: str) -> dict:
+    """Every parameter's whole gradient (a DTensor parameter's gathered), then cleared."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[f"{tag}/grad {n}"] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    """A per-feature scale: an edit re-sharded to the wrong slice would scale the wrong features."""
+    return t * torch.linspace(0.5, 2.0, t.shape[-1])
+
+
+def backward_scenarios(
+    model: nn.Module, x: torch.Tensor, col: list[str], row: list[str], flex: tuple[str, str]
+) -> dict:
+    """Full backward hooks and pre-hooks (HookSet's, and FlexModel's) on column-parallel
+    (``col``: sharded output) and row-parallel (``row``: sharded input) layers: the gradients
+    they see, and the model's gradients after they edit them."""
+    from pyhook._hooks import HookSet
+
+    res: dict = {}
+    x = x.clone().requires_grad_(x.is_floating_point())
+    model.zero_grad(set_to_none=True)
+
+    def run(tag: str, register) -> None:
+        hooks = HookSet()
+        with hooks.registering():
+            register(hooks)
+        try:
+            _loss(model(x)).backward()
+        finally:
+            hooks.remove()
+        res.update(_param_grads(model, tag))
+        if x.grad is not None:
+            res[f"{tag}/x.grad"] = x.grad.clone()
+            x.grad = None
+
+    # what the hooks see, on both sides of every layer
+    def record(hooks):
+        for n in col + row:
+            m = model.get_submodule(n)
+
+            def pre(mod, grad_output, n=n):
+                res[f"seen/{n}/pre grad_output"] = grad_output[0].clone()
+
+            def post(mod, grad_input, grad_output, n=n):
+                res[f"seen/{n}/grad_output"] = grad_output[0].clone()
+                if grad_input[0] is not None:
+                    res[f"seen/{n}/grad_input"] = grad_input[0].clone()
+
+            hooks.full_backward_pre(m, pre, name=n)
+            hooks.full_backward(m, post, name=n)
+
+    run("plain", record)
+
+    # edits of the sharded sides: a column-parallel grad_output, a row-parallel grad_input
+    def sharded(hooks):
+        for n in col:
+            hooks.full_backward_pre(
+                model.get_submodule(n), lambda mod, go: (_scale(go[0]), *go[1:]), name=n
+            )
+        for n in row:
+            hooks.full_backward(
+                model.get_submodule(n), lambda mod, gi, go: (_scale(gi[0]), *gi[1:]), name=n
+            )
+
+    run("edit sharded", sharded)
+
+    def sharded_in_place(hooks):
+        def pre(mod, grad_output):
+            grad_output[0].mul_(torch.linspace(0.5, 2.0, grad_output[0].shape[-1]))
+
+        def post(mod, grad_input, grad_output):
+            grad_input[0].mul_(torch.linspace(0.5, 2.0, grad_input[0].shape[-1]))
+
+        for n in col:
+            hooks.full_backward_pre(model.get_submodule(n), pre, name=n)
+        for n in row:
+            hooks.full_backward(model.get_submodule(n), post, name=n)
+
+    run("edit sharded in place", sharded_in_place)
+
+    # edits of the replicated sides (nothing to gather or re-shard), one of them in place
+    def replicated(hooks):
+        def in_place(mod, grad_output):
+            grad_output[0].mul_(3.0)
+
+        hooks.full_backward_pre(model.get_submodule(row[0]), in_place, name=row[0])
+        for n in col:
+            hooks.full_backward(
+                model.get_submodule(n), lambda mod, gi, go: (_scale(gi[0]), *gi[1:]), name=n
+            )
+
+    run("edit replicated", replicated)
+
+    # FlexModel's backward hook functions: the whole gradient saved, and edited
+    saved: dict = {}
+    fm = pyhook.FlexModel(model, saved, save_on="all")
+
+    def double(module, grad, ctx, modules):
+        return _scale(grad)
+
+    fm.register_full_backward_pre_hook(pyhook.HookFunction(flex[0], editing_function=double))
+    fm.register_full_backward_hook(pyhook.HookFunction(flex[1], editing_function=double))
+    try:
+        _loss(model(x)).backward()
+    finally:
+        fm.restore()
+    for n, kept in saved.items():
+        res[f"flex/{n}"] = kept[0]
+    res.update(_param_grads(model, "flex"))
+    if x.grad is not None:
+        res["flex/x.grad"] = x.grad.clone()
+    res["hooks left"] = torch.tensor(
+        sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in model.modules())
+    )
+    return res
+
+
+LLAMA_COL = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]
+LLAMA_ROW = ["model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+
+
+def llama_backward(model: nn.Module) -> dict:
+    return backward_scenarios(
+        model, IDS, LLAMA_COL, LLAMA_ROW, ("model.layers.1.mlp.up_proj", LLAMA_ROW[0])
+    )
+
+
+def mlp_backward(model: nn.Module) -> dict:
+    return backward_scenarios(model, MLP_X, ["0"], ["2"], ("0", "2"))
+
+
 # -- the ranks ------------------------------------------------------------------------------------
 def _init(rank: int, world: int, port: int) -> None:
     os.environ.update(
@@ -249,6 +386,68 @@ def _refusals(rank: int) -> dict:
     return {"message": msg, "hooks_left": len(mlp[1]._forward_hooks) - before}
 
 
+def _backward_refusals(rank: int) -> dict:
+    """Backward hooks on an unknown layout are refused by name at registration: no hook is
+    left (nor the hooks registered with it in the same set), no HookFunction registered.
+    transformers' per-head norm style and a column-parallel layer with a sharded input, whose
+    tensors pyhook cannot give whole, are refused too (forward and backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+    from transformers.integrations import tensor_parallel as hf_tp
+
+    from pyhook._hooks import HookSet
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mlp = make_mlp()
+    parallelize_module(
+        mlp,
+        mesh,
+        {"1": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1))},
+    )
+    out: dict = {}
+
+    def left() -> int:
+        return sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in mlp)
+
+    hooks = HookSet()
+    try:
+        with hooks.registering():
+            hooks.full_backward_pre(mlp[0], lambda m, go: None, name="0")
+            hooks.full_backward(mlp[1], lambda m, gi, go: None, name="1")
+        out["hookset"] = None
+    except pyhook.distributed.LayoutError as e:
+        out["hookset"] = str(e)
+    out["hookset left"] = left()
+
+    fm = pyhook.FlexModel(mlp, {})
+    hf = pyhook.HookFunction("1")
+    try:
+        fm.register_full_backward_pre_hook(hf)
+        out["flex"] = None
+    except pyhook.distributed.LayoutError as e:
+        out["flex"] = str(e)
+    out["flex left"] = left() + int(hf.registered)
+
+    net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16))
+    hf_tp.ReplicatedWithGradAllReduce().install_forward(net[0], mesh)
+    hf_tp.ColwiseParallel(input_layouts=Shard(1)).install_forward(net[1], mesh)
+    for n in ("0", "1"):
+        for how, make in (
+            ("trace", lambda n=n: pyhook.Trace(net, n)),
+            ("backward", lambda n=n: HookSet().full_backward(net[int(n)], print, name=n)),
+        ):
+            try:
+                make()
+                out[f"{how} {n}"] = None
+            except pyhook.distributed.LayoutError as e:
+                out[f"{how} {n}"] = str(e)
+    out["styled left"] = sum(
+        len(m._backward_hooks) + len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net
+    )
+    return out
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     results: dict = {}
     try:
@@ -265,11 +464,13 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
             os.path.join(outdir, "llama"), tp_plan="auto"
         ).eval()
         results["llama_tp"] = llama_scenarios(llama)
+        results["llama_tp_backward"] = llama_backward(llama)
 
         mesh = init_device_mesh("cpu", (world,))
         mlp = make_mlp()
         parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         results["mlp_tp"] = mlp_scenarios(mlp)
+        results["mlp_tp_backward"] = mlp_backward(mlp)
 
         gpt = make_gpt2()
         for block in gpt.transformer.h:
@@ -283,6 +484,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         results["gpt2_offload"] = gpt2_scenarios(gpt)
 
         results["refused"] = _refusals(rank)
+        results["refused_backward"] = _backward_refusals(rank)
         dist.barrier()
     except BaseException:
         results["exception"] = traceback.format_exc()

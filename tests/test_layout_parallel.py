@@ -85,6 +85,44 @@ def test_whole_tensor_on_every_layout(ranks):
         assert res["refused"]["hooks_left"] == 0
 
 
+def test_backward_hooks_whole_on_tensor_parallel_layers(ranks):
+    """Full backward hooks and pre-hooks (HookSet's and FlexModel's) on column- and row-parallel
+    layers (transformers' tp_plan, torch's parallelize_module) see the unsharded model's whole
+    grad_output and grad_input on every rank; the gradients they return or edit in place are
+    re-sharded, so the model's parameter (and input) gradients are the unsharded model's."""
+    results, outdir = ranks
+    llama = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(outdir, "llama")).eval()
+    references = {
+        "llama_tp_backward": W.llama_backward(llama),
+        "mlp_tp_backward": W.mlp_backward(W.make_mlp()),
+    }
+    for scenario, ref in references.items():
+        # every hook ran and every gradient it saw is there, on both sides of every layer
+        seen = [k for k in ref if k.startswith("seen/")]
+        assert len(seen) >= 5 and any(k.endswith("grad_input") for k in seen), seen
+        for r, res in enumerate(results):
+            _compare(res[scenario], ref, r, scenario)
+        # each edit changed the model's gradients (an edit that did nothing would pass above)
+        plain = {k.split("/", 1)[1]: v for k, v in ref.items() if k.startswith("plain/")}
+        for tag in ("edit sharded", "edit sharded in place", "edit replicated", "flex"):
+            changed = [
+                k for k, v in plain.items() if not torch.allclose(ref[f"{tag}/{k}"], v)
+            ]
+            assert changed, f"{scenario}: {tag} changed no gradient"
+        assert int(ref["hooks left"]) == 0
+
+    for r, res in enumerate(results):
+        ref = res["refused_backward"]
+        for key in ("hookset", "flex"):
+            assert ref[key] is not None, f"rank {r}: {key}: a PrepareModuleOutput layer was hooked"
+            assert "'1'" in ref[key] and "PrepareModuleOutput" in ref[key], ref[key]
+        assert ref["hookset left"] == 0 and ref["flex left"] == 0, ref
+        for how in ("trace", "backward"):
+            assert "ReplicatedWithGradAllReduce" in (ref[f"{how} 0"] or ""), ref
+            assert "Shard(dim=1)" in (ref[f"{how} 1"] or ""), ref
+        assert ref["styled left"] == 0
+
+
 def test_offload_single_process_exact():
     """Offloading (accelerate's hooks move the weights in per forward) without
     torch.distributed: the same values as the model kept in memory."""
