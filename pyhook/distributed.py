@@ -14,9 +14,10 @@
   cannot be concatenated raise the same error on every rank. It returns a function that
   re-shards an edited full tensor so that each rank keeps its own slice.
 * :func:`layout_hook` is the layout layer under every tracer: the hooks pyhook registers on a
-  tensor-parallel model (transformers' ``tp_plan``, torch's parallel styles, DTensors) see and
-  return whole tensors; :func:`module_layout` tells how a module's tensors are sharded, and
-  :class:`LayoutError` refuses, by name, a layout that cannot be gathered exactly.
+  tensor-parallel model (transformers' ``tp_plan``, torch's parallel styles, DTensors), forward
+  and full backward ones, see and return whole tensors and gradients; :func:`module_layout`
+  tells how a module's tensors are sharded, and :class:`LayoutError` refuses, by name, a
+  layout that cannot be gathered exactly.
 * :class:`DistributedHookError` is raised, naming the module and the group, when a collective
   fails (typically because another rank failed or never reached the layer).
 
@@ -684,9 +685,9 @@ def _hf_installer(fwd: Any) -> str | None:
     """The transformers style whose ``install_forward`` made ``fwd`` (a module's forward), if
     one did: the class name its qualified name starts with."""
     qual = getattr(fwd, "__qualname__", "") or ""
-    if ".install_forward.<locals>." in qual and (
-        getattr(fwd, "__module__", "") or ""
-    ).startswith("transformers"):
+    if ".install_forward.<locals>." in qual and (getattr(fwd, "__module__", "") or "").startswith(
+        "transformers"
+    ):
         return qual.split(".")[0]
     return None
 
@@ -1077,6 +1078,9 @@ def layout_hook(
         >>> lin = torch.nn.Linear(2, 2)
         >>> hook = lambda m, args, out: out * 0
         >>> layout_hook(lin, hook, post=True, with_kwargs=False) is hook  # no torch.distributed
+        True
+        >>> grad_hook = lambda m, grad_output: (grad_output[0] * 2,)
+        >>> layout_hook(lin, grad_hook, post=False, backward=True) is grad_hook
         True
     """
     if not _layouts_active():

@@ -105,9 +105,7 @@ def test_backward_hooks_whole_on_tensor_parallel_layers(ranks):
         # each edit changed the model's gradients (an edit that did nothing would pass above)
         plain = {k.split("/", 1)[1]: v for k, v in ref.items() if k.startswith("plain/")}
         for tag in ("edit sharded", "edit sharded in place", "edit replicated", "flex"):
-            changed = [
-                k for k, v in plain.items() if not torch.allclose(ref[f"{tag}/{k}"], v)
-            ]
+            changed = [k for k, v in plain.items() if not torch.allclose(ref[f"{tag}/{k}"], v)]
             assert changed, f"{scenario}: {tag} changed no gradient"
         assert int(ref["hooks left"]) == 0
 
