@@ -346,6 +346,17 @@ def llama_backward(model: nn.Module) -> dict:
     )
 
 
+def gpt2_backward(model: nn.Module) -> dict:
+    """FSDP2 and offloading: nothing sharded, the hooks see what they see unsharded."""
+    return backward_scenarios(
+        model,
+        IDS,
+        ["transformer.h.0.mlp.c_fc"],
+        ["transformer.h.1.mlp.c_proj"],
+        ("transformer.h.1.attn.c_attn", "transformer.h.0.mlp.c_proj"),
+    )
+
+
 def mlp_backward(model: nn.Module) -> dict:
     return backward_scenarios(model, MLP_X, ["0"], ["2"], ("0", "2"))
 
@@ -477,11 +488,13 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
             fully_shard(block)
         fully_shard(gpt)
         results["gpt2_fsdp"] = gpt2_scenarios(gpt)
+        results["gpt2_fsdp_backward"] = gpt2_backward(gpt)
 
         import accelerate
 
         gpt = accelerate.cpu_offload(make_gpt2(), execution_device="cpu")
         results["gpt2_offload"] = gpt2_scenarios(gpt)
+        results["gpt2_offload_backward"] = gpt2_backward(gpt)
 
         results["refused"] = _refusals(rank)
         results["refused_backward"] = _backward_refusals(rank)
