@@ -651,15 +651,16 @@ def _hf_layout(module: torch.nn.Module, style: Any, mesh: Any, what: str) -> Mod
         return ModuleLayout(desc)
     where = f"{what} (tensor-parallel style {desc})"
     axis = _mesh_axis(mesh, where)
+    if name == "ColwiseParallel" and not style.input_layouts.is_replicate():
+        # transformers' inference path uses such an input as if it were replicated, its
+        # training path as the shard it is: the layout depends on the grad mode
+        raise LayoutError(
+            f"{where}: its input layout {style.input_layouts!r} is read as a shard with grad "
+            "enabled and as the whole tensor without, so pyhook cannot tell what the whole "
+            "tensor is; only Replicate inputs of column-parallel layers are gathered"
+        )
     try:
         if name == "ColwiseParallel":
-            if _shard_dim(style.input_layouts) is not None:
-                # transformers' inference path uses such an input as if it were replicated, its
-                # training path as the shard it is: the layout depends on the grad mode
-                raise LayoutError(
-                    f"input layout {style.input_layouts!r} of a column-parallel layer (only "
-                    "Replicate is the same with and without grad)"
-                )
             d = _shard_dim(style.output_layouts) if style.use_local_output else None
             full = getattr(module, "out_features", None) if d in (-1,) else None
             return ModuleLayout(desc, output=None if d is None else _Sharded(d, full, axis, desc))
@@ -1029,6 +1030,13 @@ def _whole_grads(
             if i in fix and x is whole[i] and whole[i]._version == versions.get(i):
                 out.append(grads[i])  # unchanged: the backward goes on with its own gradient
             elif x is not None and fix.get(i) is not None:
+                if not isinstance(x, torch.Tensor) or x.shape != whole[i].shape:
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"{what}: a backward hook must return whole gradients, to be re-sharded "
+                        f"over the tensor-parallel ranks: entry {i} should have shape "
+                        f"{tuple(whole[i].shape)}, got {got}"
+                    )
                 out.append(fix[i](x))  # type: ignore[misc]
             else:
                 out.append(x)

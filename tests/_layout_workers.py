@@ -358,7 +358,31 @@ def gpt2_backward(model: nn.Module) -> dict:
 
 
 def mlp_backward(model: nn.Module) -> dict:
-    return backward_scenarios(model, MLP_X, ["0"], ["2"], ("0", "2"))
+    res = backward_scenarios(model, MLP_X, ["0"], ["2"], ("0", "2"))
+    if dist.is_initialized():  # a shard returned as the whole gradient is refused by name
+        from pyhook._hooks import HookSet
+
+        for n, register in (
+            (
+                "0",
+                lambda h: h.full_backward_pre(model[0], lambda m, go: (go[0][..., :3],), name="0"),
+            ),
+            (
+                "2",
+                lambda h: h.full_backward(model[2], lambda m, gi, go: (gi[0][..., :3],), name="2"),
+            ),
+        ):
+            hooks = HookSet()
+            register(hooks)
+            try:
+                _loss(model(MLP_X.clone().requires_grad_())).backward()
+                res[f"wrong shape {n}"] = None
+            except ValueError as e:
+                res[f"wrong shape {n}"] = str(e)
+            finally:
+                hooks.remove()
+                model.zero_grad(set_to_none=True)
+    return res
 
 
 # -- the ranks ------------------------------------------------------------------------------------

@@ -102,6 +102,10 @@ def test_backward_hooks_whole_on_tensor_parallel_layers(ranks):
     references["gpt2_offload_backward"] = {
         k: v for k, v in references["gpt2_fsdp_backward"].items() if "/grad " not in k
     }
+    for r, res in enumerate(results):
+        for n in ("0", "2"):
+            msg = res["mlp_tp_backward"].pop(f"wrong shape {n}")
+            assert msg is not None and f"'{n}'" in msg and "whole" in msg, (r, n, msg)
     for scenario, ref in references.items():
         # every hook ran and every gradient it saw is there, on both sides of every layer
         seen = [k for k in ref if k.startswith("seen/")]
