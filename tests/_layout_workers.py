@@ -229,8 +229,18 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
     return t * torch.linspace(0.5, 2.0, t.shape[-1])
 
 
+def _scale_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _scale(t)
+
+
 def backward_scenarios(
-    model: nn.Module, x: torch.Tensor, col: list[str], row: list[str], flex: tuple[str, str]
+    model: nn.Module,
+    x: torch.Tensor,
+    col: list[str],
+    row: list[str],
+    flex: tuple[str, str],
+    *,
+    input_grad: bool = True,
 ) -> dict:
     """Full backward hooks and pre-hooks (HookSet's, and FlexModel's) on column-parallel
     (``col``: sharded output) and row-parallel (``row``: sharded input) layers: the gradients
@@ -238,7 +248,7 @@ def backward_scenarios(
     from pyhook._hooks import HookSet
 
     res: dict = {}
-    x = x.clone().requires_grad_(x.is_floating_point())
+    x = x.clone().requires_grad_(input_grad and x.is_floating_point())
     model.zero_grad(set_to_none=True)
 
     def run(tag: str, register) -> None:
@@ -280,7 +290,7 @@ def backward_scenarios(
             )
         for n in row:
             hooks.full_backward(
-                model.get_submodule(n), lambda mod, gi, go: (_scale(gi[0]), *gi[1:]), name=n
+                model.get_submodule(n), lambda mod, gi, go: (_scale_or_none(gi[0]), *gi[1:]), name=n
             )
 
     run("edit sharded", sharded)
@@ -290,7 +300,8 @@ def backward_scenarios(
             grad_output[0].mul_(torch.linspace(0.5, 2.0, grad_output[0].shape[-1]))
 
         def post(mod, grad_input, grad_output):
-            grad_input[0].mul_(torch.linspace(0.5, 2.0, grad_input[0].shape[-1]))
+            if grad_input[0] is not None:
+                grad_input[0].mul_(torch.linspace(0.5, 2.0, grad_input[0].shape[-1]))
 
         for n in col:
             hooks.full_backward_pre(model.get_submodule(n), pre, name=n)
@@ -307,7 +318,7 @@ def backward_scenarios(
         hooks.full_backward_pre(model.get_submodule(row[0]), in_place, name=row[0])
         for n in col:
             hooks.full_backward(
-                model.get_submodule(n), lambda mod, gi, go: (_scale(gi[0]), *gi[1:]), name=n
+                model.get_submodule(n), lambda mod, gi, go: (_scale_or_none(gi[0]), *gi[1:]), name=n
             )
 
     run("edit replicated", replicated)
@@ -344,6 +355,25 @@ def llama_backward(model: nn.Module) -> dict:
     return backward_scenarios(
         model, IDS, LLAMA_COL, LLAMA_ROW, ("model.layers.1.mlp.up_proj", LLAMA_ROW[0])
     )
+
+
+def make_seq_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+    with torch.no_grad():
+        net[0].weight.uniform_(0.5, 1.5)
+        net[0].bias.normal_(0, 0.3)
+    return net
+
+
+SEQ_X = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(3))
+
+
+def seq_backward(model: nn.Module, x: torch.Tensor) -> dict:
+    """torch's SequenceParallel norm (its output split along the sequence) before a
+    ColwiseParallel/RowwiseParallel pair; ``x`` is this rank's share of the sequence of
+    ``SEQ_X`` (torch's SequenceParallel needs equal shares)."""
+    return backward_scenarios(model, x, ["0", "1"], ["3"], ("0", "3"), input_grad=False)
 
 
 def gpt2_backward(model: nn.Module) -> dict:
@@ -489,9 +519,11 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         _init(rank, world, port)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
+            SequenceParallel,
             parallelize_module,
         )
 
@@ -506,6 +538,18 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         results["mlp_tp"] = mlp_scenarios(mlp)
         results["mlp_tp_backward"] = mlp_backward(mlp)
+
+        seq = make_seq_mlp()
+        parallelize_module(
+            seq,
+            mesh,
+            {
+                "0": SequenceParallel(),
+                "1": ColwiseParallel(input_layouts=Shard(1)),
+                "3": RowwiseParallel(),
+            },
+        )
+        results["seq_tp_backward"] = seq_backward(seq, SEQ_X.chunk(world, 1)[rank])
 
         gpt = make_gpt2()
         for block in gpt.transformer.h:

@@ -85,17 +85,20 @@ def test_whole_tensor_on_every_layout(ranks):
         assert res["refused"]["hooks_left"] == 0
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # no input grad
 def test_backward_hooks_whole_on_tensor_parallel_layers(ranks):
     """Full backward hooks and pre-hooks (HookSet's and FlexModel's) on column- and row-parallel
     layers (transformers' tp_plan, torch's parallelize_module) see the unsharded model's whole
     grad_output and grad_input on every rank; the gradients they return or edit in place are
-    re-sharded, so the model's parameter (and input) gradients are the unsharded model's. On
+    re-sharded, so the model's parameter (and input) gradients are the unsharded model's (also
+    along the sequence: torch's SequenceParallel before a colwise/rowwise pair). On
     FSDP2 and offloaded models (nothing sharded) they see and do what they do unsharded."""
     results, outdir = ranks
     llama = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(outdir, "llama")).eval()
     references = {
         "llama_tp_backward": W.llama_backward(llama),
         "mlp_tp_backward": W.mlp_backward(W.make_mlp()),
+        "seq_tp_backward": W.seq_backward(W.make_seq_mlp(), W.SEQ_X),
         "gpt2_fsdp_backward": W.gpt2_backward(W.make_gpt2()),
     }
     # accelerate's offloading loads the weights anew for every forward: they keep no gradients
