@@ -15,8 +15,10 @@ Steps, each in a subprocess with its own time limit inside one overall budget (`
    build fails rather than quietly skipping the CUDA kernels), then ``pyhook info``;
 2. tests: every ``cuda``-marked test (``pytest -m cuda``);
 3. ``bench_copy.py --device cuda`` (the CUDA rows: native vs reference clones on the GPU);
-4. ``bench_capture.py --skip peers disk job`` (case (c): pinned copies, the Offloader, GPT-2 small
-   forward with a capture to host);
+4. ``bench_capture.py --skip peers disk job host`` (case (c): pinned copies, the Offloader, GPT-2
+   small forward with a capture to host, joined and into reused pinned ``HostBuffers``), then
+   ``bench_large.py --device cuda`` (an offloaded capture against the offloaded forward; tensor
+   parallelism when there are 2 GPUs);
 5. the capture loop on a GPT-2-small forward (random weights, nothing downloaded): ``capture(model,
    "h.*", out=dir)`` with the defaults, checked row for row against a hand-written forward hook,
    then timed (5 rounds, medians, each run into a fresh directory removed outside the timing)
@@ -32,7 +34,7 @@ Steps, each in a subprocess with its own time limit inside one overall budget (`
 The report (``--out``) has the device, the versions, a table of the steps, and each step's
 output. Without CUDA the script says so and exits 0 (nothing to check). ``--skip-build``
 uses the installed pyhook as it is; ``--only`` runs the steps it names (``build info tests copy
-case-c loop compiled``), for a second call in a short lease.
+case-c large loop compiled``), for a second call in a short lease.
 """
 
 from __future__ import annotations
@@ -233,10 +235,11 @@ STEP_NAMES = (
     "cuda-marked tests",
     "bench_copy.py --device cuda",
     "bench_capture.py case (c)",
+    "bench_large.py --device cuda",
     "capture loop, GPT-2 small",
     "compiled models: rows and cost",
 )
-STEP_KEYS = ("build", "build", "info", "tests", "copy", "case-c", "loop", "compiled")
+STEP_KEYS = ("build", "build", "info", "tests", "copy", "case-c", "large", "loop", "compiled")
 
 
 def run_step(
@@ -388,7 +391,18 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             "bench_capture.py case (c)",
-            [py, "-I", "-u", "benchmarks/bench_capture.py", "--skip", "peers", "disk", "job"],
+            [
+                py, "-I", "-u", "benchmarks/bench_capture.py",
+                "--skip", "peers", "disk", "job", "host",
+            ],
+            120,
+        ),
+        (
+            # Issue 44 item 5 on CUDA: an offloaded capture (accelerate's cpu_offload onto the
+            # GPU) against the offloaded forward; tensor parallelism needs 2 GPUs (NCCL runs no
+            # two ranks on one device) and says so when there is one.
+            "bench_large.py --device cuda",
+            [py, "-I", "-u", "benchmarks/bench_large.py", "--device", "cuda", "--rounds", "5"],
             120,
         ),
         ("capture loop, GPT-2 small", [py, "-I", "-c", CAPTURE_LOOP], 120),
