@@ -307,6 +307,50 @@ def test_two_ranks_write_one_prefix(s3):
     assert verify_capture(url) == ([], [])
 
 
+def _two_ranks(out, global_rows: bool) -> None:
+    """Two data-parallel ranks' rows: example indices that are global, or (what main wrote
+    once) that each rank counted from 0, so that both ranks store examples 0 and 1."""
+    for rank in (1, 0):  # rank 0 last: it merges the index
+        with ShardWriter(out, rank=rank, world_size=2, shard_bytes=1) as w:
+            for k in range(2):
+                e = 2 * k + rank if global_rows else k
+                rows = torch.tensor([[e, 0], [e, 1]])
+                w.add({"x": torch.randn(2, 4), "__row_index__": rows}, examples=1)
+
+
+def test_verify_of_a_url_names_rows_stored_twice(s3, tmp_path):
+    """verify of a URL runs the checks across the ranks that a local verify runs: rows stored
+    by two ranks, and a rank's missing index file, each named as the local verify names them
+    (the local verify of the same store is the reference), with the command's exit 2."""
+    for global_rows in (False, True):
+        url, local = s3(), str(tmp_path / f"global{global_rows}")
+        for out in (url, local):
+            _two_ranks(out, global_rows)
+        problems, notes = verify_capture(url)
+        expected, expected_notes = verify_capture(local)
+        assert notes == expected_notes == []
+        assert problems == [p.replace(local, url) for p in expected]
+        if global_rows:  # the control: each row once
+            assert problems == [] and main(["verify", url]) == 0
+        else:
+            (problem,) = problems
+            assert problem.startswith(f"{url}: 4 row(s) are stored more than once")
+            for e, pos in [(0, 0), (0, 1), (1, 0)]:  # the first three, with both shards
+                assert (
+                    f"example {e} position {pos} in shard-r000-00000{e}.safetensors and "
+                    f"shard-r001-00000{e}.safetensors" in problem
+                )
+            assert "; and 1 more." in problem
+            assert main(["verify", url]) == 2
+    # a rank's index file gone: its rows are not read, and verify says so (as locally)
+    _fs().rm_file(f"{url.removeprefix('s3://')}/index-r001.json")
+    os.remove(os.path.join(local, "index-r001.json"))
+    expected, _ = verify_capture(local)
+    assert verify_capture(url)[0] == [p.replace(local, url) for p in expected]
+    assert expected[0].startswith(f"{local}/index-r001.json: missing (rank 1 of 2")
+    assert main(["verify", url]) == 2
+
+
 @pytest.mark.parametrize("when", ["open", "merge"])
 def test_a_rank_closing_between_anothers_listing_and_reading(s3, monkeypatch, when):
     """Ranks start and close at different times: rank 1 compacts its journal (uploads its
