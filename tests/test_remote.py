@@ -318,15 +318,31 @@ def _two_ranks(out, global_rows: bool) -> None:
                 w.add({"x": torch.randn(2, 4), "__row_index__": rows}, examples=1)
 
 
-def test_verify_of_a_url_names_rows_stored_twice(s3, tmp_path):
+def test_verify_of_a_url_names_rows_stored_twice(s3, tmp_path, monkeypatch):
     """verify of a URL runs the checks across the ranks that a local verify runs: rows stored
-    by two ranks, and a rank's missing index file, each named as the local verify names them
-    (the local verify of the same store is the reference), with the command's exit 2."""
+    by two ranks, a rank's missing index file, and the index files of two captures, each named
+    as the local verify of the same store names them (the reference), with the command's exit
+    2; the same ranks with global row indices verify clean."""
+    from pyhook.store.remote import Remote
+
+    got, get = [], Remote.get
+
+    def counting_get(self, name, *args, **kwargs):
+        got.append(name)
+        return get(self, name, *args, **kwargs)
+
     for global_rows in (False, True):
         url, local = s3(), str(tmp_path / f"global{global_rows}")
         for out in (url, local):
             _two_ranks(out, global_rows)
+        got.clear()
+        monkeypatch.setattr(Remote, "get", counting_get)
         problems, notes = verify_capture(url)
+        monkeypatch.undo()
+        # each shard downloaded once (its checksum), its row index read from that copy
+        assert sorted(n for n in got if n.startswith("shard-")) == sorted(
+            n for n in os.listdir(local) if n.startswith("shard-")
+        )
         expected, expected_notes = verify_capture(local)
         assert notes == expected_notes == []
         assert problems == [p.replace(local, url) for p in expected]
@@ -342,13 +358,26 @@ def test_verify_of_a_url_names_rows_stored_twice(s3, tmp_path):
                 )
             assert "; and 1 more." in problem
             assert main(["verify", url]) == 2
-    # a rank's index file gone: its rows are not read, and verify says so (as locally)
+    # the clean store, a rank's index file gone: its rows are not read, verify says so
     _fs().rm_file(f"{url.removeprefix('s3://')}/index-r001.json")
     os.remove(os.path.join(local, "index-r001.json"))
     expected, _ = verify_capture(local)
     assert verify_capture(url)[0] == [p.replace(local, url) for p in expected]
     assert expected[0].startswith(f"{local}/index-r001.json: missing (rank 1 of 2")
     assert main(["verify", url]) == 2
+    # the ranks' index files of two captures (other settings), put together and uploaded
+    url, local = s3(), tmp_path / "mixed"
+    for rank in (1, 0):
+        with ShardWriter(tmp_path / f"r{rank}", rank=rank, world_size=2, settings={"r": rank}) as w:
+            w.add({"x": torch.randn(2, 4)}, examples=1)
+        for name in os.listdir(tmp_path / f"r{rank}"):
+            if not name.startswith(".lock"):
+                _fs().put_file(tmp_path / f"r{rank}" / name, f"{url.removeprefix('s3://')}/{name}")
+                local.mkdir(exist_ok=True)
+                (local / name).write_bytes((tmp_path / f"r{rank}" / name).read_bytes())
+    (expected,), _ = verify_capture(local)
+    assert "index-r001.json: not an index of the same capture as index-r000.json" in expected
+    assert verify_capture(url) == ([expected.replace(str(local), url)], [])
 
 
 @pytest.mark.parametrize("when", ["open", "merge"])
