@@ -32,8 +32,11 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
 
     Every index file is read and checked, and every listed shard against its entry: present,
     a regular file, the recorded size, a header with the recorded dtypes and shapes naming this
-    shard, and the recorded checksum of its bytes. A problem names the file and what differs;
-    a note says what could not be checked (a shard of an older store has no checksum).
+    shard, and the recorded checksum of its bytes; then the capture as a whole: every rank's
+    index file there, all of one capture, each row stored once (:func:`duplicate_rows`). A
+    URL (``s3://...``) gets the same checks, its shards downloaded one at a time. A problem
+    names the file (or URL) and what differs; a note says what could not be checked (a shard
+    of an older store has no checksum).
 
     Example::
 
@@ -226,6 +229,8 @@ def duplicate_rows(
     problem line naming how many rows repeat and the first ``show`` of them with their shards;
     ``[]`` when every row is there once (or the store keeps no row index: ``tokens=False``).
     ``parts`` are the ``(path, index)`` of the per-rank index files (read here when not given).
+    Only each shard's row index is read, not its layers' rows; :func:`verify_capture` of a URL
+    reads it from the copy of each shard it downloads for the checksum.
 
     Example::
 
