@@ -89,8 +89,8 @@ from .modules import (
     set_requires_grad,
     subsequence,
 )
-from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .offload import HostBuffers
+from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .pipeline.job import CaptureJob
 from .pipeline.paired import Paired

@@ -628,16 +628,36 @@ class HookSet:
 
     # Backward hooks run on autograd's threads, so they are never thread-guarded.
     def full_backward(
-        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        name: str | None = None,
     ) -> Any:
-        """``module.register_full_backward_hook(fn)``, owned by this set."""
+        """``module.register_full_backward_hook(fn)``, owned by this set.
+
+        On a sharded model ``fn`` sees the whole ``grad_input`` and ``grad_output`` and returns
+        whole gradients, re-sharded for this rank (see :func:`pyhook.distributed.layout_hook`);
+        a layout that cannot be gathered exactly raises ``LayoutError`` naming ``name``.
+        """
+        if _layouts_active():
+            fn = layout_hook(module, fn, post=True, backward=True, name=name)
         inner = module.register_full_backward_hook(_plain(fn), prepend=prepend)
         return self._keep(_torch_handle(module, inner, "_backward_hooks"))
 
     def full_backward_pre(
-        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        name: str | None = None,
     ) -> Any:
-        """``module.register_full_backward_pre_hook(fn)``, owned by this set."""
+        """``module.register_full_backward_pre_hook(fn)``, owned by this set (whole
+        ``grad_output`` on a sharded model, as :meth:`full_backward`)."""
+        if _layouts_active():
+            fn = layout_hook(module, fn, post=False, backward=True, name=name)
         inner = module.register_full_backward_pre_hook(_plain(fn), prepend=prepend)
         return self._keep(_torch_handle(module, inner, "_backward_pre_hooks"))
 

@@ -637,7 +637,6 @@ _HF_WHOLE = frozenset(
     {
         "TensorParallelLayer",  # "replicate": every rank keeps the whole parameter
         "EmbeddingParallel",  # the ranks' lookups are reduced or gathered inside the style
-        "ReplicatedWithGradAllReduce",
         "AllReduceParallel",
         "LocalParamsParallel",  # local heads inside; the owner's output is reduced by its children
     }
@@ -653,6 +652,13 @@ def _hf_layout(module: torch.nn.Module, style: Any, mesh: Any, what: str) -> Mod
     axis = _mesh_axis(mesh, where)
     try:
         if name == "ColwiseParallel":
+            if _shard_dim(style.input_layouts) is not None:
+                # transformers' inference path uses such an input as if it were replicated, its
+                # training path as the shard it is: the layout depends on the grad mode
+                raise LayoutError(
+                    f"input layout {style.input_layouts!r} of a column-parallel layer (only "
+                    "Replicate is the same with and without grad)"
+                )
             d = _shard_dim(style.output_layouts) if style.use_local_output else None
             full = getattr(module, "out_features", None) if d in (-1,) else None
             return ModuleLayout(desc, output=None if d is None else _Sharded(d, full, axis, desc))
@@ -671,7 +677,29 @@ def _hf_layout(module: torch.nn.Module, style: Any, mesh: Any, what: str) -> Mod
             return ModuleLayout(desc, output=out, input=_Sharded(d, None, axis, desc))
     except LayoutError as e:
         raise LayoutError(f"{where}: pyhook cannot gather the {e} exactly") from None
-    raise LayoutError(
+    raise _hf_unknown(where, name)
+
+
+def _hf_installer(fwd: Any) -> str | None:
+    """The transformers style whose ``install_forward`` made ``fwd`` (a module's forward), if
+    one did: the class name its qualified name starts with."""
+    qual = getattr(fwd, "__qualname__", "") or ""
+    if ".install_forward.<locals>." in qual and (
+        getattr(fwd, "__module__", "") or ""
+    ).startswith("transformers"):
+        return qual.split(".")[0]
+    return None
+
+
+def _hf_unknown(where: str, name: str) -> LayoutError:
+    if name == "ReplicatedWithGradAllReduce":
+        return LayoutError(
+            f"{where}: the module's tensors are this rank's share of the heads (it sits between "
+            "a column- and a row-parallel layer, e.g. a per-head q_norm) along a dimension the "
+            "plan does not say, so pyhook cannot give the whole tensor there; trace the layer "
+            "after it (e.g. the row-parallel o_proj's input) or the module that holds it"
+        )
+    return LayoutError(
         f"{where}: pyhook does not know how this style lays out the module's tensors, so it "
         "cannot give the whole tensor there (it never hands out a shard as if it were whole); "
         "trace the module that holds it (its output is whole) or a module with a known style"
@@ -764,6 +792,9 @@ def module_layout(module: torch.nn.Module, what: str | None = None) -> ModuleLay
             if not meshes:
                 raise LayoutError(f"{what}: transformers {type(styles[0]).__name__} without a mesh")
             return _hf_layout(module, styles[0], meshes[0], what)
+        installer = _hf_installer(fwd)
+        if installer is not None:  # a style whose forward does not hold the style itself
+            raise _hf_unknown(f"{what} (tensor-parallel style transformers {installer})", installer)
     if module._forward_hooks or module._forward_pre_hooks:
         found = _torch_style_hooks(module)
         if found:
@@ -953,17 +984,72 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> str | 
     return None
 
 
+def _whole_grads(
+    grads: Any, side: _Sharded | None, what: str
+) -> tuple[Any, Callable[[Any], Any] | None]:
+    """A backward hook's ``grad_output`` or ``grad_input`` (a tuple, one entry per output or
+    positional input, None where no gradient flows) with every sharded gradient made whole:
+    entry 0 is the gradient of the module's output or first input, sharded as ``side`` says
+    (the tensor it is the gradient of is sharded so); DTensor gradients are gathered whatever
+    their placements (a ``Partial`` one is summed). Returns it and the function mapping an
+    edited whole tuple back to the local layout (None when nothing was gathered)."""
+    if not isinstance(grads, tuple):
+        return grads, None
+    whole = list(grads)
+    fix: dict[int, Callable | None] = {}
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            continue
+        if i == 0 and side is not None:
+            whole[i], fix[i] = _gather_sharded(g, side, what)
+        else:
+            whole[i], fix[i] = _whole_leaf(g, what)
+    changed = [i for i in fix if whole[i] is not grads[i]]
+    if not changed:
+        return grads, None  # replicated gradients: nothing sent
+    whole_t = tuple(whole)
+    versions = {i: whole[i]._version for i in changed}
+
+    def back(new: Any) -> Any:
+        """The local layout of the gradients ``new`` a hook returned (None: it returned nothing;
+        whole gradients it edited in place go on as if returned, as they do unsharded)."""
+        if new is None or new is whole_t:
+            if all(whole[i]._version == versions[i] for i in changed):
+                return None
+            new = whole_t
+        if isinstance(new, torch.Tensor) or len(new) != len(grads):
+            got = "a tensor" if isinstance(new, torch.Tensor) else f"{len(new)} entries"
+            raise ValueError(
+                f"{what}: a backward hook on a sharded module must return a tuple of "
+                f"{len(grads)} whole gradients (or None), got {got}"
+            )
+        out = []
+        for i, x in enumerate(new):
+            if i in fix and x is whole[i] and whole[i]._version == versions.get(i):
+                out.append(grads[i])  # unchanged: the backward goes on with its own gradient
+            elif x is not None and fix.get(i) is not None:
+                out.append(fix[i](x))  # type: ignore[misc]
+            else:
+                out.append(x)
+        return tuple(out)
+
+    return whole_t, back
+
+
 def layout_hook(
     module: torch.nn.Module,
     fn: Callable[..., Any],
     *,
     post: bool,
-    with_kwargs: bool,
+    with_kwargs: bool = False,
     inputs: bool = False,
     name: str | None = None,
+    backward: bool = False,
 ) -> Callable[..., Any]:
     """``fn`` as the forward hook (``post``) or pre-hook to register on ``module``, seeing and
-    returning whole tensors whatever the model's layout.
+    returning whole tensors whatever the model's layout; with ``backward=True``, as the full
+    backward hook (``post``: ``fn(module, grad_input, grad_output)``) or full backward pre-hook
+    (``fn(module, grad_output)``), seeing and returning whole gradients.
 
     Without ``torch.distributed`` initialised this is ``fn`` itself. Otherwise the wrapper
     hands ``fn`` the whole output (a forward hook; its inputs too when ``inputs``) or the
@@ -973,6 +1059,14 @@ def layout_hook(
     model goes on exactly as if the whole tensor had been edited. Only modules that are hooked
     are gathered, and a replicated tensor is never sent. A layout it cannot gather exactly
     raises :class:`LayoutError` naming ``name`` (the layer), before anything is registered.
+
+    A gradient is sharded as the tensor it is the gradient of: ``grad_output`` as the output,
+    ``grad_input[0]`` as the first input (a column-parallel layer's ``grad_output``, a
+    row-parallel layer's ``grad_input``). The gradient of a replicated tensor is whole on every
+    rank (the known styles all-reduce it inside the module's backward: replicated inputs enter
+    as ``Replicate`` DTensors, whose partial gradients are summed there), so it is passed as it
+    is; DTensor gradients (torch's styles) are gathered, ``Partial`` ones summed. Gradients a
+    backward hook returns, or edits in place, are re-sharded into this rank's layout.
 
     Every pyhook tracer registers through :class:`pyhook._hooks.HookSet`, which calls this.
 
@@ -992,6 +1086,32 @@ def layout_hook(
     out_side = layout.output if layout is not None else None
     in_side = layout.input if layout is not None else None
     label = f"layer {what!r}" if name is not None else what
+
+    if backward:
+        if post:
+
+            def whole_backward(mod: Any, grad_input: Any, grad_output: Any) -> Any:
+                _GATHERED.first = None
+                try:
+                    whole_in, back = _whole_grads(grad_input, in_side, label)
+                    whole_out = _whole_grads(grad_output, out_side, label)[0]
+                    res = fn(mod, whole_in, whole_out)
+                finally:
+                    _GATHERED.first = None
+                return res if back is None else back(res)
+
+            return whole_backward
+
+        def whole_backward_pre(mod: Any, grad_output: Any) -> Any:
+            _GATHERED.first = None
+            try:
+                whole_out, back = _whole_grads(grad_output, out_side, label)
+                res = fn(mod, whole_out)
+            finally:
+                _GATHERED.first = None
+            return res if back is None else back(res)
+
+        return whole_backward_pre
 
     if post:
 

@@ -565,9 +565,9 @@ class FlexModel(nn.Module):
             elif hook_type == "forward_pre":
                 hooks.forward_pre(target, fn)
             elif hook_type == "full_backward":
-                hooks.full_backward(target, fn)
+                hooks.full_backward(target, fn, name=hf.module_name)
             elif hook_type == "full_backward_pre":
-                hooks.full_backward_pre(target, fn)
+                hooks.full_backward_pre(target, fn, name=hf.module_name)
             else:
                 hooks.tensor(target, fn)
         hf._state, hf._hooks, hf.hook_type, hf._enabled = self._state, hooks, hook_type, True

@@ -18,14 +18,13 @@ import threading
 
 import pytest
 import torch
+from _models import all_hooks, gpt2
+from pyhook.capture import capture
 from torch import nn
 
 import pyhook
 from pyhook import _backend
-from pyhook.capture import capture
 from pyhook.offload import HostBuffers, resident_bytes
-
-from _models import all_hooks, gpt2
 
 
 def _batches(n: int, b: int = 3, t: int = 7, seed: int = 0) -> list[torch.Tensor]:
@@ -302,7 +301,7 @@ def test_bad_arguments_name_buffers_and_leave_no_hook(tmp_path, kwargs, match):
         kwargs = {**kwargs, "out": str(tmp_path / "c")}
     with pytest.raises(ValueError, match=match):
         capture(model, "transformer.h.0", buffers=HostBuffers(pin=False), **kwargs)
-    with pytest.raises(TypeError, match="buffers must be a pyhook.HostBuffers, got dict"):
+    with pytest.raises(TypeError, match=r"buffers must be a pyhook\.HostBuffers, got dict"):
         capture(model, "transformer.h.0", buffers={})
     assert all_hooks(model) == 0
     assert not (tmp_path / "c").exists()

@@ -1058,10 +1058,7 @@ class Recorder:
         # Rows in reusable host buffers: a view of the buffer they were copied into, back to
         # back (or joined into one the next capture reuses); None if they are not all there.
         whole = self._lease.whole(layer, parts) if self._lease is not None else None
-        if whole is not None:
-            out = whole
-        else:
-            out = self._cat(layer, parts)
+        out = whole if whole is not None else self._cat(layer, parts)
         if self.copy:
             # The rows are held once: the batches become views of the joined rows, and their
             # own buffers are freed (copy=False's are the model's tensors: left alone).
