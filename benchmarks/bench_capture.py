@@ -18,7 +18,14 @@ Prints ratio tables (one run, everything measured in the same process):
     speed measured with ``dd ... conv=fsync`` in the same directory, and the forward loop with the
     disk capture against the forward alone (is the model stalled by the disk?), in paired rounds.
 (c) on CUDA only: the offloader's device-to-host MB/s against a plain pinned-copy bandwidth, and a
-    forward + capture of all residual streams against the forward alone.
+    forward + capture of all residual streams against the forward alone, with the default host
+    results (joined at the end) and into reusable pinned ``HostBuffers``.
+(e) a loop of captures to host memory (GPT-2-small shape, every block, several batches per
+    capture, the last capture's rows held while the next runs, as a training loop holds them):
+    the bare forward; the strongest hand-written loop (hooks copying each output into per-layer
+    buffers allocated once, outside the loop); ``capture(to="host")`` with its results joined;
+    ``capture(..., buffers=HostBuffers())``. Paired rounds, medians, and the minor page faults
+    of one loop (``getrusage``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pyhook.capture import capture
-from pyhook.offload import Offloader
+from pyhook.offload import HostBuffers, Offloader
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -913,6 +920,98 @@ def aligned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- (c) GPU -----------------------------------------------------------------------------------------
+def bench_host(args: argparse.Namespace) -> None:
+    """(e) Repeated captures into host memory: joined results against reusable HostBuffers."""
+    L, D, H, B, T, steps = (4, 128, 2, 4, 64, 3) if args.quick else (12, 768, 12, 8, 128, 6)
+    rounds = args.host_rounds or (2 if args.quick else 7)
+    model, batches = gpt2_and_batches(L, D, H, T, B, steps)
+    blocks = model.h
+    rows = B * T * steps
+    mb = L * rows * D * 4 / 1e6
+    print(
+        f"\n(e) loop of captures to host memory: GPT-2 shape n_layer={L} d_model={D}, {steps} "
+        f"batches of {B}x{T} tokens per capture, every block ({mb:.0f} MB of rows), the last "
+        f"capture's rows held during the next, torch threads={torch.get_num_threads()}, "
+        f"{rounds} paired rounds"
+    )
+    held: dict[str, object] = {}
+    bufs = HostBuffers()
+    # The strongest hand-written loop: per-layer buffers allocated (and faulted in) once.
+    hand = [torch.zeros(rows, D) for _ in range(L)], [torch.zeros(rows, D) for _ in range(L)]
+
+    def bare() -> None:
+        for ids in batches:
+            model(ids)
+
+    def handwritten() -> None:
+        # two sets of buffers, alternating: the previous loop's rows stay valid while held
+        out = hand[0] if held.get("hand") is not hand[0] else hand[1]
+        at = [0]
+
+        def keep(i: int) -> Callable[..., None]:
+            def hook(_m: torch.nn.Module, _a: object, o: object) -> None:
+                t = o[0] if isinstance(o, tuple) else o
+                n = t.shape[0] * t.shape[1]
+                out[i][at[0] : at[0] + n].copy_(t.reshape(n, D))
+
+            return hook
+
+        hs = [b.register_forward_hook(keep(i)) for i, b in enumerate(blocks)]
+        try:
+            for ids in batches:
+                model(ids)
+                at[0] += B * T
+        finally:
+            for h in hs:
+                h.remove()
+        held["hand"] = out
+
+    def joined() -> None:
+        with capture(model, "h.*") as rec:
+            for ids in batches:
+                model(ids)
+        held["joined"] = rec.results()
+
+    def reused() -> None:
+        with capture(model, "h.*", buffers=bufs) as rec:
+            for ids in batches:
+                model(ids)
+        held["reused"] = rec.results()
+
+    fns = {"bare forward": bare, "hand-written (buffers allocated once)": handwritten,
+           "capture(to='host'), results joined": joined,
+           "capture(..., buffers=HostBuffers())": reused}
+    with torch.no_grad():
+        for fn in fns.values():  # rows identical to the hand-written loop's
+            fn()
+        for i in range(L):
+            assert torch.equal(held["joined"][f"h.{i}"], held["hand"][i])
+            assert torch.equal(held["reused"][f"h.{i}"], held["hand"][i])
+        faults = {}
+        for name, fn in fns.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            fn()
+            faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        times = compare(fns, rounds)
+    base, hw = times["bare forward"], times["hand-written (buffers allocated once)"]
+    print(
+        table(
+            [
+                [
+                    name,
+                    f"{statistics.median(t) * 1e3:.0f}",
+                    f"{1 + paired_overhead(t, base):.3f}",
+                    f"{1 + paired_overhead(t, hw):.3f}",
+                    str(faults[name]),
+                ]
+                for name, t in times.items()
+            ],
+            ["loop", "median ms", "vs bare", "vs hand-written", "minor faults"],
+        )
+    )
+    print(f"HostBuffers after the rounds: {bufs!r}, {bufs.stats()}")
+
+
 def bench_gpu(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         print("\n(c) GPU path: skipped (no CUDA device)")
@@ -958,9 +1057,19 @@ def bench_gpu(args: argparse.Namespace) -> None:
         rec.results()
         torch.cuda.synchronize()
 
+    bufs = HostBuffers()  # pinned, faulted in by the first capture, reused by the rest
+
+    def fwd_cap_bufs() -> None:
+        with capture(model, "h.*", flatten=False, buffers=bufs) as rec:
+            for x in ids:
+                model(x)
+        rec.results()
+        torch.cuda.synchronize()
+
     with torch.no_grad():
         t_fwd = timeit(fwd, 3)
         t_cap = timeit(fwd_cap, 3)
+        t_bufs = timeit(fwd_cap_bufs, 3)
     print(f"\n(c) GPU {torch.cuda.get_device_name()}")
     print(
         table(
@@ -984,6 +1093,11 @@ def bench_gpu(args: argparse.Namespace) -> None:
                     f"{t_cap * 1e3:.0f}",
                     f"{t_cap / t_fwd:.2f}",
                 ],
+                [
+                    "... the same into reused pinned HostBuffers",
+                    f"{t_bufs * 1e3:.0f}",
+                    f"{t_bufs / t_fwd:.2f}",
+                ],
             ],
             ["loop", "ms", "vs forward"],
         )
@@ -996,7 +1110,10 @@ def main() -> None:
     p.add_argument(
         "--out-dir", default=None, help="directory on the disk to test (default: a temp dir)"
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["peers", "disk", "gpu", "job"])
+    p.add_argument(
+        "--skip", nargs="*", default=[], choices=["peers", "disk", "gpu", "job", "host"]
+    )
+    p.add_argument("--host-rounds", type=int, default=0, help="paired rounds of (e) (default 7)")
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable timings)"
     )
@@ -1067,6 +1184,9 @@ def main() -> None:
         bench_disk(args)
     if "gpu" not in args.skip:
         bench_gpu(args)
+    if "host" not in args.skip:
+        torch.set_num_threads(args.job_threads or default_threads)
+        bench_host(args)
     if "job" not in args.skip:
         torch.set_num_threads(args.job_threads or default_threads)
         bench_job(args)

@@ -14,6 +14,10 @@ each side a loop of ``--forwards`` forwards, the capture's rows joined by ``resu
 (b) offloaded: one process runs GPT-2-small (random weights) under accelerate's
     ``cpu_offload`` (weights moved in for each module's forward); the forward alone against
     the forward inside a capture of every block. Target: <= 1.05x.
+
+``--device cuda``: the same on GPUs. (b) moves the weights onto the GPU for each module's
+forward; (a) needs two GPUs (NCCL runs no two ranks on one device) and is skipped, with the
+reason printed, when there is one.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ def _llama_small(path: str, layers: int) -> None:
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _tp_rank(rank: int, world: int, port: int, path: str, args: argparse.Namespace) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -86,18 +95,24 @@ def _tp_rank(rank: int, world: int, port: int, path: str, args: argparse.Namespa
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
     n = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens))
+    if cuda:
+        ids = ids.cuda()
     out = {}
 
     def forward():
         with torch.no_grad():
             for _ in range(args.forwards):
                 model(ids)
+        _sync(args.device)
         dist.barrier()
 
     def capture_of(layers):
@@ -106,6 +121,7 @@ def _tp_rank(rank: int, world: int, port: int, path: str, args: argparse.Namespa
                 for _ in range(args.forwards):
                     model(ids)
             rec.results()
+            _sync(args.device)
             dist.barrier()
 
         return run
@@ -137,20 +153,24 @@ def bench_offload(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=args.layers, vocab_size=8192)  # GPT-2-small's shape
-    model = accelerate.cpu_offload(transformers.GPT2LMHeadModel(cfg).eval(), execution_device="cpu")
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.tokens))
+    model = accelerate.cpu_offload(
+        transformers.GPT2LMHeadModel(cfg).eval(), execution_device=args.device
+    )
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.tokens), device=args.device)
     blocks = [f"resid_post.{i}" for i in range(cfg.n_layer)]
 
     def forward():
         with torch.no_grad():
             for _ in range(args.forwards):
                 model(ids)
+        _sync(args.device)
 
     def captured():
         with torch.no_grad(), capture(model, blocks, to="host") as rec:
             for _ in range(args.forwards):
                 model(ids)
         rec.results()
+        _sync(args.device)
 
     return {"blocks": _paired(forward, captured, args.rounds)}
 
@@ -164,21 +184,32 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--forwards", type=int, default=4, help="forwards per timed loop")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
     if args.quick:
         args.layers, args.rounds = 4, 3
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}; batch {args.batch} x "
+        f"torch {torch.__version__}, device {args.device}, load {os.getloadavg()[0]:.1f}; "
+        f"batch {args.batch} x "
         f"{args.tokens} tokens, {args.layers} layers, {args.forwards} forwards per loop, "
         f"{args.rounds} paired rounds, "
         f"{args.threads} thread(s) per process"
     )
     rows = []
-    for what, res in bench_tp(args).items():
-        rows.append(
-            ("tensor parallel, 2 gloo ranks", what, *res, 1.1 if what == "blocks" else None)
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print(
+            f"tensor parallel: skipped, {torch.cuda.device_count()} GPU (2 ranks need 2 GPUs: "
+            "NCCL runs no two ranks on one device)"
         )
+    else:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        for what, res in bench_tp(args).items():
+            rows.append(
+                (f"tensor parallel, 2 {backend} ranks", what, *res, 1.1 if what == "blocks" else None)
+            )
     for what, res in bench_offload(args).items():
         rows.append(("offloaded (accelerate cpu_offload)", what, *res, 1.05))
     print(f"{'layout':36} {'captured':14} {'forward s':>10} {'capture s':>10} {'ratio':>7} target")

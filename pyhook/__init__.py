@@ -27,7 +27,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
   producer thread ahead of it, a seeded mixing buffer, optionally a tee to a store);
 * backends: :func:`get_backend`, :func:`set_backend`, :func:`use_backend` choose between the
   native core and the pure-PyTorch reference; :func:`pool_stats`, :func:`set_pool_limit`,
-  :func:`empty_pool` control the native capture-buffer pool;
+  :func:`empty_pool` control the native capture-buffer pool; :class:`HostBuffers` is host
+  memory that captures to host write their rows into and reuse (pinned on CUDA);
 * installation: :func:`info` / :func:`format_info` report what was built and loaded (the
   ``pyhook info`` command); ``import pyhook`` warns once when the native build failed.
 * patching and attribution (:mod:`pyhook.patching`, imported on first use):
@@ -88,6 +89,7 @@ from .modules import (
     set_requires_grad,
     subsequence,
 )
+from .offload import HostBuffers
 from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader its dataset())
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .pipeline.job import CaptureJob
@@ -162,6 +164,7 @@ __all__ = [
     "CaptureJob",
     "Paired",
     "Recorder",
+    "HostBuffers",
     "resolve_layers",
     "stream",
     "Stream",

@@ -47,6 +47,7 @@ import torch
 from . import _backend
 
 __all__ = [
+    "HostBuffers",
     "Offloader",
     "PendingCopy",
     "PinnedPool",
@@ -640,3 +641,292 @@ class Offloader:
                 total = [a + b for a, b in zip(total, engine.stats())]
         total[2] += self._cpu_bytes
         return dict(zip(_STATS_KEYS, total))
+
+
+# -- reusable host memory for captures to host ------------------------------------------------
+def _use_count(buf: torch.Tensor) -> int | None:
+    """How many tensors share ``buf``'s storage (None where torch cannot say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # pragma: no cover - every torch this project supports has it
+        return None
+    return int(count(buf.untyped_storage()._cdata))
+
+
+class _Slot:
+    """One buffer of a :class:`HostBuffers`: its bytes, and the last copy that wrote them."""
+
+    __slots__ = ("base", "buf", "event")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.event: Any = None  # the last asynchronous copy into buf (CUDA), or None
+        self.base = _use_count(buf)  # the count while nobody but the slot holds buf
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.numel())
+
+    def idle(self) -> bool:
+        """No tensor outside the set refers to the buffer: it may be written again."""
+        return self.base is not None and _use_count(self.buf) == self.base
+
+    def settle(self) -> None:
+        """Wait for the last asynchronous copy into the buffer (one of an earlier capture)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+class _EventEngine:
+    """The engine of a :class:`PendingCopy` whose ticket is a CUDA event."""
+
+    @staticmethod
+    def ready(event: Any) -> bool:
+        return bool(event.query())
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        event.synchronize()
+
+
+class HostBuffers:
+    """Host memory that captures to host write their rows into, kept and reused across captures.
+
+    Pass one to :func:`pyhook.capture` (``capture(model, layers, buffers=bufs)``, destination
+    ``to="host"``) and every batch's rows are copied straight into a buffer of the set, one per
+    layer: on CUDA a non-blocking copy into **pinned** memory on a side stream, on the CPU one
+    copy. ``rec[layer]`` and :meth:`~pyhook.capture.Recorder.results` are then views of that
+    buffer: no join, no second copy. The first capture learns how many bytes each layer takes;
+    later captures of the same size reuse the same memory, already faulted in (and on CUDA
+    already page-locked): no allocation, no page fault, no ``cudaHostAlloc`` in the loop.
+
+    Reuse is safe: a buffer is written again only when no tensor outside the set refers to it.
+    Results you still hold (``rec[layer]``, a view, a slice) keep their values; the next capture
+    takes another buffer (up to ``depth`` per layer are kept, so a loop that holds the last
+    capture's results while it runs the next one alternates between two) and the memory goes
+    back when your tensors and the set are dropped (or on :meth:`clear`).
+
+    ``pin`` (default: whether CUDA is available) page-locks the buffers, which only helps copies
+    from a GPU. Thread-safe.
+
+    Example::
+
+        >>> import torch, pyhook
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> bufs = pyhook.HostBuffers(pin=False)
+        >>> def run():
+        ...     with pyhook.capture(net, ["0"], buffers=bufs) as rec:
+        ...         for _ in range(3):
+        ...             _ = net(torch.randn(2, 5, 4))
+        ...     return rec["0"]
+        >>> a = run()  # the first capture learns the size: 3 batches of 10 rows
+        >>> b = run()  # a is still held: another buffer
+        >>> a_at = a.data_ptr(); del a
+        >>> c = run()  # a's buffer again: no allocation, and no join at the end
+        >>> c.shape, c.data_ptr() == a_at, b.data_ptr() != a_at
+        (torch.Size([30, 8]), True, True)
+    """
+
+    def __init__(self, *, pin: bool | None = None, depth: int = 2) -> None:
+        if pin is not None and not isinstance(pin, bool):
+            raise TypeError(f"HostBuffers: pin must be True, False or None, got {pin!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"HostBuffers: depth must be an int >= 1 (buffers kept per layer), got {depth!r}")
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        if self.pin and not torch.cuda.is_available():
+            raise RuntimeError("HostBuffers(pin=True) needs CUDA: page-locked memory is for device copies")
+        self.depth = depth
+        self._slots: dict[str, list[_Slot]] = {}
+        self._want: dict[str, int] = {}  # layer -> bytes its last capture took
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+        self._allocations = 0
+        self._reuses = 0
+        self._joins = 0
+
+    # -- buffers ---------------------------------------------------------------------------
+    def _take(self, key: str, nbytes: int) -> tuple[_Slot, torch.Tensor]:
+        """An idle buffer for ``key`` of at least ``nbytes`` and the most bytes a capture of
+        ``key`` took so far (the smallest such), or a new one of that size; with a view of it
+        that keeps it taken."""
+        with self._lock:
+            nbytes = max(nbytes, self._want.get(key, 0))
+            slots = self._slots.setdefault(key, [])
+            fits = [s for s in slots if s.nbytes >= nbytes and s.idle()]
+            if fits:
+                slot = min(fits, key=lambda s: s.nbytes)
+                slots.remove(slot)
+                slots.append(slot)  # most recently used last
+                hold = slot.buf[:0]  # taken: no longer idle for another capture
+                self._reuses += 1
+                found = True
+            else:
+                found = False
+                size = nbytes
+        if found:
+            slot.settle()
+            return slot, hold
+        # Allocated outside the lock: page-locking is slow.
+        slot = _Slot(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+        hold = slot.buf[:0]
+        with self._lock:
+            slots = self._slots.setdefault(key, [])
+            # Idle buffers too small for what this layer takes now are no use; past the depth,
+            # the oldest are forgotten (those still held belong to their holders).
+            slots[:] = [s for s in slots if not (s.idle() and s.nbytes < size)]
+            while len(slots) >= self.depth:
+                slots.pop(0)
+            slots.append(slot)
+            self._allocations += 1
+        return slot, hold
+
+    def _learn(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self._want[key] = max(nbytes, self._want.get(key, 0)) if nbytes else self._want.get(key, 0)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            return stream
+
+    def clear(self) -> None:
+        """Forget every buffer (held results keep theirs) and what each layer took."""
+        with self._lock:
+            slots = [s for ss in self._slots.values() for s in ss]
+            self._slots.clear()
+            self._want.clear()
+        for s in slots:
+            s.settle()
+
+    def stats(self) -> dict[str, int]:
+        """``buffers`` kept, their ``bytes``, how many are ``idle``; ``allocations``,
+        ``reuses`` (a buffer written again) and ``joins`` (a capture that outgrew its buffer
+        and was joined into a larger one, which the next capture reuses)."""
+        with self._lock:
+            slots = [s for ss in self._slots.values() for s in ss]
+            return {
+                "buffers": len(slots),
+                "bytes": sum(s.nbytes for s in slots),
+                "idle": sum(1 for s in slots if s.idle()),
+                "allocations": self._allocations,
+                "reuses": self._reuses,
+                "joins": self._joins,
+            }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"HostBuffers(pin={self.pin}, depth={self.depth}: {s['buffers']} buffers, "
+            f"{s['bytes'] / 1e6:.1f} MB, {s['idle']} idle)"
+        )
+
+    def _lease(self, max_inflight_bytes: int) -> _Lease:
+        return _Lease(self, max_inflight_bytes)
+
+
+class _Chunk:
+    __slots__ = ("hold", "slot", "used")
+
+    def __init__(self, slot: _Slot, hold: torch.Tensor | None) -> None:
+        self.slot = slot
+        self.hold = hold  # keeps the buffer taken while the capture runs
+        self.used = 0
+
+
+class _Lease:
+    """One capture's use of a :class:`HostBuffers`: per layer, the buffers its rows went into,
+    in order (one when the layer's rows fit, as they do once the set has learned its size)."""
+
+    def __init__(self, owner: HostBuffers, max_inflight_bytes: int) -> None:
+        self.owner = owner
+        self.chunks: dict[str, list[_Chunk]] = {}
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight: collections.deque[tuple[Any, int]] = collections.deque()
+        self._inflight_bytes = 0
+
+    def _room(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        nbytes, size = t.nbytes, t.element_size()
+        chunks = self.chunks.setdefault(key, [])
+        cur = chunks[-1] if chunks else None
+        if cur is None or cur.used % size or cur.used + nbytes > cur.slot.nbytes:
+            taken = sum(c.used for c in chunks)
+            # The first chunk takes what the layer took last time; one that overflows doubles.
+            cur = _Chunk(*self.owner._take(key, max(nbytes, taken)))
+            chunks.append(cur)
+        dst = cur.slot.buf[cur.used : cur.used + nbytes].view(t.dtype).view(t.shape)
+        cur.used += nbytes
+        return dst
+
+    def put(self, key: str, t: torch.Tensor, *, snapshot: bool) -> torch.Tensor | PendingCopy:
+        """Copy ``t``'s values into ``key``'s buffer. CPU: now. CUDA: non-blocking on the set's
+        side stream, after the producing stream (from a device snapshot when ``snapshot``: ``t``
+        may be updated in place after this returns); a :class:`PendingCopy` of the host view."""
+        t = t.detach()
+        if t.numel() == 0:
+            return t.to("cpu", copy=True)
+        dst = self._room(key, t)
+        slot = self.chunks[key][-1].slot
+        if not t.is_cuda:
+            dst.copy_(t)
+            return dst
+        device = t.device
+        current = torch.cuda.current_stream(device)
+        src = t.clone() if snapshot else t
+        side = self.owner._side_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        src.record_stream(side)  # the allocator keeps src until the copy has read it
+        slot.event = event
+        self._inflight.append((event, t.nbytes))
+        self._inflight_bytes += t.nbytes
+        while self._inflight_bytes > self.max_inflight_bytes and len(self._inflight) > 1:
+            old, nb = self._inflight.popleft()
+            old.synchronize()  # back-pressure: device snapshots in flight stay bounded
+            self._inflight_bytes -= nb
+        return PendingCopy([dst], _EventEngine, event, t.nbytes)
+
+    def whole(self, key: str, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """``parts`` (this capture's rows of ``key``, in order) as one tensor: a view when they
+        lie back to back in one buffer, else joined into a buffer of the set (which the next
+        capture reuses); None when they are not all rows of this lease."""
+        chunks = self.chunks.get(key)
+        if not chunks or not parts:
+            return None
+        first = parts[0]
+        tail, dtype = first.shape[1:], first.dtype
+        if any(p.shape[1:] != tail or p.dtype != dtype or not p.is_contiguous() for p in parts):
+            return None
+        rows = sum(int(p.shape[0]) for p in parts)
+        if len(chunks) == 1:
+            buf = chunks[0].slot.buf
+            start = buf.data_ptr()
+            at = start
+            for p in parts:  # back to back from the start of the one buffer
+                if p.data_ptr() != at or p.untyped_storage().data_ptr() != start:
+                    return None
+                at += p.nbytes
+            return buf[: at - start].view(dtype).view(rows, *tail)
+        nbytes = sum(p.nbytes for p in parts)
+        self.owner._learn(key, nbytes)
+        slot, _hold = self.owner._take(key, nbytes)
+        out = slot.buf[:nbytes].view(dtype).view(rows, *tail)
+        torch.cat(parts, out=out)
+        joined = _Chunk(slot, None)
+        joined.used = nbytes
+        self.chunks[key] = [joined]  # the earlier buffers are idle once parts are let go
+        with self.owner._lock:
+            self.owner._joins += 1
+        return out
+
+    def close(self) -> None:
+        """The capture ended: the set learns what each layer took; the buffers stay taken
+        only as long as its rows are held."""
+        for key, chunks in self.chunks.items():
+            self.owner._learn(key, sum(c.used for c in chunks))
+            for c in chunks:
+                c.hold = None

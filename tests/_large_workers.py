@@ -125,7 +125,12 @@ def worker(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
         lay = rank_layout(model=model)
         res["model_layout"] = lay
         mine = examples(spec["ckpt"])[lay.dp_rank :: lay.dp_size]  # as DistributedSampler deals
-        _raw_capture(model, "model.layers.*", mine, os.path.join(outdir, "raw_tp"))
+        rec = _raw_capture(model, "model.layers.*", mine, os.path.join(outdir, "raw_tp"))
+        # what this rank copied to host memory for the store (its own rows' bytes, or none)
+        res["raw_tp_copied"] = (
+            rec._offloader_.stats()["bytes_submitted"] if rec._offloader_ is not None else 0
+        )
+        res["raw_tp_bytes"] = rec.bytes
         res["t"].append(time.perf_counter() - t0)
         # 4. FSDP2: every rank data-parallel, its own examples; row indices global
         from torch.distributed.fsdp import fully_shard

@@ -206,6 +206,18 @@ def test_a_raw_capture_from_tensor_parallel_ranks_writes_each_row_once(spawned, 
 
 
 @pytest.mark.distributed
+def test_only_the_writer_ranks_copy_rows_to_host(spawned):
+    _, results = spawned
+    # ranks 0 and 2 write (their rows, and their statistics rows); 1 and 3 copy nothing
+    copied = [x["raw_tp_copied"] for x in results]
+    assert copied[1] == copied[3] == 0, copied
+    for r in (0, 2):
+        assert copied[r] >= results[r]["raw_tp_bytes"] > 0, copied
+    # every rank saw the same (whole) rows: the non-writers count them without copying
+    assert results[1]["raw_tp_bytes"] == results[0]["raw_tp_bytes"]
+
+
+@pytest.mark.distributed
 def test_a_raw_fsdp_capture_gives_global_row_indices(spawned, reference):
     outdir, _ = spawned
     layers = [f"model.layers.{i}" for i in range(2)]

@@ -307,6 +307,79 @@ def test_two_ranks_write_one_prefix(s3):
     assert verify_capture(url) == ([], [])
 
 
+def _two_ranks(out, global_rows: bool) -> None:
+    """Two data-parallel ranks' rows: example indices that are global, or (what main wrote
+    once) that each rank counted from 0, so that both ranks store examples 0 and 1."""
+    for rank in (1, 0):  # rank 0 last: it merges the index
+        with ShardWriter(out, rank=rank, world_size=2, shard_bytes=1) as w:
+            for k in range(2):
+                e = 2 * k + rank if global_rows else k
+                rows = torch.tensor([[e, 0], [e, 1]])
+                w.add({"x": torch.randn(2, 4), "__row_index__": rows}, examples=1)
+
+
+def test_verify_of_a_url_names_rows_stored_twice(s3, tmp_path, monkeypatch):
+    """verify of a URL runs the checks across the ranks that a local verify runs: rows stored
+    by two ranks, a rank's missing index file, and the index files of two captures, each named
+    as the local verify of the same store names them (the reference), with the command's exit
+    2; the same ranks with global row indices verify clean."""
+    from pyhook.store.remote import Remote
+
+    got, get = [], Remote.get
+
+    def counting_get(self, name, *args, **kwargs):
+        got.append(name)
+        return get(self, name, *args, **kwargs)
+
+    for global_rows in (False, True):
+        url, local = s3(), str(tmp_path / f"global{global_rows}")
+        for out in (url, local):
+            _two_ranks(out, global_rows)
+        got.clear()
+        monkeypatch.setattr(Remote, "get", counting_get)
+        problems, notes = verify_capture(url)
+        monkeypatch.undo()
+        # each shard downloaded once (its checksum), its row index read from that copy
+        assert sorted(n for n in got if n.startswith("shard-")) == sorted(
+            n for n in os.listdir(local) if n.startswith("shard-")
+        )
+        expected, expected_notes = verify_capture(local)
+        assert notes == expected_notes == []
+        assert problems == [p.replace(local, url) for p in expected]
+        if global_rows:  # the control: each row once
+            assert problems == [] and main(["verify", url]) == 0
+        else:
+            (problem,) = problems
+            assert problem.startswith(f"{url}: 4 row(s) are stored more than once")
+            for e, pos in [(0, 0), (0, 1), (1, 0)]:  # the first three, with both shards
+                assert (
+                    f"example {e} position {pos} in shard-r000-00000{e}.safetensors and "
+                    f"shard-r001-00000{e}.safetensors" in problem
+                )
+            assert "; and 1 more." in problem
+            assert main(["verify", url]) == 2
+    # the clean store, a rank's index file gone: its rows are not read, verify says so
+    _fs().rm_file(f"{url.removeprefix('s3://')}/index-r001.json")
+    os.remove(os.path.join(local, "index-r001.json"))
+    expected, _ = verify_capture(local)
+    assert verify_capture(url)[0] == [p.replace(local, url) for p in expected]
+    assert expected[0].startswith(f"{local}/index-r001.json: missing (rank 1 of 2")
+    assert main(["verify", url]) == 2
+    # the ranks' index files of two captures (other settings), put together and uploaded
+    url, local = s3(), tmp_path / "mixed"
+    for rank in (1, 0):
+        with ShardWriter(tmp_path / f"r{rank}", rank=rank, world_size=2, settings={"r": rank}) as w:
+            w.add({"x": torch.randn(2, 4)}, examples=1)
+        for name in os.listdir(tmp_path / f"r{rank}"):
+            if not name.startswith(".lock"):
+                _fs().put_file(tmp_path / f"r{rank}" / name, f"{url.removeprefix('s3://')}/{name}")
+                local.mkdir(exist_ok=True)
+                (local / name).write_bytes((tmp_path / f"r{rank}" / name).read_bytes())
+    (expected,), _ = verify_capture(local)
+    assert "index-r001.json: not an index of the same capture as index-r000.json" in expected
+    assert verify_capture(url) == ([expected.replace(str(local), url)], [])
+
+
 @pytest.mark.parametrize("when", ["open", "merge"])
 def test_a_rank_closing_between_anothers_listing_and_reading(s3, monkeypatch, when):
     """Ranks start and close at different times: rank 1 compacts its journal (uploads its

@@ -515,6 +515,8 @@ class RecorderState(Protocol):
     _stats: bool
     _tokens: bool
     _mask_unlisted: bool
+    _lease: Any  # a HostBuffers lease (pyhook.offload._Lease) or None
+    layout: Any  # this rank's place (pyhook.pipeline.ranks.RankLayout)
 
     @property
     def _offloader(self) -> Any: ...

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._compiled import call_outside
 from .._hooks import HookSet, check_not_compiled
+from ..offload import PendingCopy
 from ..points import module_path
 from ._record import (
     RecorderState,
@@ -238,7 +239,10 @@ class CompiledPath:
                         later[name] = t  # computed by the writer thread, off the forward
                     else:
                         stats[name] = batch_stats(t)
-                if rec.to != "device" and not t.is_cpu:
+                if rec._lease is not None:  # into reusable host buffers (HostBuffers)
+                    p = rec._lease.put(name, t, snapshot=False)
+                    t = p.wait()[0] if isinstance(p, PendingCopy) else p
+                elif rec.to != "device" and not t.is_cpu:
                     t = t.to("cpu")
                 elif t.is_cuda:
                     t = t.clone()  # out of a CUDA graph's pool, before the next replay

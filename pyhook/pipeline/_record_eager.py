@@ -151,6 +151,11 @@ class EagerPath:
         clone_one = _backend.clone_one
         kept_min = _backend.KEPT_MIN_BYTES
         native_stats = _backend.get_backend() == "native"
+        lease = rec._lease if to == "host" else None
+        # A tensor-parallel rank that is not its group's writer: its group's writer stores the
+        # same (whole) rows, so they are not copied or summarised here; the gathers that made
+        # them whole still ran on every rank (they are collective).
+        discard = to == "disk" and not rec.layout.writer
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             raw = layer_rows(name, output, select)
@@ -182,11 +187,20 @@ class EagerPath:
                     pending_guard[name] = (t, t._version)
                 else:
                     pending_guard.pop(name, None)
+            if discard:
+                # shape and dtype only: no reference to the model's tensor, no copy
+                shape = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                pending[name] = PendingCopy([shape], None, None, t.nbytes)
+                return
             if to == "disk":
                 old = pending.pop(name, None)
                 if old is not None:  # the layer ran twice in this forward: the last call is kept
                     rec._offloader.release(old.wait())
                 pending[name] = rec._offloader.submit([t], copy=needs_copy, pooled=True)
+            elif lease is not None:
+                # Into the capture's reusable host buffers (pyhook.HostBuffers): the rows of
+                # every batch back to back, so that rec[layer] is a view, not a join.
+                pending[name] = lease.put(name, t, snapshot=needs_copy)
             elif to == "device" or t.is_cpu:
                 # Host memory already (or staying on the device): a synchronous copy, nothing
                 # to overlap and no engine to go through.

@@ -5,7 +5,8 @@ attention mask, a dtype cast), and send each captured tensor to a destination:
 
 * ``to="device"``: stays where the model computed it (a detached copy);
 * ``to="host"``: host memory; on CUDA through pinned buffers on a side stream (see
-  :mod:`pyhook.offload`), so the copy overlaps the rest of the forward;
+  :mod:`pyhook.offload`), so the copy overlaps the rest of the forward; with
+  ``buffers=HostBuffers()`` into host buffers that a loop of captures reuses;
 * ``to="disk"`` (or just ``out=DIR``): safetensors shards written by a background thread (see
   :mod:`pyhook.store`); read them back with :func:`pyhook.store.open_capture`.
 
@@ -45,7 +46,14 @@ from .._compiled import unwrap_compiled
 from .._hooks import HookSet, compiled_path
 from .._version import __version__
 from ..modules import LayerNotFoundError, glob_regex, resolve_module
-from ..offload import Offloader, PendingCopy, check_byte_count, resident_bytes, trim_host_memory
+from ..offload import (
+    HostBuffers,
+    Offloader,
+    PendingCopy,
+    check_byte_count,
+    resident_bytes,
+    trim_host_memory,
+)
 from ..points import all_points, module_path, resolve_targets
 from ._record import (
     CaptureModifiedError,
@@ -348,6 +356,7 @@ class Recorder:
         compress: str | None = None,
         gradients: bool | str | Iterable[str] | None = None,
         metric: Any = None,
+        buffers: HostBuffers | None = None,
     ) -> None:
         # Every argument is checked here, before a hook is registered or a file is written.
         if not isinstance(model, nn.Module):
@@ -401,6 +410,21 @@ class Recorder:
             raise TypeError(
                 f"select must be callable (output -> tensor), got {type(select).__name__}"
             )
+        if buffers is not None:
+            if not isinstance(buffers, HostBuffers):
+                raise TypeError(
+                    f"buffers must be a pyhook.HostBuffers, got {type(buffers).__name__}"
+                )
+            if to != "host":
+                raise ValueError(
+                    f"buffers= holds rows in host memory: it is for to='host', not to={to!r} "
+                    "(a disk capture reuses its own pooled buffers already)"
+                )
+            if not copy:
+                raise ValueError(
+                    "buffers= is where copies of the rows go; copy=False keeps references to "
+                    "the model's own tensors instead: use one or the other"
+                )
         # Host memory: the capture's buffers (rows waiting for the disk, pooled copies, copies
         # in flight) are sized from one budget, so that a disk capture of any size holds about
         # max_host_bytes beyond the forward's own memory; each setting can be raised for speed.
@@ -417,6 +441,8 @@ class Recorder:
             raise ValueError(f"max_pending_shards must be an int >= 1, got {max_pending_shards!r}")
         check_byte_count("max_inflight_bytes", max_inflight_bytes, 1)  # the Offloader is lazy
         self.max_host_bytes = max_host_bytes
+        # Host captures into reusable buffers: this capture's lease of them (see HostBuffers).
+        self._lease = buffers._lease(max_inflight_bytes) if buffers is not None else None
         self._pool_share = share
         self._pool_idle = share  # idle bytes the Offloader's pool keeps (see __enter__)
         # Rows held for the writer get the rest: with the pool's idle share, within the budget.
@@ -731,6 +757,8 @@ class Recorder:
                 self._path.finish()
             else:
                 self._path.finish(exc_type)
+            if self._lease is not None:
+                self._lease.close()
         except BaseException:
             if self._writer is not None:
                 writer, self._writer = self._writer, None
@@ -1027,13 +1055,10 @@ class Recorder:
             )
         if len(parts) == 1:
             return parts[0]
-        try:
-            out = torch.cat(parts)
-        except RuntimeError as e:
-            raise ValueError(
-                f"rows of layer {layer!r} differ in shape between batches ({[tuple(p.shape) for p in parts[:4]]}...); "
-                "use rec.parts(layer), or flatten=True / a fixed sequence length"
-            ) from e
+        # Rows in reusable host buffers: a view of the buffer they were copied into, back to
+        # back (or joined into one the next capture reuses); None if they are not all there.
+        whole = self._lease.whole(layer, parts) if self._lease is not None else None
+        out = whole if whole is not None else self._cat(layer, parts)
         if self.copy:
             # The rows are held once: the batches become views of the joined rows, and their
             # own buffers are freed (copy=False's are the model's tensors: left alone).
@@ -1044,9 +1069,19 @@ class Recorder:
             self._results[layer] = views
             self._joined[layer] = (out, len(views))
             del parts, views
-            if out.is_cpu and out.nbytes >= _TRIM_BYTES:
+            if whole is None and out.is_cpu and out.nbytes >= _TRIM_BYTES:
                 trim_host_memory()
         return out
+
+    @staticmethod
+    def _cat(layer: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        try:
+            return torch.cat(parts)
+        except RuntimeError as e:
+            raise ValueError(
+                f"rows of layer {layer!r} differ in shape between batches ({[tuple(p.shape) for p in parts[:4]]}...); "
+                "use rec.parts(layer), or flatten=True / a fixed sequence length"
+            ) from e
 
     def results(self) -> dict[str, torch.Tensor]:
         """``{layer: rows}`` for every captured layer."""
@@ -1166,7 +1201,9 @@ def capture(
     gradient of ``metric`` (``"loss"``, ``"logit:<token id>"`` or a callable
     ``(output, batch) -> [batch]`` tensor: one value per example) at that layer, rows reduced
     as the layer's; the forward must run with autograd on (see
-    :mod:`pyhook.pipeline._record_grad`).
+    :mod:`pyhook.pipeline._record_grad`). ``buffers`` (a :class:`pyhook.HostBuffers`, for
+    ``to="host"``): rows go straight into reusable host buffers (pinned on CUDA), and
+    ``rec[layer]`` is a view of them instead of a join; a loop of captures reuses the memory.
     """
     return Recorder(
         model,

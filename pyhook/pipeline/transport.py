@@ -781,12 +781,19 @@ def merged_index_of(path: str) -> dict[str, Any]:
 
 
 def verify_remote(
-    url: str, check: Callable[[str, dict, dict, dict], None] | None = None
+    url: str,
+    check: Callable[[str, dict, dict, dict], None] | None = None,
+    finish: Callable[[str, list[str], list[tuple[str, dict]], list[str]], list[str]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """:func:`verify_capture` of a URL: the index files, then each shard downloaded, checked
     and deleted (one at a time: the local disk needs room for one shard). ``check(path,
     entry, layers, header)``, given by the reader's verify (the transport knows nothing of
-    encodings or texts), runs on each downloaded shard after its header and checksum."""
+    encodings, texts or row indexes), runs on each downloaded shard after its header and
+    checksum. ``finish(local, names, loaded, problems)``, given by the reader's verify too,
+    runs once after every shard: the checks across the ranks, on the index files in the
+    temporary directory ``local`` (``names``: the paths of the rank index files there,
+    ``loaded``: ``(path, index)`` of those that loaded, ``problems``: what was found so far);
+    the problems it returns name the objects by their URLs."""
     from .format import _check_shard, _load_json, _load_part, check_merged
 
     try:
@@ -805,12 +812,14 @@ def verify_remote(
         if not parts:
             return [f"{remote.url}: holds no pyhook capture (no index-r*.json files)"], []
         seen: set[str] = set()
+        loaded: list[tuple[str, dict]] = []
         for name in parts:
             try:
                 part = _load_part(os.path.join(local, name))
             except CaptureDamagedError as e:
                 problems.append(say(str(e)))
                 continue
+            loaded.append((os.path.join(local, name), part))
             for s in part["shards"]:
                 seen.add(s["file"])
                 shard = s["file"]
@@ -829,6 +838,9 @@ def verify_remote(
                 finally:
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(local, shard))
+        if finish is not None:
+            names = [os.path.join(local, n) for n in parts]
+            problems += [say(p) for p in finish(local, names, loaded, problems)]
         if "index.json" in listing:
             try:
                 merged = os.path.join(local, "index.json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 from .format import (
     _LINK_ADVICE,
@@ -31,8 +32,11 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
 
     Every index file is read and checked, and every listed shard against its entry: present,
     a regular file, the recorded size, a header with the recorded dtypes and shapes naming this
-    shard, and the recorded checksum of its bytes. A problem names the file and what differs;
-    a note says what could not be checked (a shard of an older store has no checksum).
+    shard, and the recorded checksum of its bytes; then the capture as a whole: every rank's
+    index file there, all of one capture, each row stored once (:func:`duplicate_rows`). A
+    URL (``s3://...``) gets the same checks, its shards downloaded one at a time. A problem
+    names the file (or URL) and what differs; a note says what could not be checked (a shard
+    of an older store has no checksum).
 
     Example::
 
@@ -46,7 +50,18 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     if is_url(path):
         from .transport import verify_remote
 
-        return verify_remote(str(path), check=check_decodable)
+        held: list[tuple[str, Any]] = []  # (shard, its row index), read while it is downloaded
+
+        def check(shard: str, entry: dict, layers: dict, header: dict) -> None:
+            check_decodable(shard, entry, layers, header)
+            held.append((entry["file"], _row_keys(shard)))
+
+        def finish(
+            local: str, names: list[str], loaded: list[tuple[str, dict]], problems: list[str]
+        ) -> list[str]:
+            return _across_ranks(local, names, loaded, problems, held)
+
+        return verify_remote(str(path), check=check, finish=finish)
     out = _directory_arg("path", path)
     if not os.path.isdir(out):
         return [f"{out}: no such capture directory"], []
@@ -58,20 +73,14 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     if not parts:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
     seen: set[str] = set()
-    ranks: set[int] = set()
-    world = 0
     loaded: list[tuple[str, dict]] = []
     for p in parts:
-        m = re.fullmatch(r"index-r(\d+)\.json", os.path.basename(p))
-        if m:
-            ranks.add(int(m.group(1)))  # present, even if damaged (named below)
         try:
             part = _load_part(p)
         except CaptureDamagedError as e:
             problems.append(str(e))
             continue
         loaded.append((p, part))
-        world = max(world, part["world_size"])
         for s in part["shards"]:
             seen.add(s["file"])
             try:
@@ -79,24 +88,7 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
                 check_decodable(os.path.join(out, s["file"]), s, part["layers"], header)
             except CaptureDamagedError as e:
                 problems.append(str(e))
-    missing = sorted(set(range(world)) - ranks)  # ranks whose rows the reader would not read
-    for r in missing[:_SHOWN]:
-        problems.append(
-            f"{os.path.join(out, f'index-r{r:03d}.json')}: missing (rank {r} of {world}: its "
-            "rows are not read; deleted, or that rank crashed or is still running)"
-        )
-    if len(missing) > _SHOWN:
-        problems.append(
-            f"{out}: the index files of {len(missing) - _SHOWN} more of the {world} ranks are "
-            "missing too"
-        )
-    if not problems:
-        try:  # the ranks' indexes belong together (the ones read above, not read again)
-            check_same_capture([p for p, _ in loaded], [part for _, part in loaded])
-        except CaptureDamagedError as e:
-            problems.append(str(e))
-    if not problems:  # each (example, position) once across every rank's shards
-        problems += duplicate_rows(out, loaded)
+    problems += _across_ranks(out, parts, loaded, problems)
     merged = os.path.join(out, "index.json")
     if os.path.exists(merged):
         try:
@@ -107,6 +99,47 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
         if os.path.basename(p) not in seen and not problems:
             notes.append(f"{p}: not listed in the index (debris, removed on the next resume)")
     return list(dict.fromkeys(problems)), notes  # (a linked index file: named once)
+
+
+def _across_ranks(
+    out: str,
+    names: list[str],
+    loaded: list[tuple[str, dict]],
+    problems: list[str],
+    held: list[tuple[str, Any]] | None = None,
+) -> list[str]:
+    """The checks of a capture as a whole, after each index file and shard was checked alone
+    (``problems``: what those found), alike for a directory and a URL (whose index files are
+    in the temporary directory ``out``): every rank's index file is there (``names``: the
+    paths of those present, even if damaged), all ``loaded`` ``(path, index)`` are of one
+    capture, and each (example, position) is stored once (:func:`duplicate_rows`; ``held``:
+    the ``(shard, row index)`` of each shard when they were read as they were checked)."""
+    found: list[str] = []
+    ranks = set()
+    for p in names:
+        m = re.fullmatch(r"index-r(\d+)\.json", os.path.basename(p))
+        if m:
+            ranks.add(int(m.group(1)))
+    world = max((part["world_size"] for _, part in loaded), default=0)
+    missing = sorted(set(range(world)) - ranks)  # ranks whose rows the reader would not read
+    for r in missing[:_SHOWN]:
+        found.append(
+            f"{os.path.join(out, f'index-r{r:03d}.json')}: missing (rank {r} of {world}: its "
+            "rows are not read; deleted, or that rank crashed or is still running)"
+        )
+    if len(missing) > _SHOWN:
+        found.append(
+            f"{out}: the index files of {len(missing) - _SHOWN} more of the {world} ranks are "
+            "missing too"
+        )
+    if not problems and not found:
+        try:  # the ranks' indexes belong together (the ones read above, not read again)
+            check_same_capture([p for p, _ in loaded], [part for _, part in loaded])
+        except CaptureDamagedError as e:
+            found.append(str(e))
+    if not problems and not found:  # each (example, position) once across every rank's shards
+        found += duplicate_rows(out, loaded) if held is None else _repeated(out, held)
+    return found
 
 
 def check_decodable(path: str, entry: dict, layers: dict, header: dict) -> None:
@@ -196,6 +229,8 @@ def duplicate_rows(
     problem line naming how many rows repeat and the first ``show`` of them with their shards;
     ``[]`` when every row is there once (or the store keeps no row index: ``tokens=False``).
     ``parts`` are the ``(path, index)`` of the per-rank index files (read here when not given).
+    Only each shard's row index is read, not its layers' rows; :func:`verify_capture` of a URL
+    reads it from the copy of each shard it downloads for the checksum.
 
     Example::
 
@@ -209,9 +244,6 @@ def duplicate_rows(
         >>> print(problem.split(": ", 1)[1].split(". ")[0])
         2 row(s) are stored more than once (the same example and position): example 0 position 0 in shard-r000-000000.safetensors (twice); example 0 position 1 in shard-r000-000000.safetensors (twice)
     """
-    import torch
-    from safetensors import safe_open
-
     if parts is None:
         parts = []
         for p in sorted(_glob(out, "index-r*.json")):
@@ -219,25 +251,42 @@ def duplicate_rows(
                 parts.append((p, _load_part(p)))
             except CaptureDamagedError:
                 continue
-    keys: list[torch.Tensor] = []
-    where: list[str] = []
-    for _, part in parts:
-        for s in part["shards"]:
-            path = os.path.join(out, s["file"])
-            try:
-                with safe_open(path, framework="pt") as f:
-                    if "__row_index__" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                        continue
-                    index = f.get_tensor("__row_index__")
-            except Exception:  # damage is the shard check's to report
-                continue
-            if index.dim() != 2 or index.shape[1] != 2 or index.numel() == 0:
-                continue
-            keys.append(index.to(torch.long))
-            where += [s["file"]] * index.shape[0]
-    if not keys:
+    held = [
+        (s["file"], _row_keys(os.path.join(out, s["file"]))) for _, p in parts for s in p["shards"]
+    ]
+    return _repeated(out, held, show)
+
+
+def _row_keys(path: str) -> Any:
+    """The row index (``__row_index__``, an ``(n, 2)`` long tensor) of the shard at ``path``,
+    read alone (not the layers' rows); None when it keeps none, or cannot be read (damage
+    is the shard check's to report)."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            if "__row_index__" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return None
+            index = f.get_tensor("__row_index__")
+    except Exception:
+        return None
+    if index.dim() != 2 or index.shape[1] != 2 or index.numel() == 0:
+        return None
+    return index.to(torch.long)
+
+
+def _repeated(out: str, held: list[tuple[str, Any]], show: int = 3) -> list[str]:
+    """:func:`duplicate_rows`' problem line for the capture ``out`` from each shard's file name
+    and row index (``held``, None: it keeps none)."""
+    import torch
+
+    kept = [(name, index) for name, index in held if index is not None]
+    if not kept:
         return []
-    rows = torch.cat(keys)
+    rows = torch.cat([index for _, index in kept])
+    # each row's shard, as the shard's position in ``kept`` (one integer a row, not a name)
+    where = torch.repeat_interleave(torch.tensor([index.shape[0] for _, index in kept]))
     uniq, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
     repeated = counts > 1
     if not bool(repeated.any()):
@@ -245,14 +294,14 @@ def duplicate_rows(
     extra = int((counts[repeated] - 1).sum())
     shown = []
     for k in torch.nonzero(repeated).flatten()[:show].tolist():
-        files = [where[i] for i in torch.nonzero(inverse == k).flatten().tolist()]
+        files = [kept[i][0] for i in where[inverse == k].tolist()]
         ex, pos = uniq[k].tolist()
         names = sorted(set(files))
         if len(names) == 1:
-            held = f"{names[0]} ({'twice' if len(files) == 2 else f'{len(files)} times'})"
+            there = f"{names[0]} ({'twice' if len(files) == 2 else f'{len(files)} times'})"
         else:
-            held = " and ".join(names)
-        shown.append(f"example {ex} position {pos} in {held}")
+            there = " and ".join(names)
+        shown.append(f"example {ex} position {pos} in {there}")
     more = f"; and {int(repeated.sum()) - len(shown)} more" if int(repeated.sum()) > show else ""
     return [
         f"{out}: {extra} row(s) are stored more than once (the same example and position): "
