@@ -31,6 +31,7 @@ import datetime
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -785,6 +786,91 @@ def module_layout(module: torch.nn.Module, what: str | None = None) -> ModuleLay
         True
     """
     what = what or type(module).__name__
+    own = _own_layout(module, what)
+    if own is None:
+        _check_not_between_shards(module, what)
+    return own
+
+
+# module -> the module that holds it, for every model a tracer resolved names in while
+# torch.distributed was initialised (see note_model): what _check_not_between_shards reads.
+_PARENTS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+_NOTED: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def note_model(model: torch.nn.Module) -> None:
+    """Remember which module holds which in ``model`` (where ``torch.distributed`` is
+    initialised; once per model, again when its number of modules changed), so that a module
+    without a parallel style of its own that sits between a column- and a row-parallel layer
+    is refused by name instead of handing out its shard (:func:`module_layout`). The name
+    resolvers every tracer goes through call it (``get_module``, ``resolve_targets``).
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.distributed import note_model
+        >>> note_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # no-op without a process group
+    """
+    if not _layouts_active() or not isinstance(model, torch.nn.Module):
+        return
+    count = sum(1 for _ in model.modules())
+    if _NOTED.get(model) == count:
+        return
+    for parent in model.modules():
+        for child in parent._modules.values():
+            if child is not None:
+                _PARENTS[child] = parent
+    _NOTED[model] = count
+
+
+def _check_not_between_shards(module: torch.nn.Module, what: str) -> None:
+    """A module with no parallel style of its own whose holder (or an outer holder) also holds
+    a layer that shards its output (column-parallel) and one that takes a sharded input
+    (row-parallel): it runs on this rank's slice between the two (an activation between the
+    projections of an MLP), which nothing on the module itself tells apart from the whole."""
+    inner = module
+    while (holder := _PARENTS.get(inner)) is not None:
+        splits = joins = None
+        for name, child in holder._modules.items():
+            if child is None or child is inner:
+                continue
+            try:
+                lay = _own_layout(child, name)
+            except LayoutError:
+                continue
+            if lay is None:
+                continue
+            if lay.output is not None and splits is None:
+                splits = name
+            if (lay.input is not None or _torch_split_input(child)) and joins is None:
+                joins = name
+        if splits is not None and joins is not None:
+            raise LayoutError(
+                f"{what}: has no tensor-parallel style of its own, but sits in "
+                f"{type(holder).__name__} between {splits!r}, whose output is split across the "
+                f"ranks, and {joins!r}, which takes a split input: its tensors are this rank's "
+                f"slice, and nothing says how to gather them. Trace {splits!r} (its output) or "
+                f"{joins!r} (its input; a standard point such as mlp_hidden.L does), which "
+                "pyhook gathers whole"
+            )
+        inner = holder
+
+
+def _torch_split_input(module: torch.nn.Module) -> bool:
+    """Whether a torch parallel style on ``module`` takes its input as this rank's shard
+    (``input_layouts`` a ``Shard``: RowwiseParallel's default, sequence parallelism's)."""
+    for kind, _style, fn, _mesh in _torch_style_hooks(module):
+        if kind != "input" or not isinstance(fn, functools.partial) or not fn.args:
+            continue
+        layouts = fn.args[0]
+        for p in layouts if isinstance(layouts, (tuple, list)) else (layouts,):
+            if getattr(p, "is_shard", None) is not None and p.is_shard():
+                return True
+    return False
+
+
+def _own_layout(module: torch.nn.Module, what: str) -> ModuleLayout | None:
+    """module_layout from what the module itself holds (its forward, its hooks)."""
     fwd = module.__dict__.get("forward")
     if fwd is not None and getattr(fwd, "__closure__", None):
         cells = _cell_values(fwd)

@@ -94,6 +94,7 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
             f"layer name must be a str (a dotted module name), got {type(name).__name__}: {name!r}"
         )
     module = model
+    _note_model(model)
     if name:
         for part in name.split("."):
             child = module._modules.get(part) if isinstance(module, nn.Module) else None
@@ -110,8 +111,18 @@ def resolve_module(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mo
     return layer, get_module(model, layer)
 
 
+def _note_model(model: nn.Module) -> None:
+    # which module holds which, for the layout layer's check of unsharded modules on a
+    # tensor-parallel model (a no-op without torch.distributed)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from .distributed import note_model
+
+        note_model(model)
+
+
 def module_name_of(model: nn.Module, module: nn.Module) -> str:
     """The (first) dotted name of ``module`` inside ``model``; ``ValueError`` when it is not in it."""
+    _note_model(model)
     for n, m in model.named_modules(remove_duplicate=False):
         if m is module:
             return n

@@ -513,6 +513,50 @@ def _backward_refusals(rank: int) -> dict:
     return out
 
 
+def _between_shards(llama: nn.Module, mlp: nn.Module) -> dict:
+    """A module with no style of its own between a column- and a row-parallel layer (Llama's
+    act_fn, the ReLU of a parallelized MLP) sees this rank's slice: refused by name, by every
+    tracer, no hook left; the same module of an unsharded model traces as usual."""
+    from pyhook._hooks import HookSet
+
+    out: dict = {}
+
+    def hooks_on(model: nn.Module) -> int:
+        return sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            for m in model.modules()
+        )
+
+    before = {"llama": hooks_on(llama), "mlp": hooks_on(mlp)}
+    attempts = {
+        "trace act_fn": lambda: pyhook.Trace(llama, "model.layers.0.mlp.act_fn"),
+        "tracedict act_fn": lambda: pyhook.TraceDict(
+            llama, ["model.layers.0.mlp", "model.layers.1.mlp.act_fn"]
+        ),
+        "capture act_fn": lambda: capture(llama, "model.layers.*.mlp.act_fn").__enter__(),
+        "backward act_fn": lambda: HookSet().full_backward(
+            llama.model.layers[0].mlp.act_fn, print, name="model.layers.0.mlp.act_fn"
+        ),
+        "trace relu": lambda: pyhook.Trace(mlp, "1"),
+    }
+    for what, make in attempts.items():
+        try:
+            with make():
+                pass
+            out[what] = None
+        except pyhook.distributed.LayoutError as e:
+            out[what] = str(e)
+    out["left"] = {"llama": hooks_on(llama) - before["llama"], "mlp": hooks_on(mlp) - before["mlp"]}
+    with torch.no_grad(), pyhook.Trace(llama, "model.layers.0.mlp") as t:  # whole: allowed
+        llama(IDS)
+    out["mlp whole"] = tuple(t.output.shape)
+    plain = make_gpt2()
+    with torch.no_grad(), pyhook.Trace(plain, "transformer.h.0.mlp.act") as t:
+        plain(torch.randint(0, 64, (2, 5)))
+    out["plain act"] = tuple(t.output.shape)
+    return out
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     results: dict = {}
     try:
@@ -538,6 +582,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         results["mlp_tp"] = mlp_scenarios(mlp)
         results["mlp_tp_backward"] = mlp_backward(mlp)
+        results["between"] = _between_shards(llama, mlp)
 
         seq = make_seq_mlp()
         parallelize_module(

@@ -85,6 +85,25 @@ def test_whole_tensor_on_every_layout(ranks):
         assert res["refused"]["hooks_left"] == 0
 
 
+def test_a_module_between_column_and_row_parallel_layers_is_refused(ranks):
+    """Llama's act_fn under tp_plan and the ReLU of a parallelize_module MLP have no style of
+    their own but see this rank's slice: every tracer refuses them by name, leaving no hook;
+    the MLP around them, and the same module of an unsharded model, trace as usual."""
+    results, _ = ranks
+    for r, res in enumerate(results):
+        got = res["between"]
+        for what in ("trace act_fn", "tracedict act_fn", "capture act_fn", "backward act_fn"):
+            msg = got[what]
+            assert msg is not None, f"rank {r}: {what} handed out a shard"
+            assert "act_fn" in msg and "'gate_proj'" in msg, msg
+            assert "'down_proj'" in msg and "split" in msg, msg
+        msg = got["trace relu"]
+        assert msg is not None and "'1'" in msg and "'0'" in msg and "'2'" in msg, msg
+        assert got["left"] == {"llama": 0, "mlp": 0}
+        assert got["mlp whole"] == (2, 7, 32)  # the hidden size, whole
+        assert got["plain act"] == (2, 5, 128)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # no input grad
 def test_backward_hooks_whole_on_tensor_parallel_layers(ranks):
     """Full backward hooks and pre-hooks (HookSet's and FlexModel's) on column- and row-parallel
