@@ -795,15 +795,16 @@ def module_layout(module: torch.nn.Module, what: str | None = None) -> ModuleLay
 # module -> the module that holds it, for every model a tracer resolved names in while
 # torch.distributed was initialised (see note_model): what _check_not_between_shards reads.
 _PARENTS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
-_NOTED: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+_NOTED: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()  # children
 
 
-def note_model(model: torch.nn.Module) -> None:
+def note_model(model: torch.nn.Module, *, again: bool = False) -> None:
     """Remember which module holds which in ``model`` (where ``torch.distributed`` is
-    initialised; once per model, again when its number of modules changed), so that a module
-    without a parallel style of its own that sits between a column- and a row-parallel layer
-    is refused by name instead of handing out its shard (:func:`module_layout`). The name
-    resolvers every tracer goes through call it (``get_module``, ``resolve_targets``).
+    initialised; once per model, and ``again`` after a change such as ``replace_module``'s),
+    so that a module without a parallel style of its own that sits between a column- and a
+    row-parallel layer is refused by name instead of handing out its shard
+    (:func:`module_layout`). The name resolvers every tracer goes through call it
+    (``get_module``, ``module_name_of``, ``resolve_targets``).
 
     Example::
 
@@ -813,14 +814,13 @@ def note_model(model: torch.nn.Module) -> None:
     """
     if not _layouts_active() or not isinstance(model, torch.nn.Module):
         return
-    count = sum(1 for _ in model.modules())
-    if _NOTED.get(model) == count:
+    if not again and _NOTED.get(model) == len(model._modules):  # seen already
         return
     for parent in model.modules():
         for child in parent._modules.values():
             if child is not None:
                 _PARENTS[child] = parent
-    _NOTED[model] = count
+    _NOTED[model] = len(model._modules)
 
 
 def _check_not_between_shards(module: torch.nn.Module, what: str) -> None:

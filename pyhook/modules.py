@@ -111,13 +111,13 @@ def resolve_module(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mo
     return layer, get_module(model, layer)
 
 
-def _note_model(model: nn.Module) -> None:
+def _note_model(model: nn.Module, *, again: bool = False) -> None:
     # which module holds which, for the layout layer's check of unsharded modules on a
     # tensor-parallel model (a no-op without torch.distributed)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from .distributed import note_model
 
-        note_model(model)
+        note_model(model, again=again)
 
 
 def module_name_of(model: nn.Module, module: nn.Module) -> str:
@@ -172,6 +172,7 @@ def replace_module(model: nn.Module, name: str, new_module: nn.Module) -> None:
     if attr_name not in parent._modules:
         raise _not_found(model, name, "module", (n for n, _ in model.named_modules()))
     setattr(parent, attr_name, new_module)
+    _note_model(parent, again=True)  # the new module's place, for the layout layer
 
 
 def module_names(model: nn.Module) -> list[str]:
