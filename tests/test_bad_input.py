@@ -465,7 +465,21 @@ CASES: list[Case] = [
         "path must be a directory path",
     ),
     ("ShardWriter", lambda: pyhook.ShardWriter(3.5), (TypeError,), "out must be a directory path"),
+    ("HostBuffers", lambda: pyhook.HostBuffers(depth=0), (ValueError,), "depth must be an int"),
+    ("HostBuffers", lambda: pyhook.HostBuffers(pin="no"), (TypeError,), "pin must be True"),
     # --- capture
+    (
+        "capture",
+        lambda: capture_mod.capture(M, "0", buffers=[]),
+        (TypeError,),
+        "buffers must be a pyhook.HostBuffers",
+    ),
+    (
+        "capture",
+        lambda: capture_mod.capture(M, "0", to="device", buffers=pyhook.HostBuffers(pin=False)),
+        (ValueError,),
+        "buffers= holds rows in host memory",
+    ),
     (
         "capture",
         lambda: capture_mod.capture(NOT_A_MODEL, "0"),
