@@ -597,9 +597,12 @@ def _note_gathered(first: bool) -> None:
     _GATHERED.first = first if prev is None else (prev and first)
 
 
+_DIST_AVAILABLE = dist.is_available()  # fixed for the process (is_available looks it up each call)
+
+
 def _layouts_active() -> bool:
     """Whether sharded layouts can exist in this process (torch.distributed is initialised)."""
-    return dist.is_available() and dist.is_initialized()
+    return _DIST_AVAILABLE and dist.is_initialized()
 
 
 def _mesh_axis(mesh: Any, what: str) -> _Axis:

@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._compiled import unwrap_compiled
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
-from .modules import get_module
+from .modules import resolve_module
 from .truncate import HookNotCalledError
 
 __all__ = [
@@ -123,7 +123,8 @@ def _check_module_id(model: nn.Module, module_id: Any) -> nn.Module:
     if module_id is None:
         raise ValueError("Tried to register a module_id which was None")
     # names as in the eager model, also for a torch.compile wrapper (no '_orig_mod.' prefix)
-    return get_module(unwrap_compiled(model), module_id)  # LayerNotFoundError naming close names
+    # LayerNotFoundError naming close names; resolve_module shows the model to the layout layer
+    return resolve_module(unwrap_compiled(model), module_id)[1]
 
 
 class HooksHandle(nn.Module, abc.ABC):
@@ -199,7 +200,7 @@ class HooksHandle(nn.Module, abc.ABC):
             >>> ActivationMapGrabber(net).get_module_by_id("1")
             ReLU()
         """
-        return get_module(unwrap_compiled(self.wrapped_model), m_id)
+        return resolve_module(unwrap_compiled(self.wrapped_model), m_id)[1]
 
     def register_submodule(self, module_id: str) -> None:
         """Register further submodule of to extract intermediate output from.

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import _layouts_active
+
 __all__ = [
     "LayerNotFoundError",
     "get_module",
@@ -94,7 +96,6 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
             f"layer name must be a str (a dotted module name), got {type(name).__name__}: {name!r}"
         )
     module = model
-    _note_model(model)
     if name:
         for part in name.split("."):
             child = module._modules.get(part) if isinstance(module, nn.Module) else None
@@ -104,8 +105,13 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def resolve_module(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Module]:
-    """``(name, module)`` for a dotted name or a module object that lives inside ``model``."""
+def resolve_module(
+    model: nn.Module, layer: str | nn.Module, *, noted: bool = False
+) -> tuple[str, nn.Module]:
+    """``(name, module)`` for a dotted name or a module object that lives inside ``model``
+    (``noted``: the caller's ``resolve_targets`` already showed ``model`` to the layout layer)."""
+    if not noted:
+        _note_model(model)
     if isinstance(layer, nn.Module):
         return module_name_of(model, layer), layer
     return layer, get_module(model, layer)
@@ -113,8 +119,8 @@ def resolve_module(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mo
 
 def _note_model(model: nn.Module, *, again: bool = False) -> None:
     # which module holds which, for the layout layer's check of unsharded modules on a
-    # tensor-parallel model (a no-op without torch.distributed)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    # tensor-parallel model (a no-op without torch.distributed: one cheap check per name)
+    if _layouts_active():
         from .distributed import note_model
 
         note_model(model, again=again)
@@ -122,7 +128,6 @@ def _note_model(model: nn.Module, *, again: bool = False) -> None:
 
 def module_name_of(model: nn.Module, module: nn.Module) -> str:
     """The (first) dotted name of ``module`` inside ``model``; ``ValueError`` when it is not in it."""
-    _note_model(model)
     for n, m in model.named_modules(remove_duplicate=False):
         if m is module:
             return n

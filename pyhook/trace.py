@@ -189,7 +189,7 @@ class Trace(contextlib.AbstractContextManager):
         elif isinstance(layer, (str, nn.Module)):
             hits = resolve_targets(module, layer)  # a standard point (pyhook.points), or None
             if hits is None:
-                self.layer, target = resolve_module(module, layer)
+                self.layer, target = resolve_module(module, layer, noted=True)
             elif len(hits) == 1:
                 self.layer, target = hits[0]
             else:
@@ -494,7 +494,7 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 )
             hits = resolve_targets(module, layer)  # standard points (pyhook.points), or None
             if hits is None:
-                name, target = resolve_module(module, layer)
+                name, target = resolve_module(module, layer, noted=True)
                 unique.setdefault(name, target)
             else:
                 for name, target in hits:
