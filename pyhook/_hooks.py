@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compiled import COMPILED_MARK, CompiledModelError
-from .distributed import _layouts_active, layout_hook
+from .distributed import _layouts_active, layout_hook, note_model
 from .points import Point
 
 __all__ = [
@@ -452,15 +452,23 @@ class HookSet:
         0
     """
 
-    __slots__ = ("__weakref__", "_engine_thread", "_handles", "_thread", "any_thread")
+    __slots__ = ("__weakref__", "_engine_thread", "_handles", "_model", "_thread", "any_thread")
 
     # ``with hooks.registering(): ...`` is the hot path of every tracer's construction, so the
     # set is its own (cheap) context manager rather than a contextlib generator.
 
-    def __init__(self, *, any_thread: bool = False) -> None:
+    def __init__(self, *, any_thread: bool = False, model: nn.Module | None = None) -> None:
         self._handles: list[Any] = []  # RemovableHandle, or a dispatcher entry's handle
         self.any_thread = any_thread
+        # The tracer's model, shown to the layout layer on a sharded model (which module holds
+        # which: see pyhook.distributed.note_model); nothing is done with it otherwise.
+        self._model = weakref.ref(model) if model is not None else None
         self._own_thread()
+
+    def _note_model(self) -> None:
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            note_model(model)
 
     # -- registration -------------------------------------------------------------------
     def registering(self) -> HookSet:
@@ -589,6 +597,7 @@ class HookSet:
             if handle is not None:
                 return handle
         if _layouts_active():  # a sharded model: the hook sees and returns whole tensors
+            self._note_model()
             fn = layout_hook(
                 module, fn, post=True, with_kwargs=with_kwargs, inputs=inputs, name=name
             )
@@ -621,6 +630,7 @@ class HookSet:
             if handle is not None:
                 return handle
         if _layouts_active():  # (compiled models are not laid out: dispatched as they are)
+            self._note_model()
             fn = layout_hook(module, fn, post=False, with_kwargs=with_kwargs, name=name)
         (handle,) = _add_hooks(((md, self._guard(fn)),), False, with_kwargs, prepend)
         self._handles.append(handle)
@@ -642,6 +652,7 @@ class HookSet:
         a layout that cannot be gathered exactly raises ``LayoutError`` naming ``name``.
         """
         if _layouts_active():
+            self._note_model()
             fn = layout_hook(module, fn, post=True, backward=True, name=name)
         inner = module.register_full_backward_hook(_plain(fn), prepend=prepend)
         return self._keep(_torch_handle(module, inner, "_backward_hooks"))
@@ -657,6 +668,7 @@ class HookSet:
         """``module.register_full_backward_pre_hook(fn)``, owned by this set (whole
         ``grad_output`` on a sharded model, as :meth:`full_backward`)."""
         if _layouts_active():
+            self._note_model()
             fn = layout_hook(module, fn, post=False, backward=True, name=name)
         inner = module.register_full_backward_pre_hook(_plain(fn), prepend=prepend)
         return self._keep(_torch_handle(module, inner, "_backward_pre_hooks"))
@@ -682,6 +694,7 @@ class HookSet:
         (a tracer's hundreds of layers: no function made per layer).
         """
         if _layouts_active():  # each module's hook is wrapped for its own layout
+            self._note_model()
             names = [None] * len(modules) if names is None else names
             return [
                 self.forward(m, fn, with_kwargs=with_kwargs, checked=True, inputs=inputs, name=n)

@@ -142,7 +142,7 @@ class Trace(contextlib.AbstractContextManager):
         self.input_kw: dict[str, Any] | None = None
         self.hook: RemovableHandle | None = None
         self._any_thread = any_thread
-        self._hooks = HookSet(any_thread=any_thread)
+        self._hooks = HookSet(any_thread=any_thread, model=model)
         self._entries = _Entries(self)
         if _register:
             self._open()

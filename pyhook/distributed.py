@@ -806,8 +806,9 @@ def note_model(model: torch.nn.Module, *, again: bool = False) -> None:
     initialised; once per model, and ``again`` after a change such as ``replace_module``'s),
     so that a module without a parallel style of its own that sits between a column- and a
     row-parallel layer is refused by name instead of handing out its shard
-    (:func:`module_layout`). The name resolvers every tracer goes through call it
-    (``get_module``, ``module_name_of``, ``resolve_targets``).
+    (:func:`module_layout`). :class:`pyhook._hooks.HookSet`, through which every tracer
+    registers, calls it with the tracer's model when it wraps a hook for the layout layer (so
+    it costs nothing without a process group); ``replace_module`` calls it ``again``.
 
     Example::
 

@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._compiled import unwrap_compiled
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
-from .modules import resolve_module
+from .modules import get_module
 from .truncate import HookNotCalledError
 
 __all__ = [
@@ -123,8 +123,7 @@ def _check_module_id(model: nn.Module, module_id: Any) -> nn.Module:
     if module_id is None:
         raise ValueError("Tried to register a module_id which was None")
     # names as in the eager model, also for a torch.compile wrapper (no '_orig_mod.' prefix)
-    # LayerNotFoundError naming close names; resolve_module shows the model to the layout layer
-    return resolve_module(unwrap_compiled(model), module_id)[1]
+    return get_module(unwrap_compiled(model), module_id)  # LayerNotFoundError naming close names
 
 
 class HooksHandle(nn.Module, abc.ABC):
@@ -200,7 +199,7 @@ class HooksHandle(nn.Module, abc.ABC):
             >>> ActivationMapGrabber(net).get_module_by_id("1")
             ReLU()
         """
-        return resolve_module(unwrap_compiled(self.wrapped_model), m_id)[1]
+        return get_module(unwrap_compiled(self.wrapped_model), m_id)
 
     def register_submodule(self, module_id: str) -> None:
         """Register further submodule of to extract intermediate output from.
@@ -223,7 +222,8 @@ class HooksHandle(nn.Module, abc.ABC):
         module = _check_module_id(self.wrapped_model, module_id)
         # a module of a compiled model gets its dispatcher (compiled code then sees the hook)
         check_not_compiled(unwrap_compiled(self.wrapped_model), module_id)
-        hooks = HookSet(any_thread=True)  # threads are told apart by _frames
+        # threads are told apart by _frames
+        hooks = HookSet(any_thread=True, model=unwrap_compiled(self.wrapped_model))
         with hooks.registering():
             hooks.forward(module, _make_hook(weakref.ref(self), module_id))
         self._hook_sets[module_id] = hooks

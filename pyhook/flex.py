@@ -555,7 +555,7 @@ class FlexModel(nn.Module):
             target = hits[0][1] if hits else get_module(root, hf.module_name)
             path = module_path(hf.module_name, target)
             check_not_compiled(root, path, who="FlexModel")  # compiled: dispatched
-        hooks = HookSet(any_thread=self._any_thread)
+        hooks = HookSet(any_thread=self._any_thread, model=unwrap_compiled(self.module))
         with hooks.registering():
             fn = hf._make_hook(hook_type)
             if hook_type == "forward":

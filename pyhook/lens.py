@@ -204,7 +204,7 @@ def hooks(
             for n, _ in _expand(model, name, "hooks"):
                 dst[n].extend(fns)
     refs = {n: LensHook(n, p) for n, p in targets.items()}
-    grads = HookSet()  # the tensor (gradient) hooks registered during forwards
+    grads = HookSet(model=model)  # the tensor (gradient) hooks registered during forwards
 
     def make_edit(name: str) -> Callable[[Any], Any]:
         ref, f_fns, b_fns = refs[name], per_fwd[name], per_bwd[name]
@@ -246,7 +246,7 @@ def hooks(
 
         return edit
 
-    stops = HookSet()
+    stops = HookSet(model=model)
     td = TraceDict(
         model,
         list(targets),

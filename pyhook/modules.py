@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .distributed import _layouts_active
+from .distributed import _layouts_active, note_model
 
 __all__ = [
     "LayerNotFoundError",
@@ -105,25 +105,11 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def resolve_module(
-    model: nn.Module, layer: str | nn.Module, *, noted: bool = False
-) -> tuple[str, nn.Module]:
-    """``(name, module)`` for a dotted name or a module object that lives inside ``model``
-    (``noted``: the caller's ``resolve_targets`` already showed ``model`` to the layout layer)."""
-    if not noted:
-        _note_model(model)
+def resolve_module(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Module]:
+    """``(name, module)`` for a dotted name or a module object that lives inside ``model``."""
     if isinstance(layer, nn.Module):
         return module_name_of(model, layer), layer
     return layer, get_module(model, layer)
-
-
-def _note_model(model: nn.Module, *, again: bool = False) -> None:
-    # which module holds which, for the layout layer's check of unsharded modules on a
-    # tensor-parallel model (a no-op without torch.distributed: one cheap check per name)
-    if _layouts_active():
-        from .distributed import note_model
-
-        note_model(model, again=again)
 
 
 def module_name_of(model: nn.Module, module: nn.Module) -> str:
@@ -177,7 +163,8 @@ def replace_module(model: nn.Module, name: str, new_module: nn.Module) -> None:
     if attr_name not in parent._modules:
         raise _not_found(model, name, "module", (n for n, _ in model.named_modules()))
     setattr(parent, attr_name, new_module)
-    _note_model(parent, again=True)  # the new module's place, for the layout layer
+    if _layouts_active():  # the new module's place, for the layout layer's checks
+        note_model(parent, again=True)
 
 
 def module_names(model: nn.Module) -> list[str]:

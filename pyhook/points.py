@@ -71,7 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modules import LayerNotFoundError, _note_model, get_module, glob_regex
+from .modules import LayerNotFoundError, get_module, glob_regex
 
 __all__ = [
     "ARCHITECTURES",
@@ -1730,7 +1730,6 @@ def resolve_targets(model: nn.Module, layer: Any) -> list[tuple[str, Any]] | Non
     :func:`module_inputs` of a ``"<module>:in"`` name, else None (then it is a module name or a
     module): the one call tools make while resolving layers. A name that is neither a module
     nor a point but looks like a misspelt point raises, suggesting point names."""
-    _note_model(model)  # the layout layer's map of which module holds which (distributed only)
     if type(layer) is not str:
         return None
     if layer.endswith(INPUT_SUFFIX) and _lookup(model, layer) is None:

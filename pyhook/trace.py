@@ -189,7 +189,7 @@ class Trace(contextlib.AbstractContextManager):
         elif isinstance(layer, (str, nn.Module)):
             hits = resolve_targets(module, layer)  # a standard point (pyhook.points), or None
             if hits is None:
-                self.layer, target = resolve_module(module, layer, noted=True)
+                self.layer, target = resolve_module(module, layer)
             elif len(hits) == 1:
                 self.layer, target = hits[0]
             else:
@@ -222,7 +222,7 @@ class Trace(contextlib.AbstractContextManager):
         # Options are validated first: a compiled model gets its dispatcher only for a tracer
         # that will run (installing one may drop dynamo's compiled code).
         check_not_compiled(module, module_path(self.layer, target), who="Trace")
-        self._setup(target, flags, edit_output, any_thread, None, None)
+        self._setup(target, flags, edit_output, any_thread, None, None, model=module)
 
     def _setup(
         self,
@@ -232,10 +232,12 @@ class Trace(contextlib.AbstractContextManager):
         any_thread: bool,
         on_call: Any,
         stop_owner: object,
+        *,
+        model: nn.Module | None = None,
     ) -> None:
         self._settings(flags, edit_output, any_thread, on_call, stop_owner)
         self.module = target
-        self._hooks = HookSet(any_thread=any_thread)
+        self._hooks = HookSet(any_thread=any_thread, model=model)
         self._register(checked=True)
 
     def _settings(
@@ -494,7 +496,7 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
                 )
             hits = resolve_targets(module, layer)  # standard points (pyhook.points), or None
             if hits is None:
-                name, target = resolve_module(module, layer, noted=True)
+                name, target = resolve_module(module, layer)
                 unique.setdefault(name, target)
             else:
                 for name, target in hits:
@@ -546,7 +548,7 @@ class TraceDict(OrderedDict, contextlib.AbstractContextManager):
         self._any_thread = any_thread
         self._entries = _Entries(self)
         self._intact = False  # every layer's hook registered, by this set's owner thread
-        self._hooks = HookSet(any_thread=any_thread)
+        self._hooks = HookSet(any_thread=any_thread, model=module)
         self.module = module
         self._names = names
         try:

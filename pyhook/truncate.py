@@ -89,8 +89,10 @@ class _HandlerWrapper:
 
     __slots__ = ("_hook_fn", "_hooks", "_point", "owner")
 
-    def __init__(self, point: nn.Module, hook_fn: Any, owner: object) -> None:
-        self._hooks = HookSet()
+    def __init__(
+        self, point: nn.Module, hook_fn: Any, owner: object, model: nn.Module | None = None
+    ) -> None:
+        self._hooks = HookSet(model=model)
         self._point = point
         self._hook_fn = hook_fn
         self.owner = owner
@@ -326,7 +328,12 @@ class TruncatedModule(nn.Module, Generic[ModuleT]):
             >>> len(net[0]._forward_hooks)
             0
         """
-        return _HandlerWrapper(self.truncation_point, type(self).truncation_hook, owner=object())
+        return _HandlerWrapper(
+            self.truncation_point,
+            type(self).truncation_hook,
+            owner=object(),
+            model=unwrap_compiled(self.module),
+        )
 
     @staticmethod
     def truncation_hook(module: nn.Module, args: Any, output: Any) -> None:

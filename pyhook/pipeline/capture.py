@@ -538,7 +538,7 @@ class Recorder:
         self._max_inflight_bytes = max_inflight_bytes
         # Made on first use: host captures of CPU tensors never need the engine.
         self._offloader_: Offloader | None = None
-        self._hooks = HookSet()
+        self._hooks = HookSet(model=model)
         self._writer: ShardWriter | _NullWriter | None = None
         self._results: dict[str, list[Any]] = {n: [] for n in self.layers}
         # copy=False: (tensor, version) of each kept reference, checked on read
