@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -429,8 +430,8 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _refusals(rank: int) -> dict:
-    """An unknown parallel style is refused by name, and leaves no hook behind."""
+def _unknown_style_mlp() -> tuple[nn.Module, Any]:
+    """make_mlp() whose layer "1" has a parallel style pyhook does not know, and the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
@@ -442,6 +443,12 @@ def _refusals(rank: int) -> dict:
         mesh,
         {"1": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1))},
     )
+    return mlp, mesh
+
+
+def _refusals(rank: int) -> dict:
+    """An unknown parallel style is refused by name, and leaves no hook behind."""
+    mlp, _ = _unknown_style_mlp()
     before = len(mlp[1]._forward_hooks)
     try:
         pyhook.Trace(mlp, "1")
@@ -456,20 +463,12 @@ def _backward_refusals(rank: int) -> dict:
     left (nor the hooks registered with it in the same set), no HookFunction registered.
     transformers' per-head norm style and a column-parallel layer with a sharded input, whose
     tensors pyhook cannot give whole, are refused too (forward and backward)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
     from transformers.integrations import tensor_parallel as hf_tp
 
     from pyhook._hooks import HookSet
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mlp = make_mlp()
-    parallelize_module(
-        mlp,
-        mesh,
-        {"1": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1))},
-    )
+    mlp, mesh = _unknown_style_mlp()
     out: dict = {}
 
     def left() -> int:
