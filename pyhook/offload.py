@@ -866,6 +866,12 @@ class _Lease:
         t = t.detach()
         if t.numel() == 0:
             return t.to("cpu", copy=True)
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"HostBuffers: the current CUDA stream is being captured into a CUDA graph "
+                f"(layer {key!r}); capture rows after the graph is captured (or replayed), not "
+                "inside it"
+            )
         dst = self._room(key, t)
         slot = self.chunks[key][-1].slot
         if not t.is_cuda:
