@@ -1063,17 +1063,20 @@ def _whole_tree(value: Any, side: _Sharded | None, what: str) -> tuple[Any, Call
     return whole, back
 
 
+def _input_key(kwargs: dict[str, Any]) -> str | None:
+    """The keyword a module's input came in when it was called without positional arguments:
+    ``hidden_states``, else the first keyword holding a tensor (pyhook.points uses it too)."""
+    if "hidden_states" in kwargs:
+        return "hidden_states"
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return k
+    return None
+
+
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> str | int | None:
     """Where a module's first input is: 0 (positional), a keyword, or None (no tensor)."""
-    if args:
-        return 0
-    if kwargs:
-        if "hidden_states" in kwargs:
-            return "hidden_states"
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                return k
-    return None
+    return 0 if args else _input_key(kwargs or {})
 
 
 def _whole_grads(

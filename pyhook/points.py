@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import _input_key
 from .modules import LayerNotFoundError, get_module, glob_regex
 
 __all__ = [
@@ -814,17 +815,6 @@ def _make_qkv(model: nn.Module, layout: _Layout, kind: str, layer: int, name: st
     module = get_module(model, module_name)
     _check_not_shared(layout, module, module_name, name)
     return Point(name, module_name, module, "output", heads=heads, qkv=(family, which, attn))
-
-
-def _input_key(kwargs: dict[str, Any]) -> str | None:
-    """The keyword a module's input came in when it was called without positional arguments:
-    ``hidden_states``, else the first keyword holding a tensor."""
-    if "hidden_states" in kwargs:
-        return "hidden_states"
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return k
-    return None
 
 
 def _split_heads(point: Point, value: torch.Tensor, heads: int) -> torch.Tensor:
