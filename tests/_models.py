@@ -94,6 +94,20 @@ def gpt2(n_layer: int = 2, seed: int = 0):
     return GPT2LMHeadModel(cfg).eval()
 
 
+def randomise_norms(model: nn.Module) -> nn.Module:
+    """Every norm's weight and bias drawn far from 1 and 0 (seed 1), in place: with HF's init a
+    norm's input, its normalised value and its output cannot be told apart."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if "Norm" in type(m).__name__:
+                for name, base in (("weight", 1.0), ("bias", 0.0)):
+                    p = getattr(m, name, None)
+                    if isinstance(p, torch.Tensor):
+                        p.copy_(base + 0.7 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def all_hooks(model: nn.Module) -> int:
     """Number of hooks of every kind on every submodule."""
     total = 0

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 import transformers as T
 from _hygiene import diff, hook_snapshot
+from _models import randomise_norms
 from pyhook.capture import capture
 
 import pyhook
@@ -19,18 +20,6 @@ from pyhook.store import open_capture, verify_capture
 
 H = 16
 V = 64
-
-
-def _randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if "Norm" in type(m).__name__:
-                for name, base in (("weight", 1.0), ("bias", 0.0)):
-                    p = getattr(m, name, None)
-                    if isinstance(p, torch.Tensor):
-                        p.copy_(base + 0.7 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def build(arch: str) -> torch.nn.Module:
@@ -52,7 +41,7 @@ def build(arch: str) -> torch.nn.Module:
             vocab_size=V,
         )  # fmt: skip
         model = T.BertModel(cfg)
-    return _randomise_norms(model).eval()
+    return randomise_norms(model).eval()
 
 
 def batch():
@@ -270,7 +259,7 @@ def ckpt(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gradjob")
     save_gpt2_lm(root / "model", word_tokenizer(DOCS))
-    _randomise_norms(T.GPT2LMHeadModel.from_pretrained(root / "model")).save_pretrained(
+    randomise_norms(T.GPT2LMHeadModel.from_pretrained(root / "model")).save_pretrained(
         root / "model"
     )
     (root / "c.txt").write_text("\n".join(DOCS) + "\n")

@@ -29,19 +29,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, world: int, outdir: str) -> list:
-    """Run ``fn`` on ``world`` gloo ranks; each rank's saved results, checked for exceptions."""
+def _spawn(fn, world: int, outdir: str, *extra, deadline_s: float = SPAWN_DEADLINE_S) -> list:
+    """Run ``fn(rank, world, port, outdir, *extra)`` on ``world`` gloo ranks; each rank's saved
+    results (``rank{r}.pt`` in ``outdir``), checked for exceptions."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.spawn(fn, args=(world, _free_port(), outdir), nprocs=world, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    ctx = mp.spawn(fn, args=(world, _free_port(), outdir, *extra), nprocs=world, join=False)
+    deadline = time.monotonic() + deadline_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
             pytest.fail(
-                f"distributed workers (world {world}) did not finish in {SPAWN_DEADLINE_S} s: a hang"
+                f"distributed workers (world {world}) did not finish in {deadline_s} s: a hang"
             )
     results = [
         torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import pytest
 import torch
 from _models import word_tokenizer
 from pyhook.capture import capture
+from test_distributed import _free_port, _spawn
 
 from pyhook import CaptureJob
 from pyhook.pipeline.job import JobError
@@ -33,12 +33,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "large-models.md")
 SPAWN_DEADLINE_S = 400
 LAYERS = ["resid_post.0", "resid_post.1"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -125,26 +119,9 @@ def test_the_layout_reads_the_environment_when_no_group_is_initialised(monkeypat
 # -- many ranks: one spawn of 4 gloo ranks runs every scenario ----------------------------------
 @pytest.fixture(scope="module")
 def spawned(ckpt, reference, tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
     outdir = str(tmp_path_factory.mktemp("ranks4"))
     spec = {"job": _job_options(ckpt), "tp": 2, "ckpt": str(ckpt / "model")}
-    ctx = mp.spawn(W.worker, args=(4, _free_port(), outdir, spec), nprocs=4, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the 4 ranks did not finish in {SPAWN_DEADLINE_S} s: a hang")
-    results = [
-        torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(4)
-    ]
-    for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r} raised:\n{res['exception']}"
-    return outdir, results
+    return outdir, _spawn(W.worker, 4, outdir, spec, deadline_s=SPAWN_DEADLINE_S)
 
 
 @pytest.mark.distributed

@@ -12,22 +12,11 @@ import torch
 pytest.importorskip("transformers")
 import transformers as T
 from _hygiene import diff, hook_snapshot
+from _models import randomise_norms
 
 import pyhook
 
 H = 16
-
-
-def _randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if "Norm" in type(m).__name__:
-                for name, base in (("weight", 1.0), ("bias", 0.0)):
-                    p = getattr(m, name, None)
-                    if isinstance(p, torch.Tensor):
-                        p.copy_(base + 0.7 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @functools.cache
@@ -51,7 +40,7 @@ def build(arch: str) -> torch.nn.Module:
         )
         cfg.vocab_size = 64
         model = T.BertModel(cfg)
-    return _randomise_norms(model).eval()
+    return randomise_norms(model).eval()
 
 
 def ids() -> torch.Tensor:
@@ -326,7 +315,7 @@ def test_branch_inputs_of_a_parallel_block_get_their_own_gradients():
     gradient from torch.autograd.grad."""
     torch.manual_seed(0)
     cfg = T.GPTJConfig(n_embd=H, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64, n_positions=32)
-    model = _randomise_norms(T.GPTJForCausalLM(cfg)).eval()
+    model = randomise_norms(T.GPTJForCausalLM(cfg)).eval()
     kept = {}
     h = model.transformer.h[0].ln_1.register_forward_hook(lambda m, a, o: kept.setdefault("x", o))
     try:
