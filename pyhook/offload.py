@@ -782,7 +782,7 @@ class HostBuffers:
 
     def _learn(self, key: str, nbytes: int) -> None:
         with self._lock:
-            self._want[key] = max(nbytes, self._want.get(key, 0)) if nbytes else self._want.get(key, 0)
+            self._want[key] = max(nbytes, self._want.get(key, 0))
 
     def _side_stream(self, device: torch.device) -> Any:
         with self._lock:
@@ -846,7 +846,9 @@ class _Lease:
         self._inflight: collections.deque[tuple[Any, int]] = collections.deque()
         self._inflight_bytes = 0
 
-    def _room(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def _room(self, key: str, t: torch.Tensor) -> tuple[torch.Tensor, _Slot]:
+        """Where ``t``'s rows go in ``key``'s buffers (after the rows before them), and the
+        buffer."""
         nbytes, size = t.nbytes, t.element_size()
         chunks = self.chunks.setdefault(key, [])
         cur = chunks[-1] if chunks else None
@@ -857,7 +859,7 @@ class _Lease:
             chunks.append(cur)
         dst = cur.slot.buf[cur.used : cur.used + nbytes].view(t.dtype).view(t.shape)
         cur.used += nbytes
-        return dst
+        return dst, cur.slot
 
     def put(self, key: str, t: torch.Tensor, *, snapshot: bool) -> torch.Tensor | PendingCopy:
         """Copy ``t``'s values into ``key``'s buffer. CPU: now. CUDA: non-blocking on the set's
@@ -872,8 +874,7 @@ class _Lease:
                 f"(layer {key!r}); capture rows after the graph is captured (or replayed), not "
                 "inside it"
             )
-        dst = self._room(key, t)
-        slot = self.chunks[key][-1].slot
+        dst, slot = self._room(key, t)
         if not t.is_cuda:
             dst.copy_(t)
             return dst
