@@ -232,7 +232,7 @@ def bench_per_layer(args: argparse.Namespace) -> None:
             "pyhook capture(to='host', copy=False)": pyhook_ref,
             "nethook-style hooks + clone": hooks,
         }
-        if nnsight is not None and not args.job_priority_only:
+        if nnsight is not None:
             nn_model = nnsight.NNsight(model)
 
             def run_nnsight() -> None:
@@ -625,12 +625,8 @@ def bench_job(args: argparse.Namespace) -> None:
         mb = 0.0
         out = os.path.join(base, f"job-{n}")
 
-        def pyhook_run(
-            inline: str = "", env: dict[str, str] | None = None, **opts
-        ) -> Callable[[], None]:
+        def pyhook_run(env: dict[str, str] | None = None, **opts) -> Callable[[], None]:
             env = dict(env or {})
-            if inline:
-                env["PYHOOK_WRITE_INLINE"] = inline
 
             def run() -> None:
                 saved = {k: os.environ.get(k) for k in env}
@@ -781,42 +777,15 @@ def bench_job(args: argparse.Namespace) -> None:
             fns["pyhook defaults, buffered writes (PYHOOK_DIRECT_IO=0, the previous default)"] = (
                 pyhook_run(env={"PYHOOK_DIRECT_IO": "0"})
             )
-        if not (args.job_priority_only or args.job_core):
+        if not args.job_core:
             fns["pyhook, stats=False tokens=False fsync=False"] = pyhook_run(
                 stats=False, tokens=False, fsync=False
             )
         # Where the defaults' cost goes: each option off alone.
-        if not (args.job_no_split or args.job_priority_only or args.job_core):
+        if not (args.job_no_split or args.job_core):
             fns["pyhook defaults, stats=False"] = pyhook_run(stats=False)
             fns["pyhook defaults, tokens=False"] = pyhook_run(tokens=False)
             fns["pyhook defaults, fsync=False"] = pyhook_run(fsync=False)
-            if directio is not None:
-                # the write path and statistics kernel of the main before direct I/O
-                fns["pyhook defaults, buffered + baseline stats kernel (as before)"] = pyhook_run(
-                    env={"PYHOOK_DIRECT_IO": "0", "PYHOOK_STATS_SIMD": "0"}
-                )
-        try:  # a pyhook whose writer thread runs at the lowest priority (issue 23 item 1)
-            from pyhook.pipeline import _threadprio as threadprio
-        except ImportError:
-            threadprio = None
-        if threadprio is not None and not args.job_core:
-            # the writer thread at the other priorities, side by side with the default
-            for prio, what in (
-                ("normal", "normal priority"),
-                ("idle", "SCHED_IDLE"),
-                ("nice", "nice 19"),
-            ):
-                if prio != threadprio.DEFAULT:
-                    fns[f"pyhook defaults, writer thread at {what} ({threadprio.ENV}={prio})"] = (
-                        pyhook_run(env={threadprio.ENV: prio})
-                    )
-        # a pyhook that chooses it
-        if (
-            hasattr(sys.modules["pyhook.capture"], "write_inline")
-            and not args.job_priority_only
-            and not args.job_core
-        ):
-            fns["pyhook defaults, writer thread forced (PYHOOK_WRITE_INLINE=0)"] = pyhook_run("0")
         wall: dict[str, list[float]] = {k: [] for k in fns}
         cpu: dict[str, list[float]] = {k: [] for k in fns}
         after: dict[str, list[float]] = {k: [] for k in fns}
@@ -871,7 +840,7 @@ def bench_job(args: argparse.Namespace) -> None:
                     f"{med(after_faults[name]):,.0f}",
                 ]
             )
-        if nnsight is None and not args.job_priority_only:
+        if nnsight is None:
             rows.insert(2, ["nnsight: not installed, skipped", "-", "-", "-", "-", "-", "-", "-"])
         print(
             f"\n{n} hooked modules ({', '.join(layers)}), {mb:.1f} MB captured per batch, load "
@@ -1131,11 +1100,6 @@ def main() -> None:
     p.add_argument(
         "--job-no-split", action="store_true",
         help="(d) without the variants that turn stats, tokens, fsync or direct I/O off one by one",
-    )
-    p.add_argument(
-        "--job-priority-only", action="store_true",
-        help="(d) with only the bare forward, the hand-written loop, the defaults and the writer "
-        "thread at each priority (PYHOOK_WRITER_PRIORITY), side by side",
     )
     p.add_argument(
         "--job-core", action="store_true",

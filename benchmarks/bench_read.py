@@ -28,11 +28,7 @@ file, the best of them is named in the table):
     order kept); ``torch.index_select`` into a preallocated buffer (torch's intra-op threads, and
     one thread). Limit: ``copy_`` of the same number of *consecutive* bytes into a preallocated
     buffer (memory bandwidth). Targets: pyhook >= 1.0x the best hand-written reader and >= 80%
-    of the ``copy_`` bandwidth. Also timed: pyhook on one thread, and variants of its copy
-    (``PYHOOK_GATHER_ORDER=sorted``: read in file order, scattered writes;
-    ``PYHOOK_GATHER_STREAM=0``: plain stores instead of the non-temporal ones;
-    ``PYHOOK_GATHER_BACKOFF=0``: helper threads even after a call waited for a preempted one;
-    ``PYHOOK_GATHER_PREWAKE=0``: helpers woken only when the work is published).
+    of the ``copy_`` bandwidth. Also timed: pyhook on one thread.
 (b) the same batch as the first read after the files left the page cache (``posix_fadvise
     (DONTNEED)`` on every file, maps closed; no global ``drop_caches``: the machine is shared).
     Hand-written: numpy fancy index; sorted rows, ``madvise(MADV_WILLNEED)`` of each row's pages,
@@ -311,20 +307,6 @@ def one_thread(fn: Callable[[int], object]) -> Callable[[int], object]:
     return run
 
 
-def with_env(var: str, value: str, fn: Callable[[int], object]) -> Callable[[int], object]:
-    """``fn`` run with environment variable ``var`` set to ``value`` (pyhook's gather reads its
-    knobs per call)."""
-
-    def run(r: int) -> object:
-        os.environ[var] = value
-        try:
-            return fn(r)
-        finally:
-            os.environ.pop(var)
-
-    return run
-
-
 def sae_step(out: str) -> tuple[Callable[[torch.Tensor], None], int, float, float]:
     """A training step on a batch: a 768 -> 64 -> 768 ReLU autoencoder on the batch's first
     ``n`` rows, MSE loss, backward, Adam, on one intra-op thread; ``n`` is the number of rows
@@ -445,25 +427,7 @@ def case_warm_shuffled(
         # from the memory (the page-cache pages of the shards and of the raw file may differ).
         "pyhook gather_rows over the raw file": lambda r: _backend.gather_rows([mt], idxs[r]),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(idxs[r]),
-        # Variants of the kernel's copy (environment knobs read per call): the rows read in
-        # ascending file order and written to their slots, and plain stores instead of the
-        # non-temporal ones a batch of 1 MiB or more is written with (the default before).
-        "pyhook batch, sorted read + scattered write": with_env(
-            "PYHOOK_GATHER_ORDER", "sorted", lambda r: ds.batch(idxs[r])
-        ),
-        "pyhook batch, plain stores (PYHOOK_GATHER_STREAM=0)": with_env(
-            "PYHOOK_GATHER_STREAM", "0", lambda r: ds.batch(idxs[r])
-        ),
         "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(idxs[r])),
-        # Without the rule that runs the calls of the next second on one thread after a call
-        # waited for a preempted helper (the default before).
-        "pyhook batch, no helper back-off (PYHOOK_GATHER_BACKOFF=0)": with_env(
-            "PYHOOK_GATHER_BACKOFF", "0", lambda r: ds.batch(idxs[r])
-        ),
-        # The helpers woken only when the work is published, not before the index checks.
-        "pyhook batch, no early wake (PYHOOK_GATHER_PREWAKE=0)": with_env(
-            "PYHOOK_GATHER_PREWAKE", "0", lambda r: ds.batch(idxs[r])
-        ),
     }
     t = paired(fns, rounds, spinner)
     for state, ts in t.items():
@@ -925,15 +889,6 @@ def after_step_rows(
         hand[2]: lambda r: np.take(arr, np.sort(np_idx[r]), axis=0, out=buf, mode="clip"),
         "pyhook CaptureDataset.batch": lambda r: ds.batch(ix[r]),
         "pyhook CaptureDataset.batch, 1 thread": one_thread(lambda r: ds.batch(ix[r])),
-        # The helpers even while torch's workers spin (the path before the team was used;
-        # this row and the next also pay with_env's two environment changes a call).
-        "pyhook batch, helpers only (PYHOOK_GATHER_TEAM=0)": with_env(
-            "PYHOOK_GATHER_TEAM", "0", lambda r: ds.batch(ix[r])
-        ),
-        # The helpers on whatever CPU the scheduler picks (it picked the caller's own).
-        "pyhook batch, helpers not steered (PYHOOK_GATHER_STEER=0)": with_env(
-            "PYHOOK_GATHER_STEER", "0", lambda r: ds.batch(ix[r])
-        ),
     }
     ts = paired(fns, rounds, None, before=step)[SINGLE_STATE]
     best = best_of(ts, hand)

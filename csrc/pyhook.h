@@ -129,6 +129,13 @@ at::Tensor empty_pooled(std::vector<int64_t> size, at::ScalarType dtype);
 // Frees a gather plan (cpu/gather.cpp, pyhook::gather_plan): its parts are released.
 void gather_plan_release(int64_t plan);
 
+// Tests only (tests/test_gather.py, tests/test_stats_simd.py): torch's team for gathers never
+// (0), always (1) or when it spins (-1, the default); helpers or the caller starting late by
+// that many microseconds; the one-thread back-off period cleared. And the highest SIMD clone
+// the statistics kernel may use (2 AVX-512, 1 AVX2, 0 the baseline; 2 = the CPU's best).
+void gather_test_settings(int64_t team, int64_t helper_delay_us, int64_t caller_delay_us);
+void stats_test_simd(int64_t cap);
+
 // threads.cpp: the autograd engine's id of the calling thread, and of the thread whose
 // forward created the autograd Node being run on this thread (0 outside a backward).
 int64_t thread_id();

@@ -54,6 +54,11 @@ TORCH_LIBRARY(pyhook, m) {
   m.def("gather_plan(Tensor[] parts, int[] counts) -> int");
   m.def("gather_plan_rows(int plan, Tensor idx) -> Tensor[]");
   m.def("gather_plan_release(int plan) -> ()", &pyhook::gather_plan_release);
+  // Tests only (the fixtures of tests/test_gather.py and tests/test_stats_simd.py): thread
+  // choices and delays of the gathers, the SIMD level of the statistics (see pyhook.h).
+  m.def("_test_gather_settings(int team, int helper_delay_us, int caller_delay_us) -> ()",
+        &pyhook::gather_test_settings);
+  m.def("_test_stats_simd(int cap) -> ()", &pyhook::stats_test_simd);
 
   // Rows idx of the quantised parts of a compact store's layer (float8_e4m3fn or int8, one
   // float32 scale per row in `scales`, one tensor per part), dequantised into `dtype`

@@ -15,8 +15,8 @@ Measured the other way on a loaded machine (load 6-8 on 2 cores, other processes
 there the throttled team was the faster one (a forward in a second thread 0.6x the main thread's
 wall time; with the main team released first, 0.93x), since spinning workers lose their core to
 the other processes. So :func:`pyhook.stream` releases the consumer's team when the load average
-says the machine has a core per runnable thread, or on request
-(:func:`pyhook.pipeline.stream.release_consumer_team`, ``PYHOOK_STREAM_RELEASE_OMP=1`` or ``0``).
+says the machine has a core per runnable thread
+(:func:`pyhook.pipeline.stream.release_consumer_team`).
 """
 
 from __future__ import annotations

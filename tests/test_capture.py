@@ -632,13 +632,11 @@ def test_host_results_hold_the_rows_once():
     assert rec.results()["0"] is rows
 
 
-@pytest.mark.parametrize("inline, idle", [("0", 16 << 20), ("1", 48 << 20)])
-def test_disk_capture_sizes_its_buffers_from_max_host_bytes(tmp_path, monkeypatch, inline, idle):
+def test_disk_capture_sizes_its_buffers_from_max_host_bytes(tmp_path):
     from pyhook import _backend
 
-    # A writer thread holds up to 3/4 of the budget in rows (the pool keeps 1/4 idle); an
-    # inline writer holds at most a shard, and the pool may keep the rest.
-    monkeypatch.setenv("PYHOOK_WRITE_INLINE", inline)
+    # The writer thread holds up to 3/4 of the budget in rows (the pool keeps 1/4 idle).
+    idle = 16 << 20
     net = nn.Sequential(nn.Linear(4, 4))
     rec = capture(net, "0", out=tmp_path, max_host_bytes=64 << 20)
     assert rec._writer_opts["shard_bytes"] == 16 << 20

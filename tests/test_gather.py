@@ -513,7 +513,7 @@ import torch
 from pyhook import _backend
 from pyhook._backend import gather_rows
 assert _backend.native_available()
-os.environ["PYHOOK_GATHER_TEAM"] = "0"  # the helpers
+torch.ops.pyhook._test_gather_settings(0, 0, 0)  # the helpers (a test setting)
 # numpy, not torch, for the data and the spec: a forked child of a process that ran an
 # OpenMP parallel region hangs in its own first one (libgomp), whatever pyhook does.
 rng = np.random.default_rng(0)
@@ -545,8 +545,23 @@ def test_a_forked_child_starts_its_own_helpers(native):
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
 
 
+@pytest.fixture
+def gather_settings(native):
+    """Sets the native gathers' test settings (csrc/cpu/gather.cpp, ``gather_test_settings``):
+    torch's team never (0), always (1) or when it spins (-1, the default), the helpers or the
+    caller started late; each call also clears the one-thread back-off period an earlier call
+    may have started. Reset to the defaults after the test."""
+
+    def settings(team: int = -1, helper_delay_us: int = 0, caller_delay_us: int = 0) -> None:
+        torch.ops.pyhook._test_gather_settings(team, helper_delay_us, caller_delay_us)
+
+    settings()
+    yield settings
+    settings()
+
+
 @pytest.mark.parametrize("late", ["helper", "caller"])
-def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(native, monkeypatch, late):
+def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(gather_settings, late):
     # A large gather splits its pieces into one range per thread: each thread copies its own
     # range front to back, then takes what is left of the other's from the back. A helper (or
     # the caller) made to start 300 ms late (a test hook in csrc/cpu/gather.cpp) finds its range
@@ -554,17 +569,16 @@ def test_a_thread_that_starts_late_leaves_its_pieces_to_the_other(native, monkey
     # a helper that has not claimed a piece.
     if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two torch threads on two CPUs")
-    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")  # no one-thread period from an earlier test
-    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "0")  # the helpers, even if torch's workers spin
+    gather_settings(team=0)  # the helpers, even if torch's workers spin
     parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=4)
     idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(4))
     want = spec(parts, idx)
     gather_rows(parts, idx)  # helpers started
-    monkeypatch.setenv(f"PYHOOK_GATHER_TEST_{late.upper()}_DELAY_US", "300000")
+    gather_settings(team=0, **{f"{late}_delay_us": 300000})
     t0 = time.perf_counter()
     got = gather_rows(parts, idx)
     took = time.perf_counter() - t0
-    monkeypatch.delenv(f"PYHOOK_GATHER_TEST_{late.upper()}_DELAY_US")
+    gather_settings(team=0)
     assert torch.equal(got, want)
     if late == "helper":
         assert took < 0.25, f"the caller waited {took:.3f} s for a helper that had not started"
@@ -606,7 +620,7 @@ def _my_cpu():
         return int(f.read().rsplit(")", 1)[1].split()[36])
 
 
-def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
+def test_helpers_are_kept_off_the_callers_cpu(gather_settings):
     # Woken while the other CPU is held (by torch's OpenMP workers spinning after a training
     # step), a helper was put on the caller's own CPU, preempted the caller and copied while it
     # waited. A large gather sets the helpers' affinity to the caller's CPUs but the one it
@@ -615,14 +629,13 @@ def test_helpers_are_kept_off_the_callers_cpu(native, monkeypatch):
         pytest.skip("needs two torch threads on two CPUs")
     if not os.path.exists("/proc/thread-self/stat"):
         pytest.skip("needs /proc")
-    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")
-    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "0")  # the helpers, even if torch's workers spin
     parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=6)
     idx = torch.randint(0, 2003, (4099,), generator=torch.Generator().manual_seed(6))
     want = spec(parts, idx)
     allowed = os.sched_getaffinity(0)
     seen = []
     for _ in range(10):
+        gather_settings(team=0)  # the helpers, even if torch's workers spin; no back-off
         assert torch.equal(gather_rows(parts, idx), want)
         cpu = _my_cpu()  # where the call ran, unless the scheduler moved this thread since
         helpers = _helper_threads()
@@ -649,17 +662,16 @@ def test_the_datasets_batch_op_has_no_autograd_step(native):
 
 # -- torch's own team, while its workers spin ------------------------------------------------------
 @pytest.mark.parametrize("rows", [100, 4099])  # 300 KB: the team alone splits it; 12 MB: both
-def test_a_gather_on_torchs_team_is_exact(native, monkeypatch, rows):
-    # PYHOOK_GATHER_TEAM=1 runs every call of 256 KB or more on torch's OpenMP team (by
+def test_a_gather_on_torchs_team_is_exact(gather_settings, rows):
+    # team=1 (a test setting) runs every call of 256 KB or more on torch's OpenMP team (by
     # default only a call made while its workers spin does), with the pieces claimed as with
     # the helpers: every layer and row exact, into a new output or a given one.
-    monkeypatch.setenv("PYHOOK_GATHER_TEAM", "1")
-    monkeypatch.setenv("PYHOOK_GATHER_BACKOFF", "0")
     parts = make_parts(torch.float32, sizes=(700, 3, 0, 1300), row_shape=(768,), seed=7)
     ids = [torch.arange(n) for n in (700, 3, 0, 1300)]
     idx = torch.randint(0, 2003, (rows,), generator=torch.Generator().manual_seed(7))
     many = torch.ops.pyhook.gather_rows_many.default
     for _ in range(3):
+        gather_settings(team=1)  # (and no one-thread period from the call before)
         got = many([*parts, *ids], [4, 4], idx)
         assert torch.equal(got[0], spec(parts, idx)) and torch.equal(got[1], spec(ids, idx))
         out = torch.full((rows, 768), 7.0)
@@ -716,6 +728,8 @@ assert helpers()
 time.sleep(0.02)
 team = 0
 for _ in range(40):
+    # the team rule asked for (argv: -1 the default, 0 never), no one-thread back-off period
+    torch.ops.pyhook._test_gather_settings(int(sys.argv[1]), 0, 0)
     float((a @ a).sum())  # a parallel region of torch's: its workers ran just now
     before = helpers()
     got = gather_rows(parts, idx)
@@ -732,15 +746,13 @@ print(team)
 def test_a_call_right_after_torchs_work_runs_on_its_spinning_team(native, policy, team, expect):
     # With OMP_WAIT_POLICY=ACTIVE torch's workers spin between parallel regions: a gather made
     # then copies on them and leaves pyhook's helper threads asleep (they gain no CPU time).
-    # With PASSIVE the workers sleep at once, and PYHOOK_GATHER_TEAM=0 forbids the team: the
+    # With PASSIVE the workers sleep at once, and team=0 (a test setting) forbids the team: the
     # helpers copy. (Run in a child: the wait policy is read when OpenMP starts.)
     if len(os.sched_getaffinity(0)) < 2 or not os.path.exists("/proc/self/task"):
         pytest.skip("needs two CPUs and /proc")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYHOOK_GATHER_", "OMP_"))}
-    env.update(OMP_WAIT_POLICY=policy, OMP_NUM_THREADS="2", PYHOOK_GATHER_BACKOFF="0")
-    if team is not None:
-        env["PYHOOK_GATHER_TEAM"] = team
-    r = run_script(TEAM_CHOICE, timeout=300, env=env)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    env.update(OMP_WAIT_POLICY=policy, OMP_NUM_THREADS="2")
+    r = run_script(TEAM_CHOICE, "-1" if team is None else team, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     on_team = int(r.stdout.split()[-1])
     if expect == "some":
@@ -773,7 +785,7 @@ if sys.argv[2] == "faulthandler-after":
 os.truncate(path, 2048 * 1024)  # rows 2048.. are gone
 first_half = idx[idx < 2048]
 for team, threads in (("0", 2), ("1", 2), ("0", 1)):  # helpers, torch's team, one thread
-    os.environ["PYHOOK_GATHER_TEAM"] = team
+    torch.ops.pyhook._test_gather_settings(int(team), 0, 0)
     torch.set_num_threads(threads)
     for rows in (idx, idx[-8:], torch.tensor([4095])):  # several threads, one thread, one row
         try:

@@ -5,8 +5,7 @@ exactly the rows of ``idx`` whatever the row size (below, at and above 256 bytes
 multiple of 32), the destination's alignment (``gather_rows_into`` into a view that starts 4,
 12 or 20 bytes past a 64-byte boundary), runs of consecutive rows (one copy for the run), several
 layers in one call, and either side of the 1 MiB threshold. Checked against an independent
-spec (``torch.cat(parts)[idx]``), the reference backend, and the kernel with the streaming
-stores turned off (``PYHOOK_GATHER_STREAM=0``)."""
+spec (``torch.cat(parts)[idx]``) and the reference backend."""
 
 from __future__ import annotations
 
@@ -52,12 +51,6 @@ def unaligned_out(shape, dtype, skew_bytes):
     return out
 
 
-@pytest.fixture(params=["1", "0"])
-def stream(request, monkeypatch):
-    monkeypatch.setenv("PYHOOK_GATHER_STREAM", request.param)
-    return request.param
-
-
 # Row bytes: 36 (below 256: memcpy only), 258 (just past 256, not a multiple of 16), 300, 3072.
 @pytest.mark.parametrize(
     ("dtype", "row_shape"),
@@ -69,9 +62,7 @@ def stream(request, monkeypatch):
     ],
 )
 @pytest.mark.parametrize("skew", [0, 4, 12, 20])
-def test_large_gathers_match_the_spec_whatever_the_alignment(
-    native, stream, dtype, row_shape, skew
-):
+def test_large_gathers_match_the_spec_whatever_the_alignment(native, dtype, row_shape, skew):
     parts = make_parts((900, 0, 1700, 3), row_shape, dtype=dtype, seed=skew)
     total = 2603
     row_bytes = parts[0][0].numel() * parts[0].element_size()
@@ -91,18 +82,13 @@ def test_large_gathers_match_the_spec_whatever_the_alignment(
 
 
 @pytest.mark.parametrize("n", [MIB // 3072 - 1, MIB // 3072, MIB // 3072 + 1, 4096])
-def test_either_side_of_the_threshold_and_on_and_off_give_identical_bytes(native, monkeypatch, n):
+def test_either_side_of_the_threshold_gives_the_spec(native, n):
     parts = make_parts((3000, 1, 2999), (768,), seed=n)
     idx = torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(n))
-    monkeypatch.setenv("PYHOOK_GATHER_STREAM", "1")
-    a = gather_rows(parts, idx)
-    monkeypatch.setenv("PYHOOK_GATHER_STREAM", "0")
-    b = gather_rows(parts, idx)
-    want = spec(parts, idx)
-    assert torch.equal(a, want) and torch.equal(b, want)
+    assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
 
 
-def test_several_layers_in_one_call_match_the_spec(native, stream):
+def test_several_layers_in_one_call_match_the_spec(native):
     # 12 layers of 300-byte rows and one of token ids: 12 x 4096 x 300 B, streamed as one call.
     layers = [make_parts((1500, 2600), (75,), seed=s) for s in range(12)]
     layers.append([torch.arange(1500), torch.arange(1500, 4100)])

@@ -53,15 +53,13 @@ def _source():
 
 
 @pytest.mark.parametrize(
-    ("env", "load", "released"),
+    ("load", "released"),
     [
-        (None, 0.5, True),  # a core per runnable thread: released
-        (None, 50.0, False),  # oversubscribed: the throttled team is kept
-        ("0", 0.5, False),
-        ("1", 50.0, True),
+        (0.5, True),  # a core per runnable thread: released
+        (50.0, False),  # oversubscribed: the throttled team is kept
     ],
 )
-def test_stream_releases_the_consumer_team_by_load_or_request(monkeypatch, env, load, released):
+def test_stream_releases_the_consumer_team_by_load(monkeypatch, load, released):
     import transformers
 
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
@@ -71,10 +69,6 @@ def test_stream_releases_the_consumer_team_by_load_or_request(monkeypatch, env, 
         stream_mod, "release_thread_team", lambda: calls.append(threading.current_thread().name)
     )
     monkeypatch.setattr(os, "getloadavg", lambda: (load * (os.cpu_count() or 1), 0.0, 0.0))
-    if env is None:
-        monkeypatch.delenv("PYHOOK_STREAM_RELEASE_OMP", raising=False)
-    else:
-        monkeypatch.setenv("PYHOOK_STREAM_RELEASE_OMP", env)
     rows = sum(
         len(b["tokens"]) for b in pyhook.stream(gpt, _source(), "h.0", batch_size=8, buffer_rows=16)
     )

@@ -124,7 +124,6 @@ def test_reference_backend_leaves_disk_stats_to_the_writer_thread(tmp_path, monk
         return real(x, out)
 
     monkeypatch.setattr(record, "_host_stats", spy)
-    monkeypatch.setenv("PYHOOK_WRITE_INLINE", "0")
     torch.manual_seed(0)
     net = Offset()
     with _backend.use_backend("reference"):

@@ -1,5 +1,5 @@
 """The statistics kernel's AVX-512 and AVX2 builds (csrc/cpu/stats.cpp) give the same bits as its
-baseline build (PYHOOK_STATS_SIMD=0) over dtypes, odd widths, strided views, inf and nan, one or
+baseline build (capped with the test op ``_test_stats_simd``) over dtypes, odd widths, strided views, inf and nan, one or
 two threads; and all agree with the float64 torch reference (batch_stats' torch path). On a CPU
 without AVX-512 (or AVX2) the first settings fall back to the next build: still the same bits."""
 
@@ -20,16 +20,18 @@ def _bits(t: torch.Tensor) -> list[int]:
     return t.contiguous().view(torch.int64).reshape(-1).tolist()
 
 
-def _both(rows: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The default build's result (AVX-512 where the CPU has it) and the baseline's; the AVX2
-    build's (PYHOOK_STATS_SIMD=avx2) is checked against the default's here too."""
-    monkeypatch.delenv("PYHOOK_STATS_SIMD", raising=False)
-    fast = torch.ops.pyhook.row_stats(rows)
-    monkeypatch.setenv("PYHOOK_STATS_SIMD", "avx2")
-    avx2 = torch.ops.pyhook.row_stats(rows)
-    monkeypatch.setenv("PYHOOK_STATS_SIMD", "0")
-    base = torch.ops.pyhook.row_stats(rows)
-    monkeypatch.delenv("PYHOOK_STATS_SIMD")
+    build's (the level capped at 1) is checked against the default's here too."""
+    cap = torch.ops.pyhook._test_stats_simd
+    try:
+        fast = torch.ops.pyhook.row_stats(rows)
+        cap(1)
+        avx2 = torch.ops.pyhook.row_stats(rows)
+        cap(0)
+        base = torch.ops.pyhook.row_stats(rows)
+    finally:
+        cap(2)
     assert _bits(avx2) == _bits(fast)
     return fast, base
 
@@ -56,16 +58,16 @@ def _rows(shape: tuple[int, int], dtype: torch.dtype, special: bool) -> torch.Te
     ids=lambda v: str(v) if isinstance(v, torch.dtype) else ("inf-nan" if v else "finite"),
 )
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_simd_build_gives_the_baseline_bits(shape, dtype, special, threads, monkeypatch):
+def test_simd_build_gives_the_baseline_bits(shape, dtype, special, threads):
     rows = _rows(shape, dtype, special)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fast, base = _both(rows, monkeypatch)
+        fast, base = _both(rows)
         assert _bits(fast) == _bits(base)
         view = rows[:, 1::2]  # a strided view: read as its values
         if view.shape[1]:
-            fv, bv = _both(view, monkeypatch)
+            fv, bv = _both(view)
             assert _bits(fv) == _bits(bv)
     finally:
         torch.set_num_threads(before)
@@ -79,7 +81,7 @@ def test_simd_build_gives_the_baseline_bits(shape, dtype, special, threads, monk
         torch.testing.assert_close(got["norm_mean"], norms, rtol=1e-9, atol=1e-9)
 
 
-def test_bool_rows(monkeypatch):
+def test_bool_rows():
     rows = torch.rand(257, 131, generator=torch.Generator().manual_seed(1)) > 0.5
-    fast, base = _both(rows, monkeypatch)
+    fast, base = _both(rows)
     assert _bits(fast) == _bits(base)

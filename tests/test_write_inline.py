@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-import pyhook.pipeline.capture as capture_mod
 from pyhook.capture import capture
 from pyhook.store import ShardWriter, open_capture, writer
 from pyhook.store import format as store_format
@@ -175,43 +174,13 @@ def test_inline_kill_then_resume_is_bit_identical(tmp_path, step, k):
     assert _snapshot(out) == _snapshot(ref)
 
 
-def test_capture_writes_inline_only_when_asked(tmp_path, monkeypatch):
-    # The background writer is the default, also when the forward uses every core (it measured
-    # faster there: docs/benchmarks.md); PYHOOK_WRITE_INLINE=1 asks for the inline writer.
+def test_capture_writes_on_the_background_thread(tmp_path, monkeypatch):
+    # A capture's shards are written by the writer thread, also when the forward uses every
+    # core (measured faster there: benchmarks/RESULTS.md); write_inline is ShardWriter's option.
     net = nn.Sequential(nn.Linear(4, 4))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    monkeypatch.delenv("PYHOOK_WRITE_INLINE", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
-    assert not capture_mod.write_inline(net)
     with capture(net, "0", out=tmp_path / "b") as rec:
         assert not rec._writer.write_inline
         net(torch.randn(2, 4))
-    monkeypatch.setenv("PYHOOK_WRITE_INLINE", "1")
-    assert capture_mod.write_inline(net)
-    with capture(net, "0", out=tmp_path / "a") as rec:
-        assert rec._writer.write_inline
-        net(torch.randn(2, 4))
-    monkeypatch.setenv("PYHOOK_WRITE_INLINE", "0")
-    assert not capture_mod.write_inline(net)
-    assert open_capture(tmp_path / "a")["0"][:].shape == (2, 4)
-
-
-def test_inline_capture_reuses_its_buffers(tmp_path, monkeypatch):
-    # The rows of a shard go back to the native pool when it is written; the pool keeps them
-    # idle (within max_host_bytes) for the next shard's batches, instead of freeing most and
-    # faulting fresh pages in for every shard (old main: 28 misses here, one per fresh buffer).
-    from pyhook import _backend
-
-    if not _backend.native_available():
-        pytest.skip("needs the native pool")
-    monkeypatch.setenv("PYHOOK_WRITE_INLINE", "1")
-    net = nn.Sequential(nn.Identity())  # the output is the input: every batch is copied
-    xs = [torch.full((1000, 256), float(i)) for i in range(84)]  # 1 MB a batch, pooled copies
-    before = _backend.pool_stats()["misses"]
-    with capture(net, "0", out=tmp_path, max_host_bytes=16 << 20, stats=False):
-        for x in xs:
-            net(x)
-    misses = _backend.pool_stats()["misses"] - before
-    per_shard = -(-(4 << 20) // xs[0].nbytes)  # shard_bytes = max_host_bytes / 4
-    assert misses <= per_shard + 1, (misses, per_shard)
-    assert torch.equal(open_capture(tmp_path)["0"][:], torch.cat(xs))
+    assert open_capture(tmp_path / "b")["0"][:].shape == (2, 4)

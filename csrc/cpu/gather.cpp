@@ -512,7 +512,7 @@ struct Job {
   int64_t pieces = 0;
   bool fence = false;  // the pieces write with non-temporal stores: store_fence() before done
   std::atomic<int64_t> done{0};
-  int64_t helper_delay_us = 0;  // tests only: helpers start this late (Knobs)
+  int64_t helper_delay_us = 0;  // tests only: helpers start this late (g_test_*)
 
   // The pieces are split into one contiguous range per thread (slot 0: the caller, slot i:
   // helper i), each packed as (front << 32) | back. A thread claims its own range's pieces
@@ -606,69 +606,14 @@ struct Job {
   std::unique_ptr<Range[]> ranges_;
 };
 
-// The PYHOOK_GATHER_* settings of the current call (bench_read.py compares them in one process,
-// so they are read per call), taken in one pass over the environment by the calling thread as
-// a call starts (read_knobs, from wake_for_call). A getenv of each of the eight, some twice,
-// cost a scan of the environment each: 3-5 us a call with the CPU caches cold (after a
-// training step). Helper threads never read them (see Job::helper_delay_us).
-struct Knobs {
-  bool backoff = true;   // PYHOOK_GATHER_BACKOFF=0: no one-thread period (solo_until_us)
-  bool steer = true;     // PYHOOK_GATHER_STEER=0: helpers on any CPU (Helpers::steer)
-  bool prewake = true;   // PYHOOK_GATHER_PREWAKE=0: helpers woken with the job (Helpers::wake)
-  bool stream = true;    // PYHOOK_GATHER_STREAM=0: plain stores (streaming_wanted)
-  bool sorted = false;   // PYHOOK_GATHER_ORDER=sorted: rows read in file order
-  int64_t ahead_kb = 0;  // PYHOOK_GATHER_AHEAD_KB: prefetch distance (0: the default)
-  int team = -1;  // PYHOOK_GATHER_TEAM: 0 never, 1 always, unset when spinning (team_running)
-  // Tests only: the helpers, or the caller, start this many microseconds late, to check that
-  // the other thread takes the late one's pieces (tests/test_gather.py).
-  int64_t helper_delay_us = 0;  // PYHOOK_GATHER_TEST_HELPER_DELAY_US
-  int64_t caller_delay_us = 0;  // PYHOOK_GATHER_TEST_CALLER_DELAY_US
-};
-thread_local Knobs t_knobs;
-
-int64_t knob_int(const char* v) {
-  return std::max<int64_t>(0, std::strtol(v, nullptr, 10));
-}
-
-void read_knobs() {
-  Knobs k;
-  static constexpr char kPrefix[] = "PYHOOK_GATHER_";
-  constexpr size_t kLen = sizeof(kPrefix) - 1;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    const char* kv = *e;
-    if (std::strncmp(kv, kPrefix, kLen) != 0) {
-      continue;
-    }
-    const char* name = kv + kLen;
-    const char* eq = std::strchr(name, '=');
-    if (eq == nullptr) {
-      continue;
-    }
-    const std::string key(name, static_cast<size_t>(eq - name));
-    const char* v = eq + 1;
-    if (key == "BACKOFF") {
-      k.backoff = std::strcmp(v, "0") != 0;
-    } else if (key == "STEER") {
-      k.steer = std::strcmp(v, "0") != 0;
-    } else if (key == "PREWAKE") {
-      k.prewake = std::strcmp(v, "0") != 0;
-    } else if (key == "STREAM") {
-      k.stream = std::strcmp(v, "0") != 0;
-    } else if (key == "TEAM") {
-      k.team = std::strcmp(v, "0") == 0 ? 0 : std::strcmp(v, "1") == 0 ? 1 : -1;
-    } else if (key == "ORDER") {
-      k.sorted = std::strcmp(v, "sorted") == 0;
-    } else if (key == "AHEAD_KB") {
-      const int64_t kb = knob_int(v);
-      k.ahead_kb = kb < (int64_t{1} << 20) ? kb : 0;
-    } else if (key == "TEST_HELPER_DELAY_US") {
-      k.helper_delay_us = knob_int(v);
-    } else if (key == "TEST_CALLER_DELAY_US") {
-      k.caller_delay_us = knob_int(v);
-    }
-  }
-  t_knobs = k;
-}
+// Settings only the tests change (tests/test_gather.py, through the catch-all op
+// pyhook::_test_gather_settings): torch's team never (0), always (1) or when it spins (-1,
+// the rule every other caller gets), and the helpers or the caller starting this many
+// microseconds late, to check that the other thread takes the late one's pieces. Relaxed
+// atomics: a test sets them between calls, on the calling thread.
+std::atomic<int> g_test_team{-1};
+std::atomic<int64_t> g_test_helper_delay_us{0};
+std::atomic<int64_t> g_test_caller_delay_us{0};
 
 void sleep_us(int64_t us) {
   if (us > 0) {
@@ -676,7 +621,6 @@ void sleep_us(int64_t us) {
   }
 }
 
-bool steer_wanted();
 int64_t steady_us();
 
 // Whether a caller that copied from t0 to t1 and then waited for another thread's pieces until
@@ -723,14 +667,14 @@ class Helpers {
   // the middle of a piece).
   bool run(const std::shared_ptr<Job>& job) {
     steer();
-    job->helper_delay_us = t_knobs.helper_delay_us;
+    job->helper_delay_us = g_test_helper_delay_us.load(std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
       generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
-    sleep_us(t_knobs.caller_delay_us);
+    sleep_us(g_test_caller_delay_us.load(std::memory_order_relaxed));
     const auto t0 = std::chrono::steady_clock::now();
     job->work(0);
     const auto t1 = std::chrono::steady_clock::now();
@@ -775,12 +719,9 @@ class Helpers {
   // step against 1.35 ms on one thread (the helper's run time equal to the caller's wait,
   // in /proc/self/task/*/schedstat). On another CPU it preempts the spinning worker instead:
   // 0.80-0.83 ms, where torch.index_select (whose own worker is the one spinning) took
-  // 0.79-0.86 ms. PYHOOK_GATHER_STEER=0 leaves the helpers where they are.
+  // 0.79-0.86 ms.
   void steer() {
 #if defined(__linux__)
-    if (!steer_wanted()) {
-      return;
-    }
     const int cpu = sched_getcpu();
     if (cpu < 0 || cpu == steered_cpu_.load(std::memory_order_relaxed)) {
       return;
@@ -901,23 +842,6 @@ int64_t steady_us() {
   return steady_ns() / 1000;
 }
 
-// PYHOOK_GATHER_BACKOFF=0 turns the rule off (read per call, for bench_read.py).
-bool backoff_wanted() {
-  return t_knobs.backoff;
-}
-
-// PYHOOK_GATHER_STEER=0 leaves the helpers' CPUs to the scheduler (read per call, for
-// bench_read.py); see Helpers::steer.
-bool steer_wanted() {
-  return t_knobs.steer;
-}
-
-// PYHOOK_GATHER_PREWAKE=0 wakes the helpers only when the job is published (read per call,
-// for bench_read.py); see Helpers::wake.
-bool prewake_wanted() {
-  return t_knobs.prewake;
-}
-
 // The CPUs this process may run on (its affinity mask), 1 if unknown.
 int allowed_cpus() {
 #if defined(__linux__)
@@ -936,7 +860,7 @@ int parallel_threads() {
   if (threads > 1) {
     threads = std::min(threads, allowed_cpus());
   }
-  if (threads > 1 && backoff_wanted() &&
+  if (threads > 1 &&
       steady_us() < solo_until_us.load(std::memory_order_relaxed)) {
     threads = 1;
   }
@@ -986,9 +910,6 @@ Helpers* helpers_for(int threads) {
 // After a call on several threads: starts or lengthens the one-thread period if the caller
 // waited for a helper, or sets it back to its least if it did not (see solo_until_us).
 void update_backoff(bool waited) {
-  if (!backoff_wanted()) {
-    return;
-  }
   if (waited) {
     const int64_t period = solo_period_us.load(std::memory_order_relaxed);
     solo_until_us.store(steady_us() + period, std::memory_order_relaxed);
@@ -1249,11 +1170,10 @@ bool has_avx2() {
 }
 #endif
 
-// Whether large gathers use non-temporal stores: with AVX2, unless PYHOOK_GATHER_STREAM=0
-// (read per call, so that bench_read.py compares both in one process).
+// Whether large gathers use non-temporal stores: with AVX2.
 bool streaming_wanted() {
 #if defined(PYHOOK_STREAM_AVX2)
-  return has_avx2() && t_knobs.stream;
+  return has_avx2();
 #else
   return false;
 #endif
@@ -1315,129 +1235,6 @@ void copy_range_addresses(const char* const* src, int64_t row_bytes, int64_t n, 
   }
 }
 
-// Below this many rows a batch is copied in idx order (sorting costs more than it saves).
-constexpr int64_t kSortMinRows = 64;
-
-int bit_width(uint64_t v) {
-  int b = 0;
-  while (v != 0) {
-    ++b;
-    v >>= 1;
-  }
-  return b;
-}
-
-// Whether a shuffled batch is copied in ascending source order, each row written to its slot
-// of the output (PYHOOK_GATHER_ORDER=sorted), or in idx order (the default). Read per call, so
-// that bench_read.py compares the two in one process. Measured (one thread, 4096 random rows
-// of 3 KB from a warm 370 MB capture, CPU caches flushed, 21 paired rounds at load 8): 2.87 ms
-// of CPU sorted against 2.33 ms in idx order; the scattered writes (a store miss and a TLB miss
-// on the output per row) cost more than reading in file order saves on 4 KiB pages, where rows
-// of a shuffled batch are ~90 KB apart and share neither pages nor page-table cache lines.
-bool sorted_order_wanted() {
-  return t_knobs.sorted;
-}
-
-// Bytes of rows prefetched ahead of the copy: PYHOOK_GATHER_AHEAD_KB (default 48), read per
-// call (for bench_read.py's comparisons).
-int64_t prefetch_bytes_ahead() {
-  return t_knobs.ahead_kb > 0 ? t_knobs.ahead_kb << 10 : kPrefetchBytesAhead;
-}
-
-// The positions of idx in ascending order of their rows (ties in position order), packed as
-// (row << pbits) | position, sorted by an LSD radix sort of 11-bit digits: for 4096 rows of a
-// 120,000-row capture three passes over 32 KiB, about 20 us, against ~150 us for std::sort.
-// Empty when the packed key would not fit 64 bits (then the batch is copied in idx order).
-std::vector<uint64_t> sorted_positions(const int64_t* ix, int64_t n, int64_t total, int& pbits) {
-  pbits = std::max(1, bit_width(static_cast<uint64_t>(n - 1)));
-  const int rbits = std::max(1, bit_width(static_cast<uint64_t>(total - 1)));
-  std::vector<uint64_t> keys;
-  if (pbits + rbits > 64) {
-    return keys;
-  }
-  keys.resize(static_cast<size_t>(n));
-  for (int64_t k = 0; k < n; ++k) {
-    keys[static_cast<size_t>(k)] = (static_cast<uint64_t>(ix[k]) << pbits) | static_cast<uint64_t>(k);
-  }
-  if (n < 512) {
-    std::sort(keys.begin(), keys.end());
-    return keys;
-  }
-  constexpr int kDigit = 11;
-  constexpr size_t kBuckets = size_t{1} << kDigit;
-  std::vector<uint64_t> tmp(keys.size());
-  std::vector<uint32_t> count(kBuckets);
-  // The positions' bits are already in order: only the row's bits need passes.
-  for (int shift = pbits; shift < pbits + rbits; shift += kDigit) {
-    std::fill(count.begin(), count.end(), 0);
-    for (uint64_t key : keys) {
-      ++count[(key >> shift) & (kBuckets - 1)];
-    }
-    uint32_t sum = 0;
-    for (uint32_t& c : count) {
-      const uint32_t here = c;
-      c = sum;
-      sum += here;
-    }
-    for (uint64_t key : keys) {
-      tmp[count[(key >> shift) & (kBuckets - 1)]++] = key;
-    }
-    keys.swap(tmp);
-  }
-  return keys;
-}
-
-// Copies the rows of sorted positions keys[begin..end) (see sorted_positions): the sources are
-// visited in ascending file order, each row written to its own slot of `out`. A shuffled batch
-// touches rows tens of KiB apart all over a mapping of hundreds of MB; in file order the page
-// walks of consecutive rows share the page-table cache lines, and the software prefetch runs
-// ahead over addresses that only go up. The output (one batch) is the small side.
-void copy_range_sorted(const Prepared& p, const int64_t* ix, const uint64_t* keys, int pbits,
-                       int64_t n, char* out, int64_t begin, int64_t end, int64_t ahead_bytes) {
-  const int64_t row_bytes = p.row_bytes;
-  const uint64_t mask = (uint64_t{1} << pbits) - 1;
-  const int64_t ahead = std::clamp<int64_t>(ahead_bytes / row_bytes, 1, 256);
-  // The output slot of a row is as scattered as the rows are in idx order: its first line
-  // per page is asked for (for writing) as far ahead as the source.
-  auto prefetch_out = [&](int64_t k) {
-    char* d = out + static_cast<int64_t>(keys[k] & mask) * row_bytes;
-    __builtin_prefetch(d, 1);
-    const auto dend = reinterpret_cast<uintptr_t>(d) + static_cast<uintptr_t>(row_bytes);
-    for (uintptr_t page = (reinterpret_cast<uintptr_t>(d) | (kPage - 1)) + 1; page < dend;
-         page += kPage) {
-      __builtin_prefetch(reinterpret_cast<char*>(page), 1);
-    }
-  };
-  for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
-    prefetch_row(p, static_cast<int64_t>(keys[k] >> pbits));
-    prefetch_out(k);
-  }
-  int64_t k = begin;
-  while (k < end) {
-    const auto pos = static_cast<int64_t>(keys[k] & mask);
-    const int64_t row = ix[pos];
-    const auto part = part_of_row(p.starts, row);
-    const Source& s = p.sources[part];
-    // Rows consecutive both in the file and in the output (a run a shuffled batch holds in
-    // order): one memcpy.
-    int64_t run = 1;
-    if (s.row_step == row_bytes) {
-      const int64_t part_end = p.starts[part + 1];
-      while (k + run < end && static_cast<int64_t>(keys[k + run] & mask) == pos + run &&
-             ix[pos + run] == row + run && row + run < part_end) {
-        ++run;
-      }
-    }
-    if (k + run + ahead < n) {
-      prefetch_row(p, static_cast<int64_t>(keys[k + run + ahead] >> pbits));
-      prefetch_out(k + run + ahead);
-    }
-    std::memcpy(out + pos * row_bytes, s.base + (row - p.starts[part]) * s.row_step,
-                static_cast<size_t>(run * row_bytes));
-    k += run;
-  }
-}
-
 // The threads a call copies on, chosen as it starts (wake_for_call): on torch's team, or on the
 // caller and its helpers.
 struct CallThreads {
@@ -1473,35 +1270,19 @@ void gather_layers(const std::vector<Prepared>& ps, const at::Tensor& idx_in,
     threads = 1;
   }
   // Every index is checked before anything is written (a bad index never leaves a
-  // half-written output behind); `ascending`: the rows are already in file order.
-  bool ascending = true;
-  const bool sequential = check_row_indices(ix, n, total, "gather_rows", &ascending);
-  // A shuffled batch: read in ascending file order, written in idx order (see
-  // copy_range_sorted). A batch already in file order needs no sort.
-  int pbits = 0;
-  std::vector<uint64_t> keys;
-  if (!ascending && n >= kSortMinRows && sorted_order_wanted()) {
-    keys = sorted_positions(ix, n, total, pbits);
-  }
-  const uint64_t* kp = keys.empty() ? nullptr : keys.data();
-  const int64_t ahead_bytes = prefetch_bytes_ahead();
+  // half-written output behind).
+  const bool sequential = check_row_indices(ix, n, total, "gather_rows");
   bool stream = false;  // set below, once the call's bytes are known
   // Each row's source address, looked up once (see row_addresses).
   std::vector<std::vector<const char*>> srcs(ps.size());
-  if (kp == nullptr) {
-    for (size_t l = 0; l < ps.size(); ++l) {
-      if (ps[l].row_bytes > 0) {
-        srcs[l] = row_addresses(ps[l], ix, n);
-      }
+  for (size_t l = 0; l < ps.size(); ++l) {
+    if (ps[l].row_bytes > 0) {
+      srcs[l] = row_addresses(ps[l], ix, n);
     }
   }
   auto copy = [&](const Prepared& p, char* o, int64_t b, int64_t e) {
-    if (kp != nullptr) {
-      copy_range_sorted(p, ix, kp, pbits, n, o, b, e, ahead_bytes);
-    } else {
-      const auto l = static_cast<size_t>(&p - ps.data());
-      copy_range_addresses(srcs[l].data(), p.row_bytes, n, o, b, e, ahead_bytes, stream);
-    }
+    const auto l = static_cast<size_t>(&p - ps.data());
+    copy_range_addresses(srcs[l].data(), p.row_bytes, n, o, b, e, kPrefetchBytesAhead, stream);
   };
   // A warm batch pays a mincore call per sampled row: the samples are shared by the layers
   // (at least 2 each, each layer its own rows; the layers of a capture live in the same shard
@@ -1561,17 +1342,17 @@ CallThreads wake_for_bytes(int64_t bytes) {
   // The workers' CPU times first: reading the settings and the thread count is the window
   // team_running looks at (a call of fewer bytes copies on its caller alone: no sample).
   const TeamSample sample = bytes >= kTeamMinBytes ? team_sample() : TeamSample{};
-  read_knobs();
   int threads = bytes >= kTeamMinBytes ? parallel_threads() : 1;
   bool team = false;
-  if (threads > 1 && t_knobs.team != 0) {
+  const int test_team = g_test_team.load(std::memory_order_relaxed);
+  if (threads > 1 && test_team != 0) {
     // (a first call finds the team, with one parallel region, and uses the helpers)
-    team = t_knobs.team == 1 || team_running(sample, threads);
+    team = test_team == 1 || team_running(sample, threads);
   }
   if (!team && bytes < kParallelMinBytes) {
     threads = 1;  // not worth waking a helper for
   }
-  if (threads > 1 && !team && prewake_wanted()) {
+  if (threads > 1 && !team) {
     helpers_for(threads)->wake();
   }
   return {threads, team};
@@ -1778,6 +1559,14 @@ int64_t gather_plan_cpu(at::TensorList parts, at::IntArrayRef counts) {
   const int64_t id = ++plans_made;
   plans.emplace(id, std::move(plan));
   return id;
+}
+
+void gather_test_settings(int64_t team, int64_t helper_delay_us, int64_t caller_delay_us) {
+  g_test_team.store(team < 0 ? -1 : (team == 0 ? 0 : 1), std::memory_order_relaxed);
+  g_test_helper_delay_us.store(std::max<int64_t>(0, helper_delay_us), std::memory_order_relaxed);
+  g_test_caller_delay_us.store(std::max<int64_t>(0, caller_delay_us), std::memory_order_relaxed);
+  solo_until_us.store(0, std::memory_order_relaxed);
+  solo_period_us.store(kSoloMinUs, std::memory_order_relaxed);
 }
 
 void gather_plan_release(int64_t plan) {

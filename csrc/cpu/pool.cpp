@@ -38,21 +38,16 @@ size_t round_size(size_t n) {
 // (and a later malloc_trim gives back the forward's pages with the pool's);
 // mapped, the pool never moves the forward's heap. Mapped buffers are 2 MiB
 // aligned and advised MADV_HUGEPAGE (a 2 MiB page faults once, not 512
-// times; PYHOOK_POOL_HUGEPAGES=0 leaves that out), and prefaulted in one
+// times; the kernel ignores it where transparent huge pages are off), and prefaulted in one
 // call (MADV_POPULATE_WRITE) instead of one trap per page during the copy.
 constexpr size_t kMapMin = size_t{1} << 20;
 constexpr size_t kHuge = size_t{2} << 20;
-
-bool hugepages_from_env() {
-  const char* env = std::getenv("PYHOOK_POOL_HUGEPAGES");
-  return env == nullptr || std::string(env) != "0";
-}
 
 void* map_buffer(size_t capacity) {
   if (capacity < kMapMin) {
     return c10::alloc_cpu(capacity);
   }
-  static const bool huge = hugepages_from_env();
+  constexpr bool huge = true;
   const size_t span = capacity + (huge ? kHuge : 0);
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(raw != MAP_FAILED, "pyhook: could not map a capture buffer of ", capacity,

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -36,8 +37,8 @@ constexpr int64_t kParallelMinElems = int64_t{1} << 16;
 // The kernel's body, compiled three times: for the baseline (SSE2), AVX2 (twice the float64
 // lanes) and AVX-512 (four times), picked at run time. The loops vectorise across columns only,
 // in the same order of operations (no reassociation, no contraction into fused multiply-adds):
-// all give the same bits. PYHOOK_STATS_SIMD=avx2 in the environment stops at AVX2, =0 forces the
-// baseline (tests/test_stats_simd.py compares them).
+// all give the same bits. tests/test_stats_simd.py compares them, capping the level with the
+// catch-all op pyhook::_test_stats_simd (stats_test_simd below).
 template <typename T>
 __attribute__((always_inline)) inline void columns_stats_body(const T* x, int64_t n, int64_t d,
                                                               int64_t c0, int64_t c1,
@@ -135,8 +136,10 @@ columns_stats_avx512(const T* x, int64_t n, int64_t d, int64_t c0, int64_t c1, d
 }
 #endif
 
-// Which clone runs: 2 AVX-512, 1 AVX2, 0 the baseline; the CPU's features, capped by
-// PYHOOK_STATS_SIMD (read each call: tests switch it).
+// The highest clone the tests allow (2: no cap; see stats_test_simd).
+std::atomic<int> g_test_simd_cap{2};
+
+// Which clone runs: 2 AVX-512, 1 AVX2, 0 the baseline; the CPU's features, capped by the tests.
 int simd_level() {
 #ifdef PYHOOK_STATS_AVX2
   static const int cpu = !__builtin_cpu_supports("avx2") ? 0
@@ -144,14 +147,7 @@ int simd_level() {
                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
                              ? 2
                              : 1;
-  const char* env = std::getenv("PYHOOK_STATS_SIMD");
-  if (env != nullptr && std::strcmp(env, "0") == 0) {
-    return 0;
-  }
-  if (env != nullptr && std::strcmp(env, "avx2") == 0) {
-    return std::min(cpu, 1);
-  }
-  return cpu;
+  return std::min(cpu, g_test_simd_cap.load(std::memory_order_relaxed));
 #else
   return 0;
 #endif
@@ -226,6 +222,11 @@ at::Tensor row_stats_cpu(const at::Tensor& rows) {
 }
 
 }  // namespace
+
+void stats_test_simd(int64_t cap) {
+  g_test_simd_cap.store(static_cast<int>(std::clamp<int64_t>(cap, 0, 2)),
+                        std::memory_order_relaxed);
+}
 }  // namespace pyhook
 
 // Declared here (a fragment of the pyhook namespace), so that this op needs no

@@ -171,33 +171,6 @@ _TRIM_SLACK = 32 << 20
 _MAPPED_MIN = 1 << 20
 
 
-def write_inline(model: nn.Module) -> bool:
-    """Whether a disk capture of ``model`` writes its shards on the forward's thread
-    (:class:`~pyhook.store.ShardWriter`'s ``write_inline``): only when
-    ``PYHOOK_WRITE_INLINE=1`` asks for it, with the model on the CPU. By default a background
-    thread writes. The inline writer was meant for a forward that uses every core, where a
-    writer thread takes a core from the forward's OpenMP team; on the quiet rerun of
-    benchmarks/bench_capture.py (d) (GPT-2 small, 2 cores, torch's 2 threads) the background
-    writer was the faster of the two at 12 and at 48 hooked modules, in wall and CPU time
-    (docs/benchmarks.md), so it stays the default. ``model`` is accepted so that the choice can
-    depend on where it runs.
-
-    Example::
-
-        >>> import torch
-        >>> from pyhook.capture import write_inline
-        >>> write_inline(torch.nn.Linear(2, 2)) in (True, False)
-        True
-    """
-    if os.environ.get("PYHOOK_WRITE_INLINE", "").strip() != "1":
-        return False
-    for t in model.parameters():
-        return t.device.type == "cpu"
-    for t in model.buffers():
-        return t.device.type == "cpu"
-    return True
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -606,15 +579,9 @@ class Recorder:
             # does: counted here, a pool left full by earlier work (250 MB of freed batches)
             # hid a capture's growth, and the close did not trim.
             self._rss_before = resident_bytes() - _backend.pool_stats()["cached_bytes"]
-            inline = write_inline(self.model)
-            self._writer = self._open_writer(inline)
-            # Rows wait for at most one shard when the caller writes it at once (inline), so
-            # the pools may keep the rest of the budget idle: a shard's buffers, given back
-            # when it is written, are all reused by the next batches instead of faulting in
-            # anew. With a writer thread, the rows held get 3/4 of the budget, the pools 1/4.
+            self._writer = self._open_writer()
+            # The rows held get 3/4 of the budget, the pools 1/4.
             idle = self._pool_share
-            if inline:
-                idle = max(idle, self.max_host_bytes - self._writer._shard_limit)
             if self._offloader_ is None:
                 self._pool_idle = idle
             self._pool_limit_now = idle
@@ -631,7 +598,7 @@ class Recorder:
             raise
         return self
 
-    def _open_writer(self, inline: bool) -> ShardWriter | _NullWriter:
+    def _open_writer(self) -> ShardWriter | _NullWriter:
         """This rank's writer: a :class:`ShardWriter` on the first rank of each
         tensor-parallel group, a :class:`_NullWriter` on the others (their rows are their
         writer's). They learn where their writer resumes (and whether it opened) from it."""
@@ -648,7 +615,6 @@ class Recorder:
                     world_size=self._world,
                     overwrite=self.overwrite,
                     on_release=self._release,
-                    write_inline=inline,
                     **self._writer_opts,
                 )
             except BaseException as e:

@@ -693,24 +693,18 @@ def release_consumer_team() -> bool:
     """Whether a CPU stream releases the consumer thread's idle OpenMP team before its
     producer thread starts (:func:`pyhook._omp.release_thread_team`).
 
-    ``PYHOOK_STREAM_RELEASE_OMP=1`` always, ``=0`` never; unset, only when the machine is not
-    oversubscribed: the 1-minute load average is at most the number of cores plus one half.
+    Only when the machine is not oversubscribed: the 1-minute load average is at most the
+    number of cores plus one half.
     On a machine with a core per runnable thread the producer's forward then runs as fast as
     on the main thread; where other processes take the cores, GNU OpenMP's throttled teams
     (kept when not released) lose less to spinning workers that are descheduled.
 
     Example::
 
-        >>> import os
         >>> from pyhook.pipeline.stream import release_consumer_team
-        >>> os.environ["PYHOOK_STREAM_RELEASE_OMP"] = "0"
-        >>> release_consumer_team()
-        False
-        >>> del os.environ["PYHOOK_STREAM_RELEASE_OMP"]
+        >>> release_consumer_team() in (True, False)
+        True
     """
-    env = os.environ.get("PYHOOK_STREAM_RELEASE_OMP", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # not POSIX: no load to judge by

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from . import _threadprio
 from .encoding import ENCODED_FORMAT_VERSION
 from .format import (
     _DTYPE_TO_ST,
@@ -144,9 +143,7 @@ class ShardWriter:
     background thread still fsyncs, renames and lists each shard, so a crash at any point leaves
     the same states as the default.
 
-    The thread's CPU priority follows ``PYHOOK_WRITER_PRIORITY`` (``normal`` by default;
-    ``idle``: ``SCHED_IDLE``, ``nice``: nice 19); :attr:`priority` says what the thread applied
-    once it started, and ``thread_cpu_seconds`` its CPU time (user + system) once it ended.
+    ``thread_cpu_seconds`` is the writer thread's CPU time (user + system) once it ended.
 
     ``settings`` is a JSON-able dict describing the capture; reopening a directory whose stored
     settings equal these resumes it, otherwise :class:`CaptureExistsError` is raised (unless
@@ -185,11 +182,6 @@ class ShardWriter:
                 f"overwrite must be a bool (True replaces the previous capture), got "
                 f"{type(overwrite).__name__}: {overwrite!r}"
             )
-        # The writer thread's CPU priority (_threadprio.py), read here so that a bad
-        # PYHOOK_WRITER_PRIORITY is refused before any file is written; what the thread
-        # applied is in `priority` once it started.
-        self._priority_wanted = _threadprio.mode()
-        self.priority: str | None = None
         # Compact stores (pipeline/encoding.py): quantised / compressed layers, or None.
         self.encoding = encoding if encoding else None
         self.settings = _json_arg("settings", settings or {})  # normalise (tuples -> lists)
@@ -604,7 +596,6 @@ class ShardWriter:
 
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
-        self.priority = _threadprio.lower_this_thread(self._priority_wanted)
         try:
             self._loop()
         finally:

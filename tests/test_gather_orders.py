@@ -1,9 +1,7 @@
-"""A shuffled batch is read in ascending source order and each row written to its own slot
-(csrc/cpu/gather.cpp, ``copy_range_sorted``): the result must still be exactly the rows of
-``idx`` in ``idx``'s order, whatever the order, repeats, parts and threads. Checked against an
-independent spec (``torch.cat(parts)[idx]``), the reference backend, the kernel's idx-order
-copy (``PYHOOK_GATHER_ORDER=batch``) and, through :class:`~pyhook.dataset.CaptureDataset`,
-against plain indexing of the reader."""
+"""A gather (csrc/cpu/gather.cpp) returns exactly the rows of ``idx`` in ``idx``'s order,
+whatever the order, repeats, parts, row numbers and threads. Checked against an independent
+spec (``torch.cat(parts)[idx]``), the reference backend and, through
+:class:`~pyhook.dataset.CaptureDataset`, against plain indexing of the reader."""
 
 from __future__ import annotations
 
@@ -44,16 +42,9 @@ def orders(total, n, seed):
     }
 
 
-@pytest.fixture(params=["sorted", "batch"])
-def order(request, monkeypatch):
-    monkeypatch.setenv("PYHOOK_GATHER_ORDER", request.param)
-    return request.param
-
-
-# 63 / 64: both sides of the smallest batch that is sorted; 511 / 512: std::sort / radix sort;
 # 4099: several pieces of work, on helper threads when a core is free.
 @pytest.mark.parametrize("n", [1, 63, 64, 511, 512, 4099])
-def test_every_order_matches_the_spec_and_the_reference(native, order, n):
+def test_every_order_matches_the_spec_and_the_reference(native, n):
     parts = make_parts((700, 3, 0, 1300), row_shape=(75,))
     total = 2003
     for name, idx in orders(total, n, seed=n).items():
@@ -66,22 +57,7 @@ def test_every_order_matches_the_spec_and_the_reference(native, order, n):
             assert torch.equal(gather_rows(parts, idx), want), name
 
 
-@pytest.mark.parametrize(
-    ("dtype", "row_shape"),
-    [(torch.float32, (768,)), (torch.bfloat16, (2, 9)), (torch.int64, ()), (torch.float16, (129,))],
-)
-def test_sorted_and_batch_order_give_identical_bytes(native, monkeypatch, dtype, row_shape):
-    parts = make_parts((1000, 1, 2500, 499), row_shape=row_shape, dtype=dtype, seed=4)
-    idx = torch.randint(0, 4000, (4096,), generator=torch.Generator().manual_seed(9))
-    monkeypatch.setenv("PYHOOK_GATHER_ORDER", "sorted")
-    a = gather_rows(parts, idx)
-    monkeypatch.setenv("PYHOOK_GATHER_ORDER", "batch")
-    b = gather_rows(parts, idx)
-    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert torch.equal(a, spec(parts, idx))
-
-
-def test_many_layers_share_one_sort(native, order):
+def test_many_layers_in_one_call(native):
     g = torch.Generator().manual_seed(5)
     a = torch.randn(3000, 768, generator=g)
     b = (torch.randn(3000, 2, 9, generator=g) * 50).to(torch.bfloat16)
@@ -97,9 +73,9 @@ def test_many_layers_share_one_sort(native, order):
             assert torch.equal(x, spec(parts, idx)) and torch.equal(o, x)
 
 
-def test_rows_far_apart_sort_on_every_bit(native, order):
+def test_rows_far_apart_are_found_in_every_part(native):
     # Parts of 2**38 rows each (a row stride of 0: no memory), then a dense part: row numbers
-    # of 41 bits need four radix passes, and the sort must place rows of every part.
+    # of 41 bits, and rows of every part.
     consts = [torch.full((1, 4), float(i)).expand(2**38, 4) for i in range(8)]
     dense = torch.arange(400.0).reshape(100, 4)
     parts = [*consts, dense]
@@ -115,8 +91,8 @@ def test_rows_far_apart_sort_on_every_bit(native, order):
     assert torch.equal(got, want)
 
 
-def test_rows_beyond_the_packed_key_fall_back_to_batch_order(native, order):
-    # 2**62 rows and 4096 positions do not fit one 64-bit key: copied in idx order, exactly.
+def test_row_numbers_up_to_2_62_are_exact(native):
+    # 2**62 rows (two parts of 2**61 with a row stride of 0) and a dense part between them.
     parts = [torch.full((1, 2), 1.0).expand(2**61, 2), torch.arange(20.0).reshape(10, 2)]
     parts.append(torch.full((1, 2), 3.0).expand(2**61, 2))
     g = torch.Generator().manual_seed(8)
@@ -130,7 +106,7 @@ def test_rows_beyond_the_packed_key_fall_back_to_batch_order(native, order):
 
 
 @pytest.mark.parametrize("bad", [-1, 4000, 10**12])
-def test_out_of_range_is_named_before_anything_is_written(native, order, bad):
+def test_out_of_range_is_named_before_anything_is_written(native, bad):
     parts = make_parts((1000, 3000), row_shape=(16,))
     idx = torch.randint(0, 4000, (4096,), generator=torch.Generator().manual_seed(2))
     idx[1234] = bad
@@ -147,7 +123,7 @@ def test_out_of_range_is_named_before_anything_is_written(native, order, bad):
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory):
     """A capture of three shards and two layers plus token ids."""
-    out = str(tmp_path_factory.mktemp("sorted") / "cap")
+    out = str(tmp_path_factory.mktemp("orders") / "cap")
     g = torch.Generator().manual_seed(0)
     with ShardWriter(out, shard_bytes=1) as w:  # one shard per add
         for s in range(0, 1500, 500):
@@ -162,29 +138,27 @@ def capture(tmp_path_factory):
     return out
 
 
-def test_dataset_batches_equal_plain_indexing_in_both_backends(capture, monkeypatch):
+def test_dataset_batches_equal_plain_indexing_in_both_backends(capture):
     reader = pyhook.open_capture(capture)
     assert len(reader.layer("a")._sources) == 3  # several shards
     want_a, want_b = reader["a"][:], reader["b"][:]
     for backend in ("native", "reference"):
-        for mode in ("sorted", "batch"):
-            monkeypatch.setenv("PYHOOK_GATHER_ORDER", mode)
-            with _backend.use_backend(backend):
-                ds = CaptureDataset(
-                    capture, ["a", "b"], batch_size=700, tokens=True, with_index=True, seed=3
-                )
-                seen = []
-                for batch in ds:
-                    i = batch["index"]
-                    assert torch.equal(batch["a"], want_a[i]), (backend, mode)
-                    assert torch.equal(batch["b"], want_b[i]), (backend, mode)
-                    assert torch.equal(batch["tokens"], i), (backend, mode)
-                    seen.append(i)
-                assert sorted(torch.cat(seen).tolist()) == list(range(1500))
-                dup = torch.tensor([1499, 0, 0, 750, 3, 1499, 2] * 20)
-                assert torch.equal(ds.batch(dup)["a"], want_a[dup])
-                with pytest.raises(IndexError, match=r"index 1500 \(at position 1 of idx\)"):
-                    ds.batch([4, 1500, 2])
+        with _backend.use_backend(backend):
+            ds = CaptureDataset(
+                capture, ["a", "b"], batch_size=700, tokens=True, with_index=True, seed=3
+            )
+            seen = []
+            for batch in ds:
+                i = batch["index"]
+                assert torch.equal(batch["a"], want_a[i]), backend
+                assert torch.equal(batch["b"], want_b[i]), backend
+                assert torch.equal(batch["tokens"], i), backend
+                seen.append(i)
+            assert sorted(torch.cat(seen).tolist()) == list(range(1500))
+            dup = torch.tensor([1499, 0, 0, 750, 3, 1499, 2] * 20)
+            assert torch.equal(ds.batch(dup)["a"], want_a[dup])
+            with pytest.raises(IndexError, match=r"index 1500 \(at position 1 of idx\)"):
+                ds.batch([4, 1500, 2])
 
 
 def test_set_backend_reference_gives_identical_batches(capture):
@@ -216,12 +190,3 @@ def test_large_outputs_start_at_a_page_boundary(native):
     assert t.data_ptr() % 4096 == 0 and t.untyped_storage().nbytes() == 4096 * 768 * 4
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * 4096 * 768
-
-
-@pytest.mark.parametrize("ahead", ["1", "192", "100000", "0", "-5", "junk"])
-def test_any_prefetch_distance_gives_the_same_rows(native, order, monkeypatch, ahead):
-    # PYHOOK_GATHER_AHEAD_KB only moves the software prefetch (nonsense falls back to 48 KiB).
-    monkeypatch.setenv("PYHOOK_GATHER_AHEAD_KB", ahead)
-    parts = make_parts((700, 3, 0, 1300), row_shape=(129,), dtype=torch.float16, seed=6)
-    for idx in orders(2003, 4099, seed=11).values():
-        assert torch.equal(gather_rows(parts, idx), spec(parts, idx))
