@@ -66,6 +66,7 @@ from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
 from ._version import __version__
 from .deephook import TraceMultiple
+from .dictionaries import DictionaryError, LinearParts, SparseFeatures, linear_parts
 from .extend import (
     ActivationMapGrabber,
     ExtendedModelStump,
@@ -185,6 +186,11 @@ __all__ = [
     "pool_stats",
     "set_pool_limit",
     "empty_pool",
+    # dictionaries (SAEs, transcoders, CLTs): the protocol
+    "linear_parts",
+    "LinearParts",
+    "SparseFeatures",
+    "DictionaryError",
     # installation: what was built, what is loaded (``pyhook info``)
     "info",
     "format_info",
