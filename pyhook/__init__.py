@@ -96,6 +96,7 @@ from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_l
 from .pipeline.job import CaptureJob
 from .pipeline.paired import Paired
 from .pipeline.stream import Stream, stream
+from .splice import DictionaryEval, Splice, evaluate_dictionaries, splice
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -191,6 +192,10 @@ __all__ = [
     "LinearParts",
     "SparseFeatures",
     "DictionaryError",
+    "splice",
+    "Splice",
+    "evaluate_dictionaries",
+    "DictionaryEval",
     # installation: what was built, what is loaded (``pyhook info``)
     "info",
     "format_info",
