@@ -371,9 +371,8 @@ class DictionaryEval:
 
 def _batches_of(source: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor | None]]:
     """``(input_ids, attention_mask)`` batches of token ids, a store's or given."""
-    tokens = getattr(source, "tokens", None)
-    if callable(tokens) and hasattr(source, "row_index"):
-        ids, where = source.tokens(), source.row_index
+    if hasattr(type(source), "row_index") and hasattr(type(source), "tokens"):  # a store
+        ids, where = source.tokens, source.row_index
         if ids is None or where is None:
             raise DictionaryError(
                 "evaluate_dictionaries: this store keeps no token ids and row index (capture "
