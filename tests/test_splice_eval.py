@@ -121,7 +121,10 @@ def test_evaluate_over_a_store_equals_the_batches(tmp_path):
     model = _model("gpt2")
     dicts = _dicts()
     data = _batches()
-    with torch.no_grad(), pyhook.capture(model, "resid_post.0", out=tmp_path, mask="attention_mask"):
+    with (
+        torch.no_grad(),
+        pyhook.capture(model, "resid_post.0", out=tmp_path, mask="attention_mask"),
+    ):
         for b in data:
             model(**b)
     reader = pyhook.open_capture(tmp_path)
@@ -136,5 +139,5 @@ def test_evaluate_over_a_store_equals_the_batches(tmp_path):
 
 def test_evaluate_refuses_unknown_sets():
     model = _model("gpt2")
-    with pytest.raises(pyhook.DictionaryError, match="spliced names 'resid_post.1'"):
+    with pytest.raises(pyhook.DictionaryError, match=r"spliced names 'resid_post\.1'"):
         pyhook.evaluate_dictionaries(model, _dicts(), _batches(), spliced=["resid_post.1"])
