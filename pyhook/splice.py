@@ -96,6 +96,58 @@ class _Site:
         return d, p.dtype
 
 
+def _prompt_sel(p: Any) -> Any:
+    if p is None or (isinstance(p, str) and p == "all"):
+        return p
+    if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, Tensor)):
+        raise DictionaryError(f"splice: prompt must be 'all', None or token indices, got {p!r}")
+    return tuple(int(i) for i in (p.tolist() if isinstance(p, Tensor) else p))
+
+
+def _generated_sel(g: Any) -> Any:
+    if g is None or (isinstance(g, str) and g == "all"):
+        return g
+    ok = isinstance(g, (tuple, list)) and len(g) == 2
+    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in g):
+        raise DictionaryError(f"splice: generated must be 'all', None or (start, stop), got {g!r}")
+    if not 0 <= g[0] <= g[1]:
+        raise DictionaryError(f"splice: generated={tuple(g)!r} must have 0 <= start <= stop")
+    return (int(g[0]), int(g[1]))
+
+
+def _position_mask(where: Any, prompt: Any, generated: Any, device: torch.device) -> Tensor:
+    """``[batch, tokens]`` bool: the columns of this forward the splice acts on."""
+    pos = where.positions.to(device)
+    real = where.real.to(device)
+    lengths = where.prompt_lengths.to(device)[:, None]
+    is_prompt = real & (pos < lengths)
+    m = torch.zeros_like(real)
+    if isinstance(prompt, str):
+        m = m | is_prompt
+    elif prompt:
+        idx = torch.tensor(prompt, device=device)
+        idx = torch.where(idx < 0, idx + lengths, idx)  # [batch, k]: -1 is each row's last
+        m = m | (is_prompt & (pos[:, :, None] == idx[:, None, :]).any(-1))
+    gen = pos - lengths
+    if isinstance(generated, str):
+        m = m | (real & (gen >= 0))
+    elif generated is not None:
+        m = m | (real & (gen >= generated[0]) & (gen < generated[1]))
+    return m
+
+
+def _broadcast(m: Tensor, y: Tensor, name: str) -> Tensor:
+    b, t = m.shape
+    if y.dim() >= 2 and y.shape[0] == b and y.shape[1] == t:
+        return m.reshape(b, t, *(1,) * (y.dim() - 2))
+    if y.shape[0] == b * t:  # a point the model computes as [batch*tokens, ...]
+        return m.reshape(b * t, *(1,) * (y.dim() - 1))
+    raise DictionaryError(
+        f"splice: {name!r} has shape {tuple(y.shape)}, which is not [batch, tokens, ...] of "
+        f"this forward ({b}, {t}): positions cannot be chosen there"
+    )
+
+
 class Splice:
     """What :func:`splice` returns: a context manager holding the hooks while its block runs.
 
@@ -127,6 +179,8 @@ class Splice:
         *,
         error: bool = True,
         edit: Mapping[Any, Callable[[Any], Any]] | None = None,
+        prompt: Any = "all",
+        generated: Any = "all",
     ) -> None:
         if not isinstance(dictionaries, Mapping) or not dictionaries:
             raise DictionaryError(
@@ -148,6 +202,11 @@ class Splice:
                 )
         self.model = model
         self.error = bool(error)
+        self.prompt = _prompt_sel(prompt)
+        self.generated = _generated_sel(generated)
+        # every position (padding too: no bookkeeping), or those chosen through pyhook.positions
+        self._everywhere = self.prompt == "all" and self.generated == "all"
+        self._tracker: Any = None
         self.sites = [_Site(k, d, edit.get(k)) for k, d in dictionaries.items()]
         self.dictionaries = {s.key: s.dictionary for s in self.sites}
         self.features: dict[Any, Any] = {}
@@ -226,7 +285,19 @@ class Splice:
                 f"but {name!r} has shape {tuple(y.shape)}"
             )
         delta = delta.to(y.dtype)
-        return delta if not self.error else y + delta
+        if self._everywhere:
+            return delta if not self.error else y + delta
+        where = self._tracker.where if self._tracker is not None else None
+        if where is None:
+            raise DictionaryError(
+                f"splice: positions were chosen (prompt={self.prompt!r}, "
+                f"generated={self.generated!r}) but the forward writing {name!r} was called "
+                "without token ids [batch, tokens] to place them"
+            )
+        m = _broadcast(_position_mask(where, self.prompt, self.generated, y.device), y, name)
+        if not self.error:
+            return torch.where(m, delta, y)
+        return y + torch.where(m, delta, torch.zeros_like(delta))
 
     def _hook_for(self, name: str) -> Callable[..., Any]:
         reads = [s for s in self.sites if s.source == name]
@@ -254,6 +325,10 @@ class Splice:
         with hooks.registering():
             # a forward starts with nothing pending (a write never uses an earlier forward's)
             hooks.forward_pre(self.model, self._forward_starts)
+            if not self._everywhere:
+                from .positions import PositionTracker
+
+                self._tracker = PositionTracker(self.model, hooks)
             for name, point in self._points.items():
                 point.register(hooks, self._hook_for(name))
         self._hooks = hooks
@@ -272,6 +347,7 @@ class Splice:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()
+        self._tracker = None
         for s in self.sites:
             s.pending = {}
             s.copies.clear()
@@ -304,6 +380,8 @@ def splice(
     *,
     error: bool = True,
     edit: Mapping[Any, Callable[[Any], Any]] | None = None,
+    prompt: Any = "all",
+    generated: Any = "all",
 ) -> Splice:
     """Splice dictionaries into ``model`` while the returned context's block runs.
 
@@ -324,9 +402,14 @@ def splice(
       (of the edited features with ``edit``), gradients running through the dictionary.
 
     A dictionary whose parameters sit on another device than its site runs from a copy made
-    on the site's device once per block. Works during ``generate`` (every position is spliced;
-    each position's features depend on that position alone, so the KV cache and padding change
-    nothing).
+    on the site's device once per block. Works during ``generate``: by default every position
+    is spliced (each position's features depend on that position alone, so the KV cache and
+    padding change nothing); ``prompt`` (``"all"``, None, or indices into each row's real
+    prompt tokens, ``-1`` its last) and ``generated`` (``"all"``, None, or ``(start, stop)``:
+    generated tokens ``start .. stop-1``) choose the positions whose sites change, as
+    :class:`~pyhook.Steer` does, from :mod:`pyhook.positions` (each row's absolute positions
+    under left padding and the KV cache); elsewhere the sites stay the model's own. Features
+    are read at every position.
 
     >>> import torch, transformers, pyhook
     >>> cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -344,7 +427,7 @@ def splice(
     >>> bool((out != model(ids).logits).any())  # the edit moved the output
     True
     """
-    return Splice(model, dictionaries, error=error, edit=edit)
+    return Splice(model, dictionaries, error=error, edit=edit, prompt=prompt, generated=generated)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
