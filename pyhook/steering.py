@@ -505,7 +505,8 @@ class Steering:
         self.tracker = PositionTracker(self.model, self.hooks)
         self.tracker.listeners.append(self._on_forward)
         for t in self._targets.values():
-            t.point.register(self.hooks, self._make_hook(t), with_kwargs=False)
+            # before other hooks on the module: observers (a Trace, a capture) see the steered value
+            t.point.register(self.hooks, self._make_hook(t), prepend=True)
 
     def _build(self, batch: int) -> None:
         """Per-row groups and probe states for a batch of ``batch`` rows."""
