@@ -34,6 +34,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 * patching and attribution (:mod:`pyhook.patching`, imported on first use):
   ``activation_patch`` (exact, many patches per forward), ``attribution_patch`` (AtP, AtP*)
   and ``edge_attribution`` (EAP, EAP-IG) over the standard points, results keyed by point name;
+* steering (:mod:`pyhook.steering`): ``with steering(model, specs):`` adds, ablates, caps or
+  sets a direction (:class:`Steer`) at chosen positions of each batch row, under ``generate``
+  with the KV cache and left padding, optionally on a per-row condition (:class:`Probe`);
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
   :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
@@ -97,6 +100,7 @@ from .pipeline.job import CaptureJob
 from .pipeline.paired import Paired
 from .pipeline.stream import Stream, stream
 from .splice import DictionaryEval, Splice, evaluate_dictionaries, splice
+from .steering import Probe, Steer, SteeringError, steering
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -179,6 +183,11 @@ __all__ = [
     "CaptureWriteError",
     "CaptureDamagedError",
     "CaptureModifiedError",
+    # steering during generate (pyhook.steering)
+    "Steer",
+    "Probe",
+    "steering",
+    "SteeringError",
     # backends
     "get_backend",
     "set_backend",
