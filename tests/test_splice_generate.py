@@ -101,13 +101,13 @@ def _by_hand_at(model, make_fn):
     return rows
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize(
-    "prompt, generated, chosen",
+    "family, prompt, generated, chosen",
     [
-        (None, (1, 3), lambda col, n: (col - n >= 1) & (col - n < 3)),
-        ([-1], None, lambda col, n: col == n - 1),
-        ([0, -2], (0, 1), lambda col, n: (col == 0) | (col == n - 2) | (col == n)),
+        ("llama", None, (1, 3), lambda col, n: (col - n >= 1) & (col - n < 3)),
+        ("gpt2", None, (1, 3), lambda col, n: (col - n >= 1) & (col - n < 3)),
+        ("llama", [-1], None, lambda col, n: col == n - 1),
+        ("llama", [0, -2], (0, 1), lambda col, n: (col == 0) | (col == n - 2) | (col == n)),
     ],
 )
 def test_spliced_generate_at_chosen_positions(family, prompt, generated, chosen):
