@@ -438,11 +438,15 @@ class DictionaryEval:
     """What :func:`evaluate_dictionaries` measured.
 
     ``per_dictionary[key]``: ``fvu`` (fraction of variance unexplained over all tokens,
-    per output point for a CLT: a list), ``mse``, ``l0`` (mean active features per token),
-    ``dead`` (features never active), ``dead_fraction``, ``tokens``. ``spliced[name]`` for each
-    set of keys spliced in with ``error=False`` (``name`` is the key for one, ``"all"`` for
-    all, or the tuple of keys given): ``kl`` (mean over tokens of KL(clean || spliced) of the
-    next-token distributions), ``ce_clean``, ``ce_spliced``, ``ce_increase``.
+    1 - SAEBench's explained variance; per output point for a CLT: a list), ``mse``,
+    ``cossim`` and ``l2_ratio`` (token means of the reconstruction's cosine with and norm over
+    the target), ``l0`` (mean active features per token), ``l1``, ``dead`` (features never
+    active), ``dead_fraction``, ``tokens``. ``spliced[name]`` for each set of keys spliced in
+    with ``error=False`` (``name`` is the key for one, ``"all"`` for all, or the tuple of keys
+    given): ``kl`` (mean over tokens of KL(clean || spliced) of the next-token
+    distributions), ``ce_clean``, ``ce_spliced``, ``ce_increase``, and with ``ablation`` the
+    same with the set's output points zeroed (``kl_ablation``, ``ce_ablation``) and
+    SAEBench's ``kl_div_score`` and ``ce_loss_score``.
 
     >>> DictionaryEval({}, {}).spliced
     {}
@@ -496,12 +500,16 @@ class _Acc:
         self.sum = [None] * n_out  # type: list[Any]
         self.sum_sq = [0.0] * n_out
         self.l0 = 0.0
+        self.l1 = 0.0
+        self.cos = [0.0] * n_out
+        self.l2_ratio = [0.0] * n_out
         self.fired: Tensor | None = None
 
     def add(self, f: Tensor, targets: list[Tensor], recons: list[Tensor]) -> None:
         self.n += f.shape[0]
         active = f != 0
         self.l0 += float(active.sum())
+        self.l1 += float(f.double().abs().sum())
         fired = active.any(0)
         self.fired = fired if self.fired is None else self.fired | fired
         for j, (y, y_hat) in enumerate(zip(targets, recons)):
@@ -510,6 +518,9 @@ class _Acc:
             s = y64.sum(0)
             self.sum[j] = s if self.sum[j] is None else self.sum[j] + s
             self.sum_sq[j] += float((y64 * y64).sum())
+            h64 = y_hat.double()
+            self.cos[j] += float(torch.nn.functional.cosine_similarity(y64, h64, dim=-1).sum())
+            self.l2_ratio[j] += float((h64.norm(dim=-1) / y64.norm(dim=-1)).sum())
 
     def result(self) -> dict[str, Any]:
         fvu, mse = [], []
@@ -521,14 +532,24 @@ class _Acc:
         dead = int((~self.fired).sum()) if self.fired is not None else 0
         size = int(self.fired.numel()) if self.fired is not None else 0
         one = len(fvu) == 1
+        n = max(self.n, 1)
+        cos = [c / n for c in self.cos]
+        l2 = [r / n for r in self.l2_ratio]
         return {
             "fvu": fvu[0] if one else fvu,
             "mse": mse[0] if one else mse,
+            "cossim": cos[0] if one else cos,
+            "l2_ratio": l2[0] if one else l2,
             "l0": self.l0 / self.n if self.n else float("nan"),
+            "l1": self.l1 / n,
             "dead": dead,
             "dead_fraction": dead / size if size else float("nan"),
             "tokens": self.n,
         }
+
+
+def _zero(_module: nn.Module, _args: Any, value: Tensor) -> Tensor:
+    return torch.zeros_like(value)
 
 
 def _next_token_stats(
@@ -548,6 +569,7 @@ def evaluate_dictionaries(
     *,
     spliced: Sequence[Any] | None = None,
     batch_size: int = 8,
+    ablation: bool = True,
 ) -> DictionaryEval:
     """FVU, L0, dead features of each dictionary and the KL / cross-entropy increase with
     dictionaries spliced in (``error=False``), over ``batches`` of token ids: tensors
@@ -557,7 +579,11 @@ def evaluate_dictionaries(
 
     ``spliced``: the sets of keys to splice in, each a key or a tuple of keys, or ``"all"``;
     by default each dictionary alone and all together. Each batch costs one clean forward
-    (which reads every site; each dictionary encodes once) and one forward per set.
+    (which reads every site; each dictionary encodes once) and one forward per set, plus one
+    per set with its output points zeroed when ``ablation`` (SAEBench's normalisation:
+    ``kl_div_score = (kl_ablation - kl) / kl_ablation`` and ``ce_loss_score = (ce_ablation -
+    ce_spliced) / (ce_ablation - ce_clean)``, 1 for a perfect dictionary, 0 for one no better
+    than zeros).
 
     >>> import torch, transformers, pyhook
     >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)
@@ -569,12 +595,12 @@ def evaluate_dictionaries(
     ...     def encode(self, x): return torch.relu(x @ self.W)
     ...     def decode(self, f): return f @ self.W.T
     >>> ev = pyhook.evaluate_dictionaries(model, {"resid_post.0": SAE()}, [torch.randint(0, 64, (2, 8))])
-    >>> sorted(ev.spliced), ev.per_dictionary["resid_post.0"]["tokens"]
-    (['all', 'resid_post.0'], 16)
+    >>> list(ev.spliced), ev.per_dictionary["resid_post.0"]["tokens"]
+    (['resid_post.0'], 16)
     """
     keys = list(dictionaries)
     if spliced is None:
-        sets: list[Any] = [*keys, "all"] if len(keys) > 1 else [keys[0], "all"]
+        sets: list[Any] = [*keys, "all"] if len(keys) > 1 else [keys[0]]
     else:
         sets = list(spliced)
     plan: dict[Any, list[Any]] = {}
@@ -592,7 +618,8 @@ def evaluate_dictionaries(
             )
     probe = Splice(model, dictionaries)  # validates every key and dictionary once
     accs = {s.key: _Acc(len(s.outputs)) for s in probe.sites}
-    sums = {name: [0.0, 0.0] for name in plan}
+    sums = {name: [0.0, 0.0, 0.0, 0.0] for name in plan}
+    outputs_of = {s.key: s.outputs for s in probe.sites}
     clean_ce, count = 0.0, 0
     grabbed: dict[str, Tensor] = {}
 
@@ -642,8 +669,21 @@ def evaluate_dictionaries(
                 kl, ce = _next_token_stats(logits, clean_logp, ids, keep)
                 sums[name][0] += kl
                 sums[name][1] += ce
+                if ablation:
+                    zeroed = dict.fromkeys(o for k in members for o in outputs_of[k])
+                    hooks = HookSet(model=model)
+                    try:
+                        with hooks.registering():
+                            for o in zeroed:
+                                probe._points[o].register(hooks, _zero)
+                        logits = model(ids, **kwargs).logits
+                    finally:
+                        hooks.remove()
+                    kl, ce = _next_token_stats(logits, clean_logp, ids, keep)
+                    sums[name][2] += kl
+                    sums[name][3] += ce
     spliced_out: dict[Any, dict[str, float]] = {}
-    for name, (kl, ce) in sums.items():
+    for name, (kl, ce, kl_ab, ce_ab) in sums.items():
         c = max(count, 1)
         spliced_out[name] = {
             "kl": kl / c,
@@ -651,4 +691,13 @@ def evaluate_dictionaries(
             "ce_spliced": ce / c,
             "ce_increase": (ce - clean_ce) / c,
         }
+        if ablation:
+            spliced_out[name].update(
+                kl_ablation=kl_ab / c,
+                ce_ablation=ce_ab / c,
+                kl_div_score=(kl_ab - kl) / kl_ab if kl_ab else float("nan"),
+                ce_loss_score=(ce_ab - ce) / (ce_ab - clean_ce)
+                if ce_ab != clean_ce
+                else float("nan"),
+            )
     return DictionaryEval({k: a.result() for k, a in accs.items()}, spliced_out)

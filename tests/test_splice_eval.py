@@ -36,6 +36,8 @@ def _reference(model, dicts, batches, sets):
     feats = {k: [] for k in dicts}
     kl = {s: [] for s in sets}
     ce = {s: [] for s in sets}
+    kl_ab = {s: [] for s in sets}
+    ce_ab = {s: [] for s in sets}
     ce_clean = []
     with torch.no_grad():
         for b in batches:
@@ -69,23 +71,37 @@ def _reference(model, dicts, batches, sets):
                     lp = torch.log_softmax(model(ids, attention_mask=mask).logits[:, :-1], -1)
                 kl[s].append((lp_clean.exp() * (lp_clean - lp)).sum(-1)[keep])
                 ce[s].append(-lp.gather(-1, nxt).squeeze(-1)[keep])
+
+                def zero(k, x, y, members=members):
+                    return torch.zeros_like(y) if k in members else y
+
+                with _Plain(model, zero):
+                    lp = torch.log_softmax(model(ids, attention_mask=mask).logits[:, :-1], -1)
+                kl_ab[s].append((lp_clean.exp() * (lp_clean - lp)).sum(-1)[keep])
+                ce_ab[s].append(-lp.gather(-1, nxt).squeeze(-1)[keep])
     per = {}
     for k in dicts:
         y, r, f = torch.cat(ys[k]), torch.cat(rec[k]), torch.cat(feats[k])
         per[k] = {
             "fvu": float(((y - r) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()),
+            "cossim": float(torch.nn.functional.cosine_similarity(y, r, dim=-1).mean()),
+            "l2_ratio": float((r.norm(dim=-1) / y.norm(dim=-1)).mean()),
+            "l1": float(f.abs().sum(-1).mean()),
             "l0": float((f != 0).sum(-1).double().mean()),
             "dead": int(((f != 0).sum(0) == 0).sum()),
             "tokens": y.shape[0],
         }
     base = torch.cat(ce_clean).mean()
-    spl = {
-        s: {
-            "kl": float(torch.cat(kl[s]).mean()),
-            "ce_increase": float(torch.cat(ce[s]).mean() - base),
+    spl = {}
+    for s in sets:
+        k, c = torch.cat(kl[s]).mean(), torch.cat(ce[s]).mean()
+        ka, ca = torch.cat(kl_ab[s]).mean(), torch.cat(ce_ab[s]).mean()
+        spl[s] = {
+            "kl": float(k),
+            "ce_increase": float(c - base),
+            "kl_div_score": float((ka - k) / ka),
+            "ce_loss_score": float((ca - c) / (ca - base)),
         }
-        for s in sets
-    }
     return per, spl
 
 
@@ -104,10 +120,10 @@ def test_evaluate_matches_a_plain_loop():
         assert got["tokens"] == per[k]["tokens"] == 25
         assert got["dead"] == per[k]["dead"]
         assert got["dead_fraction"] == per[k]["dead"] / 40
-        for m in ("fvu", "l0"):
+        for m in ("fvu", "l0", "l1", "cossim", "l2_ratio"):
             assert got[m] == pytest.approx(per[k][m], rel=1e-9), (k, m)
     for s in spl:
-        for m in ("kl", "ce_increase"):
+        for m in ("kl", "ce_increase", "kl_div_score", "ce_loss_score"):
             assert ev.spliced[s][m] == pytest.approx(spl[s][m], rel=1e-9, abs=1e-12), (s, m)
         assert ev.spliced[s]["kl"] > 0
     # the default sets: each dictionary alone, then all
