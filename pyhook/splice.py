@@ -302,18 +302,24 @@ class Splice:
     def _hook_for(self, name: str) -> Callable[..., Any]:
         reads = [s for s in self.sites if s.source == name]
         writes = [s for s in self.sites if name in s.outputs]
+        heads = getattr(self._points[name], "heads", None) is not None
 
         def hook(_module: nn.Module, _args: Any, value: Any) -> Any:
             if not isinstance(value, Tensor):
                 raise DictionaryError(f"splice: point {name!r} handed no tensor")
+            # a per-head point (attn_z) is handed [..., heads, d_head]: dictionaries read and
+            # write it as [..., heads * d_head], as SAELens' attention SAEs do
+            flat = value.flatten(-2) if heads else value
             for s in reads:
-                self._read(s, value)
-            out = value
+                self._read(s, flat)
+            out = flat
             for s in writes:
                 new = self._write(s, name, out)
                 if new is not None:
                     out = new
-            return None if out is value else out
+            if out is flat:
+                return None
+            return out.reshape(value.shape) if heads else out
 
         return hook
 

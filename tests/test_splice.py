@@ -351,3 +351,41 @@ def test_bad_input_is_refused_by_name_and_leaves_no_hooks():
     ):
         model(IDS)
     assert all_hooks(model) == 0
+
+
+def test_attention_sae_at_a_per_head_point_reads_heads_flattened():
+    model = _model("llama")
+    torch.manual_seed(4)
+    sae = SAELensSAE(16, 40).double()  # trained on attn_z as [..., heads * d_head], as SAELens'
+    o_proj = model.model.layers[1].self_attn.o_proj
+
+    def replace(_m, args):
+        return (sae.decode(sae.encode(args[0])),)
+
+    with torch.no_grad():
+        h = o_proj.register_forward_pre_hook(replace)
+        ref = model(IDS).logits
+        h.remove()
+        with pyhook.splice(model, {"attn_z.1": sae}, error=False) as sp:
+            out = model(IDS).logits
+        plain = model(IDS).logits
+    assert torch.equal(out, ref) and not torch.allclose(out, plain)
+    assert sp.features["attn_z.1"].shape == (2, 6, 40)
+
+
+def test_an_edit_that_raises_leaves_no_hook():
+    model = _model("gpt2")
+    sae = SAELensSAE(16, 40).double()
+
+    def broken(f):
+        raise ValueError("edit failed")
+
+    with torch.no_grad():
+        ref = model(IDS).logits
+        with (
+            pytest.raises(ValueError, match="edit failed"),
+            pyhook.splice(model, {"resid_post.0": sae}, edit={"resid_post.0": broken}),
+        ):
+            model(IDS)
+        assert all_hooks(model) == 0
+        assert torch.equal(model(IDS).logits, ref)
