@@ -157,3 +157,32 @@ def test_evaluate_refuses_unknown_sets():
     model = _model("gpt2")
     with pytest.raises(pyhook.DictionaryError, match=r"spliced names 'resid_post\.1'"):
         pyhook.evaluate_dictionaries(model, _dicts(), _batches(), spliced=["resid_post.1"])
+
+
+def test_evaluate_a_clt_gives_one_fvu_per_output():
+    from _dicts import CLT
+
+    model = _model("llama")
+    torch.manual_seed(7)
+    clt = CLT(16, 30, 16, 2).double()
+    key = ("mlp_in.0", ("mlp_out.0", "mlp_out.1"))
+    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(8))
+    seen = {}
+    mlps = [model.model.layers[i].mlp for i in range(2)]
+    hs = [mlps[0].register_forward_pre_hook(lambda _m, a: seen.__setitem__("x", a[0]))]
+    for i, m in enumerate(mlps):
+        hs.append(m.register_forward_hook(lambda _m, _a, y, i=i: seen.__setitem__(i, y)))
+    with torch.no_grad():
+        model(ids)
+    for h in hs:
+        h.remove()
+    with torch.no_grad():
+        recon = clt.decode(clt.encode(seen["x"]))
+    want = []
+    for i in range(2):
+        y, r = seen[i].reshape(-1, 16), recon[i].reshape(-1, 16)
+        want.append(float(((y - r) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()))
+    ev = pyhook.evaluate_dictionaries(model, {key: clt}, [ids], ablation=False)
+    got = ev.per_dictionary[key]
+    assert got["fvu"] == pytest.approx(want, rel=1e-9)
+    assert list(ev.spliced) == [key] and "ce_loss_score" not in ev.spliced[key]
