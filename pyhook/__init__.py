@@ -34,6 +34,9 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 * patching and attribution (:mod:`pyhook.patching`, imported on first use):
   ``activation_patch`` (exact, many patches per forward), ``attribution_patch`` (AtP, AtP*)
   and ``edge_attribution`` (EAP, EAP-IG) over the standard points, results keyed by point name;
+* steering (:mod:`pyhook.steering`): ``with steering(model, specs):`` adds, ablates, caps or
+  sets a direction (:class:`Steer`) at chosen positions of each batch row, under ``generate``
+  with the KV cache and left padding, optionally on a per-row condition (:class:`Probe`);
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
   :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
@@ -66,6 +69,7 @@ from ._hooks import CompiledModelError, StopForward
 from ._invoke import invoke_with_optional_args
 from ._version import __version__
 from .deephook import TraceMultiple
+from .dictionaries import DictionaryError, LinearParts, SparseFeatures, linear_parts
 from .extend import (
     ActivationMapGrabber,
     ExtendedModelStump,
@@ -95,6 +99,8 @@ from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_l
 from .pipeline.job import CaptureJob
 from .pipeline.paired import Paired
 from .pipeline.stream import Stream, stream
+from .splice import DictionaryEval, Splice, evaluate_dictionaries, splice
+from .steering import Probe, Steer, SteeringError, steering
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -177,6 +183,11 @@ __all__ = [
     "CaptureWriteError",
     "CaptureDamagedError",
     "CaptureModifiedError",
+    # steering during generate (pyhook.steering)
+    "Steer",
+    "Probe",
+    "steering",
+    "SteeringError",
     # backends
     "get_backend",
     "set_backend",
@@ -185,6 +196,15 @@ __all__ = [
     "pool_stats",
     "set_pool_limit",
     "empty_pool",
+    # dictionaries (SAEs, transcoders, CLTs): the protocol
+    "linear_parts",
+    "LinearParts",
+    "SparseFeatures",
+    "DictionaryError",
+    "splice",
+    "Splice",
+    "evaluate_dictionaries",
+    "DictionaryEval",
     # installation: what was built, what is loaded (``pyhook info``)
     "info",
     "format_info",

@@ -528,6 +528,21 @@ CASES: list[Case] = [
         "buffer_rows",
     ),
     ("stream", lambda: pyhook.stream(M, "corpus.txt", "0"), (TypeError,), "source must be"),
+    # --- dictionaries spliced in (pyhook.splice)
+    ("splice", lambda: pyhook.splice(M, {}), (pyhook.DictionaryError,), "non-empty dict"),
+    (
+        "Splice",
+        lambda: pyhook.Splice(M, {"resid_post.0": nn.ReLU()}),
+        (pyhook.DictionaryError,),
+        "ReLU is not a dictionary",
+    ),
+    (
+        "evaluate_dictionaries",
+        lambda: pyhook.evaluate_dictionaries(M, {"0": nn.ReLU()}, [], spliced=["1"]),
+        (pyhook.DictionaryError,),
+        "spliced names '1'",
+    ),
+    ("linear_parts", lambda: pyhook.linear_parts(nn.ReLU()), (pyhook.DictionaryError,), "ReLU"),
 ]
 
 
@@ -600,6 +615,10 @@ def test_every_public_entry_point_has_bad_input_cases():
         "CaptureModifiedError",
         "LayerData",
         "LensHook",  # made by pyhook.lens for hook functions, not by users
+        "DictionaryError",
+        "LinearParts",  # plain containers of tensors (linear_parts and encode make them)
+        "SparseFeatures",
+        "DictionaryEval",
     }
     missing = [n for n in pyhook.__all__ if n not in covered and n not in no_arguments]
     assert not missing, f"public names without bad-input cases: {missing}"

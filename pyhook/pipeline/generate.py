@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .. import _backend
+from ..positions import absolute_positions
 from . import annotations
 from ._generate_options import _REFUSED  # options that break one row per token
 from ._record import batch_stats, stats_later
@@ -928,7 +929,6 @@ def _join(
         valid &= col >= width
     if exclude is not None and exclude.numel():  # e.g. special tokens, generated ones too
         valid &= ~torch.isin(seqs[slot, col], exclude)
-    start = width - lengths  # the first prompt column of each sequence
     key = slot * (width + steps + 1) + col
     sel = valid.nonzero(as_tuple=True)[0]
     perm = sel[torch.argsort(key[sel])]
@@ -938,8 +938,12 @@ def _join(
     extra: dict[str, torch.Tensor] = {}
     if tokens:
         extra["__token_ids__"] = seqs[slot[perm], col[perm]].contiguous()
+        # each kept row's absolute position in its unpadded sequence, as every step saw it
+        # (pyhook.positions: the final sequences' mask, left padding then the new tokens)
+        mask = torch.arange(width + steps) >= (width - lengths)[:, None]
+        where = absolute_positions(mask)
         extra["__row_index__"] = torch.stack(
-            [examples_of[slot[perm]], col[perm] - start[slot[perm]]], dim=1
+            [examples_of[slot[perm]], where[slot[perm], col[perm]]], dim=1
         ).contiguous()
     extra[GENERATED] = (col[perm] >= width).contiguous()
     texts = _texts(b, seqs, width, lengths, ends, tokenizer)
