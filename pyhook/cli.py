@@ -137,6 +137,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return 0
     show = plan.rank == 0 and not quiet
     if show:
+        if job.device_map is not None:  # where the layers went (a misspelt name shows here)
+            print(plan.ranks_table(), file=sys.stderr)
         print(plan.summary(flags=True), file=sys.stderr)
     result = job.run(plan, progress=show)
     if plan.rank == 0 and not quiet:

@@ -32,6 +32,7 @@ from ._names import check_model_name
 if TYPE_CHECKING:
     from torch import nn
 from ._paths import _existing_dir, _is_url, check_out_dir
+from .runner import _MAP_WORDS  # the words transformers knows (torch-free)
 
 __all__ = [
     "CaptureJob",
@@ -911,11 +912,17 @@ class CaptureJob:
             memory = {
                 int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in memory.items()
             }
+        try:  # a device map is checked against the model's modules before the weights load
+            device_map = runner.check_placement(
+                prepared, self.device_map, max_memory=memory, offload_folder=self.offload_folder
+            )
+        except runner.RunnerError as e:
+            raise JobError(str(e)) from None
         return runner.load_weights(
             prepared,
             device=device,
             dtype=model_dtype,
-            device_map=self.device_map,
+            device_map=device_map,
             max_memory=memory,
             offload_folder=self.offload_folder,
             tp_size=self.tp_size,
@@ -1152,6 +1159,10 @@ class CaptureJob:
         plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device
         plan.ranks = _ranks_table(lay, model, plan.examples, plan.rows, plan.bytes)
+        if self.device_map is not None:  # where transformers put each module
+            placed = getattr(model, "hf_device_map", None)
+            first = next(iter(model.parameters()), None)
+            plan.placement = dict(placed) if placed else {"": str(getattr(first, "device", device))}
         plan._state = {
             "model": model,
             "source": src,
@@ -1459,6 +1470,9 @@ class CapturePlan:
     #: ``rows`` and ``bytes`` of its group's share, ``weights`` (bytes of its weights by device;
     #: ``"offloaded"``: held by accelerate off the device, loaded when the layer runs)
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: with ``device_map``: where the loaded model's modules are (module name -> device; the
+    #: model's ``hf_device_map``, or ``{"": device}`` when transformers placed it whole)
+    placement: dict[str, Any] | None = None
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1526,7 +1540,8 @@ class CapturePlan:
         if not self.ranks:
             return ""
         one = self.ranks[0]["weights"]
-        if len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one:
+        whole = len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one
+        if whole and self.placement is None:
             return ""
         unit = self.unit.split(" ")[0]
         rows = []
@@ -1547,6 +1562,8 @@ class CapturePlan:
         table = _table(
             rows, ["rank", "dp rank", "writes", unit, "rows", "MB written", "weights MB"]
         )
+        if self.placement is not None:
+            table += "\n" + _placement_table(self.placement)
         return f"layout: {head}\n{table}"
 
     def report(self, flags: bool = False) -> str:
@@ -1652,6 +1669,40 @@ def _weight_bytes(model: Any) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: kv[0] == "offloaded"))
 
 
+def _placement_table(placement: dict[str, Any]) -> str:
+    """The device map as loaded, one line a device: its modules in order, a run of numbered
+    layers shown as one (``model.layers.0-31``).
+
+    >>> print(_placement_table({"model.embed": 0, "model.layers.0": 0, "model.layers.1": 0,
+    ...                         "model.layers.2": "disk", "lm_head": "cpu"}))
+    device  modules (device map)
+    ------  -----------------------------
+    0       model.embed, model.layers.0-1
+    disk    model.layers.2
+    cpu     lm_head
+    """
+    by: dict[str, list[str]] = {}
+    for name, dev in placement.items():
+        by.setdefault(str(dev), []).append(name or "(the whole model)")
+    rows = []
+    for dev, names in by.items():
+        runs: list[list[Any]] = []  # [name] or [prefix, first, last]
+        for n in names:
+            prefix, _, last = n.rpartition(".")
+            numbered = last.isdigit() and bool(prefix)
+            if numbered and runs and len(runs[-1]) == 3:
+                if runs[-1][0] == prefix and int(last) == runs[-1][2] + 1:
+                    runs[-1][2] = int(last)
+                    continue
+            runs.append([prefix, int(last), int(last)] if numbered else [n])
+        shown = [
+            r[0] if len(r) == 1 else f"{r[0]}.{r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "")
+            for r in runs
+        ]
+        rows.append([dev, ", ".join(shown)])
+    return _table(rows, ["device", "modules (device map)"])
+
+
 def _ranks_table(
     lay: Any, model: Any, examples: int, rows: int, nbytes: int
 ) -> list[dict[str, Any]]:
@@ -1682,7 +1733,6 @@ def _is_module(v: Any) -> bool:
     )
 
 
-_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _check_placement(name: str, v: Any) -> None:
