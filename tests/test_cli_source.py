@@ -271,15 +271,74 @@ def test_existing_capture_checks_come_before_the_model(ckpt, tmp_path, capsys, m
     assert "!=" not in err and "None" not in err and "--overwrite" in err
 
 
-def test_typo_gets_the_subcommand_usage_and_a_suggestion(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["capture", "--limt", "64"])
-    assert e.value.code == 2
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["capture", "--limt", "64"], "--limt (did you mean --limit?)"),
+        (["--limt", "64"], "--limt (did you mean --limit?)"),  # no command: capture's options
+        (["capture", "--quantise", "fp8"], "--quantise (did you mean --quantize?)"),
+    ],
+)
+def test_a_typo_is_one_line_with_a_suggestion(capsys, argv, hint):
+    """Issue 53, item 9: not argparse's whole usage block before the suggestion."""
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: pyhook capture") and "--limt (did you mean --limit?)" in err
-    with pytest.raises(SystemExit):
-        main(["--limt", "64"])  # no command: capture's usage too
-    assert "usage: pyhook capture" in capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith("pyhook: error: unrecognized argument(s) of pyhook capture: ")
+    assert hint in err and "(pyhook capture --help lists the options)" in err
+
+
+def _ranks(n: int, argv: list[str], tmp_path) -> list[subprocess.CompletedProcess]:
+    """``python -m pyhook ARGV`` as ``n`` ranks of one machine (torchrun's environment)."""
+    procs = []
+    for r in range(n):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1", LOCAL_WORLD_SIZE=str(n))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-X", "importtime", "-m", "pyhook", *argv],
+                env=env,
+                cwd=tmp_path,
+                stderr=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [subprocess.CompletedProcess(p.args, p.wait(60), *p.communicate()) for p in procs]
+
+
+def test_a_tp_size_the_ranks_cannot_take_is_said_once_before_torch_loads(tmp_path):
+    """Issue 53, item 9: every rank parses the same flags; rank 0 alone says what is wrong,
+    before torch is imported (so before any process-group work), and every rank exits 2."""
+    done = _ranks(3, ["capture", "--tp-size", "2", "--limit", "4", "--out", "acts"], tmp_path)
+    said = []
+    for r, p in enumerate(done):
+        lines = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+        imported = [ln.rsplit("|", 1)[-1].strip() for ln in p.stderr.splitlines()]
+        assert p.returncode == 2, (r, p.stderr[-2000:])
+        assert "torch" not in imported, f"rank {r} imported torch before refusing --tp-size"
+        said.append(lines)
+    assert said[1] == said[2] == [], said
+    assert said[0] == [
+        "pyhook: error: --tp-size 2: tp_size 2 does not divide the 3 ranks (environment): each "
+        "tensor-parallel group is tp_size ranks in a row, so the number of ranks must be a "
+        "multiple of tp_size"
+    ]
+
+
+@pytest.mark.distributed
+def test_under_torchrun_the_tp_size_error_is_the_first_rank_s_alone(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "pyhook",
+         "capture", "--tp-size", "2", "--limit", "4", "--out", str(tmp_path / "acts")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("pyhook: error:")]
+    assert len(errors) == 1 and "--tp-size 2: tp_size 2 does not divide the 3 ranks" in errors[0]
+    # torchrun's report names rank 0's exit as the failure (the others were stopped)
+    root = run.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2" in root, run.stderr
 
 
 def test_inspect_on_a_file(tmp_path, capsys):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from _hygiene import diff, hook_snapshot
 from _models import word_tokenizer
-
 from pyhook.capture import capture
 from pyhook.runner import RunnerError, run
 from pyhook.source import Batch, open_source
+
 from pyhook.store import open_capture
 
 DOCS = [f"the owl number {i} flew {' '.join(['high'] * (i % 4))} home ." for i in range(30)]
@@ -203,7 +203,9 @@ def test_the_command_names_the_misspelt_module_with_its_flag(llama, tmp_path, ca
     assert "'model.layers.0'" in err[-1]
 
 
-def test_the_rest_of_the_model_beside_a_disk_layer_loads_and_captures_the_same_rows(llama, tmp_path):
+def test_the_rest_of_the_model_beside_a_disk_layer_loads_and_captures_the_same_rows(
+    llama, tmp_path
+):
     """``{"model.layers.0": "disk", "": "cpu"}``: accelerate cannot offload a layer under a ""
     entry (it fails after the load); the job spells "" out as the modules left, so the layer
     is on the disk and the rows are those of the model loaded whole, bit for bit."""

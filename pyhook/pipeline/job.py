@@ -1690,10 +1690,10 @@ def _placement_table(placement: dict[str, Any]) -> str:
         for n in names:
             prefix, _, last = n.rpartition(".")
             numbered = last.isdigit() and bool(prefix)
-            if numbered and runs and len(runs[-1]) == 3:
-                if runs[-1][0] == prefix and int(last) == runs[-1][2] + 1:
-                    runs[-1][2] = int(last)
-                    continue
+            run = runs[-1] if runs else []
+            if numbered and len(run) == 3 and run[0] == prefix and int(last) == run[2] + 1:
+                run[2] = int(last)
+                continue
             runs.append([prefix, int(last), int(last)] if numbered else [n])
         shown = [
             r[0] if len(r) == 1 else f"{r[0]}.{r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "")
@@ -1731,8 +1731,6 @@ def _is_module(v: Any) -> bool:
     return any(
         c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(v).__mro__
     )
-
-
 
 
 def _check_placement(name: str, v: Any) -> None:
