@@ -127,7 +127,7 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
 def cmd_capture(args: argparse.Namespace) -> int:
     job = getattr(args, "job", None) or job_from_args(args)
     quiet = getattr(args, "quiet", False)
-    plan = job.plan()
+    plan = job.plan(progress=not quiet)  # says what it reads and loads as it goes
     if plan.note is not None:  # already stored: nothing to do
         print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
@@ -815,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the plan (model, layers with widths, rows, bytes, shards) and exit",
     )
-    c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    c.add_argument("--quiet", action="store_true", help="no progress lines, bar or summary")
     c.set_defaults(func=cmd_capture)
 
     ly = sub.add_parser(
@@ -1048,9 +1048,13 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     the process is the ``pyhook`` command (see :mod:`pyhook._startup`), so a mistyped flag costs
     no torch import."""
     try:
-        parse_arguments(list(sys.argv[1:] if argv is None else argv))
+        args = parse_arguments(list(sys.argv[1:] if argv is None else argv))
     except (CLIError, ValueError) as e:
         sys.exit(_report(e, every_rank=False))
+    loud = args.command == "capture" and not getattr(args, "quiet", False)
+    if loud and _reports_here() and "torch" not in sys.modules:
+        # the first of the lines that say what is loading (torch takes seconds to import)
+        print("pyhook: importing torch ...", file=sys.stderr, flush=True)
 
 
 def _run(argv: list[str]) -> int:

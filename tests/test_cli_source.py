@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,15 @@ from pyhook.cli import main  # noqa: E402
 from pyhook.store import open_capture  # noqa: E402
 
 DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 5))} away ." for i in range(60)]
+
+
+_PROGRESS = re.compile(r"^pyhook: (?!error:).* \.\.\.$")
+
+
+def _said(err: str) -> list[str]:
+    """stderr's lines but the progress lines (``pyhook: loading ... ...``: what the command
+    is doing, printed as each step starts)."""
+    return [ln for ln in err.strip().splitlines() if not _PROGRESS.match(ln)]
 
 
 def _tokenizer():
@@ -180,7 +190,7 @@ def test_bad_input_is_one_line_before_the_weights(
 ):
     args = cap(ckpt, "--out", str(tmp_path / "o"), *extra)
     assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _said(capsys.readouterr().err)
     assert len(err) == 1 and message in err[0] and "Errno" not in err[0], err
 
 
@@ -203,7 +213,7 @@ def test_checkpoint_without_tokenizer(ckpt, tmp_path, capsys):
         ["capture", "--model", bare, "--out", str(tmp_path / "o")],
     ):
         assert main(cmd) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _said(capsys.readouterr().err)
         assert len(err) == 1 and "has no tokenizer files" in err[0] and "--tokenizer" in err[0], err
     out = str(tmp_path / "o")
     args = [
@@ -454,7 +464,7 @@ def test_a_changed_datasetdict_corpus_is_not_resumed(ckpt, tmp_path, capsys):
     _datasetdict(corpus, DOCS[30:])
     capsys.readouterr()
     assert main(base) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _said(capsys.readouterr().err)
     assert len(err) == 1 and "already holds a different capture (2 examples)" in err[0], err
     assert "--input (its contents)" in err[0] and "--overwrite" in err[0], err
     r = open_capture(out)
@@ -527,7 +537,7 @@ def test_corpus_errors_are_one_line_before_the_weights_and_write_nothing(
         out = tmp_path / f"o{n}"
         args = ["capture", "--model", str(ckpt / "model"), "--input", str(path), *extra]
         assert main([*args, "--layers", *LAYERS, "--out", str(out)]) == 2, path
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _said(capsys.readouterr().err)
         assert len(err) == 1 and err[0].startswith("pyhook: error: "), err
         assert all(m in err[0] for m in message), (message, err)
         assert not out.exists() or not os.listdir(out), os.listdir(out)
@@ -554,8 +564,8 @@ def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsy
         models.append(load(*a, **k))
         return models[-1]
 
-    def plan_then_damage(job):
-        got = plan(job)
+    def plan_then_damage(job, **options):
+        got = plan(job, **options)
         with open(path, "a") as f:
             f.write(json.dumps({"text": {"oops": 1}}) + "\n")
         return got
@@ -567,7 +577,7 @@ def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsy
         m.setattr(runner, "load_weights", keep_model)
         m.setattr(CaptureJob, "plan", plan_then_damage)
         assert main([*args, *extra, "--out", out, "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _said(capsys.readouterr().err)
     assert len(err) == 1, err
     assert f"{path}', record 3,001 (line 3,001), column 'text': holds a dict" in err[0], err
     assert models and not any(
@@ -601,7 +611,7 @@ def test_an_encoder_decoder_is_refused_with_the_encoder_class(t5, tmp_path, caps
         m.setattr(runner, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
         for extra in ([], ["--model-class", "AutoModel"]):
             assert main([*args, *extra, "--out", str(out)]) == 2
-            err = capsys.readouterr().err.strip().splitlines()
+            err = _said(capsys.readouterr().err)
             assert len(err) == 1 and str(t5) in err[0], err
             assert "is an encoder-decoder model" in err[0], err
             assert "--model-class T5EncoderModel" in err[0], err
@@ -653,3 +663,47 @@ def test_the_capture_docs_show_the_names_the_default_command_stores(tmp_path):
     assert len(r.layers) == 6 and default.replace("*", "") + "0" in r.layers
     for name in shown:
         assert r[name].shape[1:] == (384,)
+
+
+def test_the_command_says_what_it_loads_as_it_loads(ckpt, tmp_path, capsys, monkeypatch):
+    """Issue 53, item 8: a line as each step starts, not silence until the plan line; the
+    weights' line is on stderr before transformers reads the weights."""
+    import transformers
+
+    from pyhook.pipeline.job import _human
+
+    seen: dict[str, str] = {}
+    load = transformers.GPT2LMHeadModel.from_pretrained.__func__
+
+    def from_pretrained(cls, *a, **k):
+        seen["err"] = capsys.readouterr().err  # what the user saw when the load began
+        return load(cls, *a, **k)
+
+    monkeypatch.setattr(
+        transformers.GPT2LMHeadModel, "from_pretrained", classmethod(from_pretrained)
+    )
+    weights = sum(f.stat().st_size for f in (ckpt / "model").glob("*.safetensors"))
+    assert (
+        main(cap(ckpt, "--context-size", "16", "--limit", "3", "--out", str(tmp_path / "a"))) == 0
+    )
+    before = [ln.replace("importing transformers, ", "") for ln in seen["err"].splitlines()]
+    assert (
+        before[0]
+        == f"pyhook: reading {ckpt / 'model'}: its config and tokenizer, and the corpus ..."
+    )
+    assert before[1] == "pyhook: counting c.parquet ..."
+    size = _human(weights)
+    assert before[2] == f"pyhook: loading {size} of weights onto cpu, from {ckpt / 'model'} ...", (
+        before
+    )
+    after = capsys.readouterr().err.splitlines()
+    assert (
+        after[0] == "pyhook: sizing 2 layer(s) with one short example through GPT2LMHeadModel ..."
+    )
+    assert after[1].startswith("plan: ")
+    # --quiet: none of it
+    quiet = cap(
+        ckpt, "--context-size", "16", "--limit", "3", "--out", str(tmp_path / "b"), "--quiet"
+    )
+    assert main(quiet) == 0
+    assert "pyhook:" not in capsys.readouterr().err

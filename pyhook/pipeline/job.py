@@ -928,6 +928,24 @@ class CaptureJob:
             tp_size=self.tp_size,
         )
 
+    def _loading_line(self, prepared: Any, device: str) -> str:
+        """What the weights' load is about to do, in words (``progress``)."""
+        if _is_module(self.model):
+            return f"using the {type(self.model).__name__} given (already loaded)"
+        paths = [getattr(m, "path", "") for m in getattr(prepared, "loaded", {}).values()]
+        paths = paths or [prepared.path]
+        size = sum(_weights_bytes(p) for p in paths)
+        what = f"{_human(size)} of weights" if size else "the weights"
+        if self.device_map is not None:
+            m = self.device_map
+            shown = f"{m!r}" if isinstance(m, str) else f"({len(m)} module(s) named)"
+            where = f"placed by `device_map` {shown}"
+        elif self.tp_size > 1:
+            where = f"sharded over tensor-parallel groups of {self.tp_size} ranks"
+        else:
+            where = f"onto {device}"
+        return f"loading {what} {where}, from {', '.join(paths)}"
+
     def _device(self, world: int) -> str:
         """The device, after joining the process group when torchrun started several ranks."""
         import torch
@@ -941,7 +959,7 @@ class CaptureJob:
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         return device
 
-    def plan(self) -> CapturePlan:
+    def plan(self, *, progress: bool = False) -> CapturePlan:
         """Check everything that can be checked before the first forward and estimate the run.
 
         In order, each a one-line error (:class:`JobError`, or the runner's and the corpus's
@@ -951,7 +969,9 @@ class CaptureJob:
         positions; then the weights load and one short probe forward gives each layer's width
         (a layer that never runs is an error). The plan holds the loaded model: pass it to
         :meth:`run`. It does not refuse a run that exceeds the free space (``plan.fits``):
-        :meth:`run` does, unless ``force``.
+        :meth:`run` does, unless ``force``. ``progress`` says on stderr (rank 0) what is being
+        read or loaded as each step starts: the model's config and tokenizer, the corpus, the
+        weights, the probe.
         """
         import torch
 
@@ -970,8 +990,13 @@ class CaptureJob:
         self._check_out(out)
         lay = self._layout()
         rank, world = lay.dp_rank, lay.dp_size  # the corpus's shares: one per writer
+        say = _progress_line if progress and lay.rank == 0 else _quiet
 
         # 1. The model's config and tokenizer, the corpus and out: all before the weights.
+        say(
+            ("importing transformers, " if "transformers" not in sys.modules else "")
+            + f"reading {_model_shown(self.model)}: its config and tokenizer, and the corpus"
+        )
         got = self._source(rank=rank, world=world)
         prepared, src, context_size = got["prepared"], got["source"], got["context_size"]
         unit = f"contexts of {context_size} tokens" if context_size else "examples"
@@ -1039,10 +1064,12 @@ class CaptureJob:
                 plan.note = done_note
                 return plan
         if share is None:
+            say(f"counting {os.path.basename(got['input'])}")
             share = src.estimate()
 
         # 2. The weights, the layers, one probe forward for their widths.
         device = self._device(lay.world)
+        say(self._loading_line(prepared, device))
         model = self._load(prepared, device, model_dtype)
         paired = hasattr(prepared, "load_weights")  # several models (pyhook.pipeline.paired)
         layers = self.layers or (
@@ -1085,6 +1112,7 @@ class CaptureJob:
             return plan
         grads = getattr(rec, "_grads", None)  # "<layer>_grad": the rows of its layer's shape
         acts = [n for n in rec.layers if grads is None or n not in grads.names]
+        say(f"sizing {len(acts)} layer(s) with one short example through {type(model).__name__}")
         shapes = _probe_layers(model, acts, src.peek(), device)
         if grads is not None:
             shapes.update({g: shapes[a] for g, a in zip(grads.names, grads.layers)})
@@ -1653,6 +1681,40 @@ class CaptureResult:
 
 
 # -- helpers of the plan -----------------------------------------------------------------------
+def _progress_line(text: str) -> None:
+    """One line on stderr, at once: what the plan is doing now (``plan(progress=True)``)."""
+    print(f"pyhook: {_spell(text, flags=True)} ...", file=sys.stderr, flush=True)
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def _model_shown(model: Any) -> str:
+    """The job's ``model`` in a progress line."""
+    if model is None:
+        from .runner import DEFAULT_MODEL
+
+        return f"{DEFAULT_MODEL} (the default model)"
+    if isinstance(model, dict):
+        return "the models " + ", ".join(f"{n}={m}" for n, m in model.items())
+    if _is_module(model):
+        return f"the {type(model).__name__} given"
+    return str(model)
+
+
+def _weights_bytes(path: str) -> int:
+    """Bytes of the weight files in a checkpoint folder (0 when there are none to count)."""
+    if not os.path.isdir(path):
+        return 0
+    ends = (".safetensors", ".bin", ".pt", ".pth")
+    return sum(
+        os.path.getsize(os.path.join(path, f))
+        for f in os.listdir(path)
+        if f.endswith(ends) and os.path.isfile(os.path.join(path, f))
+    )
+
+
 def _weight_bytes(model: Any) -> dict[str, int]:
     """Bytes of this rank's weights (parameters and buffers) by device: a tensor-parallel
     shard counts its local part; weights accelerate holds off the device (on the ``meta``
