@@ -127,7 +127,7 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
 def cmd_capture(args: argparse.Namespace) -> int:
     job = getattr(args, "job", None) or job_from_args(args)
     quiet = getattr(args, "quiet", False)
-    plan = job.plan(progress=not quiet)  # says what it reads and loads as it goes
+    plan = job.plan(progress=not quiet and _shows_progress())  # what it loads, as it goes
     if plan.note is not None:  # already stored: nothing to do
         print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
@@ -1010,6 +1010,15 @@ def _check_ranks(job: CaptureJob) -> None:
         raise CLIError(f"--tp-size {job.tp_size}: {e}") from None
 
 
+def _shows_progress() -> bool:
+    """Whether ``pyhook capture`` says what it loads as it goes: when stderr is a terminal
+    (as git shows its progress), so logs and pipes keep one line per error."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stderr
+        return False
+
+
 def _reports_here() -> bool:
     """Whether this process prints the command line's errors: every rank of a launcher
     (torchrun, srun) parses the same arguments, so only the first rank of each machine
@@ -1052,7 +1061,7 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     except (CLIError, ValueError) as e:
         sys.exit(_report(e, every_rank=False))
     loud = args.command == "capture" and not getattr(args, "quiet", False)
-    if loud and _reports_here() and "torch" not in sys.modules:
+    if loud and _reports_here() and _shows_progress() and "torch" not in sys.modules:
         # the first of the lines that say what is loading (torch takes seconds to import)
         print("pyhook: importing torch ...", file=sys.stderr, flush=True)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -22,15 +21,6 @@ from pyhook.cli import main  # noqa: E402
 from pyhook.store import open_capture  # noqa: E402
 
 DOCS = [f"the fox number {i} ran {' '.join(['far'] * (i % 5))} away ." for i in range(60)]
-
-
-_PROGRESS = re.compile(r"^pyhook: (?!error:).* \.\.\.$")
-
-
-def _said(err: str) -> list[str]:
-    """stderr's lines but the progress lines (``pyhook: loading ... ...``: what the command
-    is doing, printed as each step starts)."""
-    return [ln for ln in err.strip().splitlines() if not _PROGRESS.match(ln)]
 
 
 def _tokenizer():
@@ -190,7 +180,7 @@ def test_bad_input_is_one_line_before_the_weights(
 ):
     args = cap(ckpt, "--out", str(tmp_path / "o"), *extra)
     assert main(args) == 2
-    err = _said(capsys.readouterr().err)
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Errno" not in err[0], err
 
 
@@ -213,7 +203,7 @@ def test_checkpoint_without_tokenizer(ckpt, tmp_path, capsys):
         ["capture", "--model", bare, "--out", str(tmp_path / "o")],
     ):
         assert main(cmd) == 2
-        err = _said(capsys.readouterr().err)
+        err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "has no tokenizer files" in err[0] and "--tokenizer" in err[0], err
     out = str(tmp_path / "o")
     args = [
@@ -464,7 +454,7 @@ def test_a_changed_datasetdict_corpus_is_not_resumed(ckpt, tmp_path, capsys):
     _datasetdict(corpus, DOCS[30:])
     capsys.readouterr()
     assert main(base) == 2
-    err = _said(capsys.readouterr().err)
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds a different capture (2 examples)" in err[0], err
     assert "--input (its contents)" in err[0] and "--overwrite" in err[0], err
     r = open_capture(out)
@@ -537,7 +527,7 @@ def test_corpus_errors_are_one_line_before_the_weights_and_write_nothing(
         out = tmp_path / f"o{n}"
         args = ["capture", "--model", str(ckpt / "model"), "--input", str(path), *extra]
         assert main([*args, "--layers", *LAYERS, "--out", str(out)]) == 2, path
-        err = _said(capsys.readouterr().err)
+        err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("pyhook: error: "), err
         assert all(m in err[0] for m in message), (message, err)
         assert not out.exists() or not os.listdir(out), os.listdir(out)
@@ -577,7 +567,7 @@ def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsy
         m.setattr(runner, "load_weights", keep_model)
         m.setattr(CaptureJob, "plan", plan_then_damage)
         assert main([*args, *extra, "--out", out, "--quiet"]) == 2
-    err = _said(capsys.readouterr().err)
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert f"{path}', record 3,001 (line 3,001), column 'text': holds a dict" in err[0], err
     assert models and not any(
@@ -611,7 +601,7 @@ def test_an_encoder_decoder_is_refused_with_the_encoder_class(t5, tmp_path, caps
         m.setattr(runner, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
         for extra in ([], ["--model-class", "AutoModel"]):
             assert main([*args, *extra, "--out", str(out)]) == 2
-            err = _said(capsys.readouterr().err)
+            err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and str(t5) in err[0], err
             assert "is an encoder-decoder model" in err[0], err
             assert "--model-class T5EncoderModel" in err[0], err
@@ -666,9 +656,13 @@ def test_the_capture_docs_show_the_names_the_default_command_stores(tmp_path):
 
 
 def test_the_command_says_what_it_loads_as_it_loads(ckpt, tmp_path, capsys, monkeypatch):
-    """Issue 53, item 8: a line as each step starts, not silence until the plan line; the
-    weights' line is on stderr before transformers reads the weights."""
+    """Issue 53, item 8: at a terminal, a line as each step starts, not silence until the plan
+    line; the weights' line is on stderr before transformers reads the weights."""
     import transformers
+
+    from pyhook import cli
+
+    monkeypatch.setattr(cli, "_shows_progress", lambda: True)  # stderr is a terminal
 
     from pyhook.pipeline.job import _human
 
@@ -707,3 +701,35 @@ def test_the_command_says_what_it_loads_as_it_loads(ckpt, tmp_path, capsys, monk
     )
     assert main(quiet) == 0
     assert "pyhook:" not in capsys.readouterr().err
+
+
+def test_the_loading_lines_start_before_torch_at_a_terminal_only(ckpt, tmp_path):
+    """The first line comes before torch's import (seconds); piped or logged, stderr keeps one
+    line per error and nothing else."""
+    import pty
+
+    args = [sys.executable, "-m", "pyhook", *cap(ckpt, "--limit", "2", "--context-size", "16")]
+    args += ["--out", str(tmp_path / "a"), "--dry-run"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert "pyhook: importing" not in piped.stderr and "pyhook: loading" not in piped.stderr
+    leader, follower = pty.openpty()  # stderr a terminal
+    p = subprocess.Popen([*args[:-3], "--out", str(tmp_path / "b"), "--dry-run"],
+                         stdout=subprocess.DEVNULL, stderr=follower)  # fmt: skip
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the command exited: the terminal closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert p.wait(60) == 0
+    lines = [ln.strip() for ln in seen.decode().splitlines() if ln.startswith("pyhook: ")]
+    assert lines[0] == "pyhook: importing torch ...", lines
+    assert lines[1].endswith(
+        f"reading {ckpt / 'model'}: its config and tokenizer, and the corpus ..."
+    )
+    assert any(ln.startswith("pyhook: loading ") for ln in lines), lines
