@@ -710,12 +710,12 @@ def test_the_loading_lines_start_before_torch_at_a_terminal_only(ckpt, tmp_path)
 
     args = [sys.executable, "-m", "pyhook", *cap(ckpt, "--limit", "2", "--context-size", "16")]
     args += ["--out", str(tmp_path / "a"), "--dry-run"]
-    piped = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert piped.returncode == 0, piped.stderr
     assert "pyhook: importing" not in piped.stderr and "pyhook: loading" not in piped.stderr
     leader, follower = pty.openpty()  # stderr a terminal
     p = subprocess.Popen([*args[:-3], "--out", str(tmp_path / "b"), "--dry-run"],
-                         stdout=subprocess.DEVNULL, stderr=follower)  # fmt: skip
+                         stdout=subprocess.DEVNULL, stderr=follower, cwd=tmp_path)  # fmt: skip
     os.close(follower)
     seen = b""
     while True:
