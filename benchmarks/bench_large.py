@@ -7,7 +7,7 @@ each side a loop of ``--forwards`` forwards, the capture's rows joined by ``resu
 
 (a) tensor parallel: 2 gloo ranks on this machine run a Llama model of GPT-2-small's shape
     (768 wide, 12 layers, 12 heads, 3072 MLP; random weights) loaded with transformers'
-    ``tp_plan="auto"``; the forward alone against the forward inside ``capture(to="host")`` of
+    ``DistributedConfig(tp_plan="auto")``; the forward alone against the forward inside ``capture(to="host")`` of
     every block's output (``resid_post.*``), and of every block plus every sharded MLP hidden
     activation (``mlp_hidden.*``: gathered from the ranks by pyhook's layout layer).
     Target: every-block capture <= 1.1x the forward alone.
@@ -100,8 +100,11 @@ def _tp_rank(rank: int, world: int, port: int, path: str, args: argparse.Namespa
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     import transformers
+    from transformers.distributed import DistributedConfig
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_plan="auto")
+    ).eval()
     n = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens))
     if cuda:

@@ -127,7 +127,7 @@ def job_from_args(args: argparse.Namespace) -> CaptureJob:
 def cmd_capture(args: argparse.Namespace) -> int:
     job = getattr(args, "job", None) or job_from_args(args)
     quiet = getattr(args, "quiet", False)
-    plan = job.plan()
+    plan = job.plan(progress=not quiet and _shows_progress())  # what it loads, as it goes
     if plan.note is not None:  # already stored: nothing to do
         print(f"pyhook: {plan.summary(flags=True)}", file=sys.stderr)
         return 0
@@ -137,6 +137,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return 0
     show = plan.rank == 0 and not quiet
     if show:
+        if job.device_map is not None:  # where the layers went (a misspelt name shows here)
+            print(plan.ranks_table(), file=sys.stderr)
         print(plan.summary(flags=True), file=sys.stderr)
     result = job.run(plan, progress=show)
     if plan.rank == 0 and not quiet:
@@ -813,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the plan (model, layers with widths, rows, bytes, shards) and exit",
     )
-    c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    c.add_argument("--quiet", action="store_true", help="no progress lines, bar or summary")
     c.set_defaults(func=cmd_capture)
 
     ly = sub.add_parser(
@@ -946,6 +948,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     if args.command == "capture":
         args.job = job_from_args(args)
         args.job.check_files()  # a missing --input: now, not after torch and the model load
+        _check_ranks(args.job)
     elif args.command == "layers":
         for flag in ("model", "tokenizer", "model_class"):  # as capture's: not the default
             v = getattr(args, flag)
@@ -994,16 +997,58 @@ def _one_model(values: list[str] | None) -> str | None:
     return model
 
 
-def _report(e: BaseException) -> int:
-    """Print ``e`` as one ``pyhook: error:`` line (options spelled as flags); status 2."""
+def _check_ranks(job: CaptureJob) -> None:
+    """``--tp-size`` against the ranks a launcher gave this process (torchrun's or srun's
+    ``WORLD_SIZE``), before torch is imported and the process group is joined."""
+    from .pipeline.ranks import rank_layout
+
+    if job.tp_size == 1:
+        return
+    try:
+        rank_layout(tp_size=job.tp_size)
+    except ValueError as e:
+        raise CLIError(f"--tp-size {job.tp_size}: {e}") from None
+
+
+def _shows_progress() -> bool:
+    """Whether ``pyhook capture`` says what it loads as it goes: when stderr is a terminal
+    (as git shows its progress), so logs and pipes keep one line per error."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stderr
+        return False
+
+
+def _reports_here() -> bool:
+    """Whether this process prints the command line's errors: every rank of a launcher
+    (torchrun, srun) parses the same arguments, so only the first rank of each machine
+    (``LOCAL_RANK`` 0) says what is wrong with them."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("0", "")
+
+
+def _report(e: BaseException, *, every_rank: bool = True) -> int:
+    """Print ``e`` as one ``pyhook: error:`` line (options spelled as flags); status 2. An
+    error in the arguments (``every_rank=False``) is printed by the first rank of a machine
+    only; the other ranks wait a moment before they exit, so the launcher stops on the first
+    rank's failure, after its line."""
     if isinstance(e, JobError):
         text = e.spelled(flags=True)
     elif isinstance(e, OSError) and e.strerror:
         text = e.strerror  # no "[Errno N]"
     else:
         text = str(e)
-    print(f"pyhook: error: {text}", file=sys.stderr)
+    if every_rank or _reports_here():
+        print(f"pyhook: error: {text}", file=sys.stderr)
+    else:
+        import time
+
+        sys.stderr.flush()
+        time.sleep(_QUIET_RANK_WAIT_S)
     return 2
+
+
+#: seconds a rank that does not report an error in the arguments waits before it exits
+_QUIET_RANK_WAIT_S = 3.0
 
 
 def check_command_line(argv: Sequence[str] | None = None) -> None:
@@ -1012,16 +1057,20 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     the process is the ``pyhook`` command (see :mod:`pyhook._startup`), so a mistyped flag costs
     no torch import."""
     try:
-        parse_arguments(list(sys.argv[1:] if argv is None else argv))
+        args = parse_arguments(list(sys.argv[1:] if argv is None else argv))
     except (CLIError, ValueError) as e:
-        sys.exit(_report(e))
+        sys.exit(_report(e, every_rank=False))
+    loud = args.command == "capture" and not getattr(args, "quiet", False)
+    if loud and _reports_here() and _shows_progress() and "torch" not in sys.modules:
+        # the first of the lines that say what is loading (torch takes seconds to import)
+        print("pyhook: importing torch ...", file=sys.stderr, flush=True)
 
 
 def _run(argv: list[str]) -> int:
     try:
         args = parse_arguments(argv)
     except (CLIError, ValueError) as e:
-        return _report(e)
+        return _report(e, every_rank=False)
     from .modules import LayerNotFoundError
     from .store import CaptureExistsError, CaptureWriteError
 
@@ -1033,7 +1082,8 @@ def _run(argv: list[str]) -> int:
 
 
 def _unknown_arguments(parser: argparse.ArgumentParser, args: Any, extra: list[str]) -> None:
-    """Report unknown arguments with the subcommand's usage, suggesting the closest options."""
+    """Report unknown arguments in one line, suggesting the closest options (``--help``
+    shows the usage)."""
     commands = getattr(parser, "_pyhook_commands", {})
     sub = commands.get(getattr(args, "command", None) or "capture", parser)
     options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
@@ -1045,7 +1095,10 @@ def _unknown_arguments(parser: argparse.ArgumentParser, args: Any, extra: list[s
                 hints.append(f"{word} (did you mean {close[0]}?)")
                 continue
         hints.append(word)
-    sub.error("unrecognized arguments: " + " ".join(hints))
+    raise CLIError(
+        f"unrecognized argument(s) of {sub.prog}: " + " ".join(hints) + f" ({sub.prog} --help "
+        "lists the options)"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

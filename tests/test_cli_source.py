@@ -271,15 +271,74 @@ def test_existing_capture_checks_come_before_the_model(ckpt, tmp_path, capsys, m
     assert "!=" not in err and "None" not in err and "--overwrite" in err
 
 
-def test_typo_gets_the_subcommand_usage_and_a_suggestion(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["capture", "--limt", "64"])
-    assert e.value.code == 2
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["capture", "--limt", "64"], "--limt (did you mean --limit?)"),
+        (["--limt", "64"], "--limt (did you mean --limit?)"),  # no command: capture's options
+        (["capture", "--quantise", "fp8"], "--quantise (did you mean --quantize?)"),
+    ],
+)
+def test_a_typo_is_one_line_with_a_suggestion(capsys, argv, hint):
+    """Issue 53, item 9: not argparse's whole usage block before the suggestion."""
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: pyhook capture") and "--limt (did you mean --limit?)" in err
-    with pytest.raises(SystemExit):
-        main(["--limt", "64"])  # no command: capture's usage too
-    assert "usage: pyhook capture" in capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith("pyhook: error: unrecognized argument(s) of pyhook capture: ")
+    assert hint in err and "(pyhook capture --help lists the options)" in err
+
+
+def _ranks(n: int, argv: list[str], tmp_path) -> list[subprocess.CompletedProcess]:
+    """``python -m pyhook ARGV`` as ``n`` ranks of one machine (torchrun's environment)."""
+    procs = []
+    for r in range(n):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1", LOCAL_WORLD_SIZE=str(n))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-X", "importtime", "-m", "pyhook", *argv],
+                env=env,
+                cwd=tmp_path,
+                stderr=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [subprocess.CompletedProcess(p.args, p.wait(60), *p.communicate()) for p in procs]
+
+
+def test_a_tp_size_the_ranks_cannot_take_is_said_once_before_torch_loads(tmp_path):
+    """Issue 53, item 9: every rank parses the same flags; rank 0 alone says what is wrong,
+    before torch is imported (so before any process-group work), and every rank exits 2."""
+    done = _ranks(3, ["capture", "--tp-size", "2", "--limit", "4", "--out", "acts"], tmp_path)
+    said = []
+    for r, p in enumerate(done):
+        lines = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+        imported = [ln.rsplit("|", 1)[-1].strip() for ln in p.stderr.splitlines()]
+        assert p.returncode == 2, (r, p.stderr[-2000:])
+        assert "torch" not in imported, f"rank {r} imported torch before refusing --tp-size"
+        said.append(lines)
+    assert said[1] == said[2] == [], said
+    assert said[0] == [
+        "pyhook: error: --tp-size 2: tp_size 2 does not divide the 3 ranks (environment): each "
+        "tensor-parallel group is tp_size ranks in a row, so the number of ranks must be a "
+        "multiple of tp_size"
+    ]
+
+
+@pytest.mark.distributed
+def test_under_torchrun_the_tp_size_error_is_the_first_rank_s_alone(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "pyhook",
+         "capture", "--tp-size", "2", "--limit", "4", "--out", str(tmp_path / "acts")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("pyhook: error:")]
+    assert len(errors) == 1 and "--tp-size 2: tp_size 2 does not divide the 3 ranks" in errors[0]
+    # torchrun's report names rank 0's exit as the failure (the others were stopped)
+    root = run.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2" in root, run.stderr
 
 
 def test_inspect_on_a_file(tmp_path, capsys):
@@ -495,8 +554,8 @@ def test_a_bad_record_found_during_the_capture_is_one_line(ckpt, tmp_path, capsy
         models.append(load(*a, **k))
         return models[-1]
 
-    def plan_then_damage(job):
-        got = plan(job)
+    def plan_then_damage(job, **options):
+        got = plan(job, **options)
         with open(path, "a") as f:
             f.write(json.dumps({"text": {"oops": 1}}) + "\n")
         return got
@@ -594,3 +653,83 @@ def test_the_capture_docs_show_the_names_the_default_command_stores(tmp_path):
     assert len(r.layers) == 6 and default.replace("*", "") + "0" in r.layers
     for name in shown:
         assert r[name].shape[1:] == (384,)
+
+
+def test_the_command_says_what_it_loads_as_it_loads(ckpt, tmp_path, capsys, monkeypatch):
+    """Issue 53, item 8: at a terminal, a line as each step starts, not silence until the plan
+    line; the weights' line is on stderr before transformers reads the weights."""
+    import transformers
+
+    from pyhook import cli
+
+    monkeypatch.setattr(cli, "_shows_progress", lambda: True)  # stderr is a terminal
+
+    from pyhook.pipeline.job import _human
+
+    seen: dict[str, str] = {}
+    load = transformers.GPT2LMHeadModel.from_pretrained.__func__
+
+    def from_pretrained(cls, *a, **k):
+        seen["err"] = capsys.readouterr().err  # what the user saw when the load began
+        return load(cls, *a, **k)
+
+    monkeypatch.setattr(
+        transformers.GPT2LMHeadModel, "from_pretrained", classmethod(from_pretrained)
+    )
+    weights = sum(f.stat().st_size for f in (ckpt / "model").glob("*.safetensors"))
+    assert (
+        main(cap(ckpt, "--context-size", "16", "--limit", "3", "--out", str(tmp_path / "a"))) == 0
+    )
+    before = [ln.replace("importing transformers, ", "") for ln in seen["err"].splitlines()]
+    assert (
+        before[0]
+        == f"pyhook: reading {ckpt / 'model'}: its config and tokenizer, and the corpus ..."
+    )
+    assert before[1] == "pyhook: counting c.parquet ..."
+    size = _human(weights)
+    assert before[2] == f"pyhook: loading {size} of weights onto cpu, from {ckpt / 'model'} ...", (
+        before
+    )
+    after = capsys.readouterr().err.splitlines()
+    assert (
+        after[0] == "pyhook: sizing 2 layer(s) with one short example through GPT2LMHeadModel ..."
+    )
+    assert after[1].startswith("plan: ")
+    # --quiet: none of it
+    quiet = cap(
+        ckpt, "--context-size", "16", "--limit", "3", "--out", str(tmp_path / "b"), "--quiet"
+    )
+    assert main(quiet) == 0
+    assert "pyhook:" not in capsys.readouterr().err
+
+
+def test_the_loading_lines_start_before_torch_at_a_terminal_only(ckpt, tmp_path):
+    """The first line comes before torch's import (seconds); piped or logged, stderr keeps one
+    line per error and nothing else."""
+    import pty
+
+    args = [sys.executable, "-m", "pyhook", *cap(ckpt, "--limit", "2", "--context-size", "16")]
+    args += ["--out", str(tmp_path / "a"), "--dry-run"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    assert "pyhook: importing" not in piped.stderr and "pyhook: loading" not in piped.stderr
+    leader, follower = pty.openpty()  # stderr a terminal
+    p = subprocess.Popen([*args[:-3], "--out", str(tmp_path / "b"), "--dry-run"],
+                         stdout=subprocess.DEVNULL, stderr=follower, cwd=tmp_path)  # fmt: skip
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the command exited: the terminal closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert p.wait(60) == 0
+    lines = [ln.strip() for ln in seen.decode().splitlines() if ln.startswith("pyhook: ")]
+    assert lines[0] == "pyhook: importing torch ...", lines
+    assert lines[1].endswith(
+        f"reading {ckpt / 'model'}: its config and tokenizer, and the corpus ..."
+    )
+    assert any(ln.startswith("pyhook: loading ") for ln in lines), lines

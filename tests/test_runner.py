@@ -3,6 +3,7 @@ that raises stops the source's prefetch thread at once (issue 23, item 5)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 from _hygiene import diff, hook_snapshot
 from _models import word_tokenizer
-
 from pyhook.capture import capture
 from pyhook.runner import RunnerError, run
 from pyhook.source import Batch, open_source
+
 from pyhook.store import open_capture
 
 DOCS = [f"the owl number {i} flew {' '.join(['high'] * (i % 4))} home ." for i in range(30)]
@@ -101,3 +102,163 @@ def test_a_forward_that_raises_stops_the_prefetch_thread(tmp_path):
     while _source_threads() and time.monotonic() < end:
         time.sleep(0.01)
     assert not _source_threads(), "the prefetch thread is still running"
+
+
+# -- issue 53, items 1-2: a device map is checked against the model before its weights load ------
+LAYERS = ["resid_post.0", "resid_post.1"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    import _large_workers as W
+
+    root = tmp_path_factory.mktemp("placed")
+    W.save_llama_lm(root / "model", word_tokenizer(W.DOCS))
+    (root / "c.txt").write_text("\n".join(W.DOCS) + "\n")
+    return root
+
+
+def _options(root, out) -> dict:
+    return {
+        "model": str(root / "model"),
+        "input": str(root / "c.txt"),
+        "context_size": 12,
+        "limit": 6,
+        "batch_size": 2,
+        "layers": LAYERS,
+        "out": str(out),
+    }
+
+
+@pytest.fixture()
+def no_weights(monkeypatch):
+    """Loading weights fails the test: each refusal must come before it."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("the weights were loaded before the device map was checked")
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        # the issue's case: transformers puts the misspelt layer on the CPU without a word
+        (
+            {"device_map": {"model.layer.0": "disk", "": "cpu"}, "offload_folder": "off"},
+            r"device_map names no module of LlamaForCausalLM: 'model\.layer\.0' "
+            r"\(closest names: 'model\.layers\.0'",
+        ),
+        (
+            {"device_map": {"model.embed_tokens": "cpu", "model.layers": "cpu"}},
+            r"device_map gives no device to \d+ weight\(s\) of LlamaForCausalLM, in "
+            r"'model\.norm', 'lm_head': add them, or '' for the rest",
+        ),
+        ({"device_map": {"": "gpu"}}, r"device_map '': 'gpu' is not a device"),
+        ({"device_map": "autp"}, r"device_map 'autp' is not a device.*'auto', 'balanced'"),
+        ({"device_map": {"": 0}}, r"device_map '': 0: no CUDA device is visible"),
+        (
+            {"device_map": "auto", "max_memory": {"cuda:0": "1GB", "cpu": "1GB"}},
+            r"max_memory key 'cuda:0' is not a device.*by its index: 0",
+        ),
+        ({"device_map": "auto", "max_memory": {3: "1GB"}}, r"max_memory GPU 3: no CUDA device"),
+        (
+            {"device_map": {"model.layers.1": "disk", "": "cpu"}},
+            r"device_map puts layers on 'disk': give offload_folder",
+        ),
+    ],
+)
+def test_a_device_map_mistake_is_refused_before_the_weights_load(
+    llama, tmp_path, no_weights, placement, message
+):
+    if torch.cuda.is_available() and "CUDA" in message:
+        pytest.skip("this machine has a GPU")
+    from pyhook import CaptureJob
+    from pyhook.pipeline.job import JobError
+
+    if "offload_folder" in placement:
+        placement = {**placement, "offload_folder": str(tmp_path / "off")}
+    job = CaptureJob(**_options(llama, tmp_path / "acts"), **placement)
+    with pytest.raises(JobError, match=message) as e:
+        job.plan()
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "acts").exists() or not list((tmp_path / "acts").iterdir())
+
+
+def test_the_command_names_the_misspelt_module_with_its_flag(llama, tmp_path, capsys, no_weights):
+    from pyhook.cli import main
+
+    o = _options(llama, tmp_path / "acts")
+    code = main(
+        [
+            "capture", "--model", o["model"], "--input", o["input"], "--context-size", "12",
+            "--layers", *LAYERS, "--out", o["out"], "--offload-folder", str(tmp_path / "off"),
+            "--device-map", '{"model.layer.0": "disk", "": "cpu"}',
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("pyhook: error: --device-map names no module of LlamaForCausalLM")
+    assert "'model.layers.0'" in err[-1]
+
+
+def test_the_rest_of_the_model_beside_a_disk_layer_loads_and_captures_the_same_rows(
+    llama, tmp_path
+):
+    """``{"model.layers.0": "disk", "": "cpu"}``: accelerate cannot offload a layer under a ""
+    entry (it fails after the load); the job spells "" out as the modules left, so the layer
+    is on the disk and the rows are those of the model loaded whole, bit for bit."""
+    from pyhook import CaptureJob
+
+    whole = CaptureJob(**_options(llama, tmp_path / "whole")).run()
+    job = CaptureJob(
+        **_options(llama, tmp_path / "placed"),
+        device_map={"model.layers.0": "disk", "": "cpu"},
+        offload_folder=str(tmp_path / "off"),
+    )
+    plan = job.plan()
+    assert plan.placement["model.layers.0"] == "disk"
+    assert {plan.placement[k] for k in ("model.embed_tokens", "model.layers.1", "lm_head")} == {
+        "cpu"
+    }
+    assert plan.ranks[0]["weights"].get("offloaded", 0) > 0
+    job.run(plan)
+    a, b = open_capture(whole.out), open_capture(str(tmp_path / "placed"))
+    for name in LAYERS:
+        assert torch.equal(a[name].to_tensor(), b[name].to_tensor()), name
+
+
+def test_the_command_prints_where_the_layers_went_when_a_device_map_is_given(
+    llama, tmp_path, capsys
+):
+    from pyhook.cli import main
+
+    o = _options(llama, tmp_path / "acts")
+    code = main(
+        [
+            "capture", "--model", o["model"], "--input", o["input"], "--context-size", "12",
+            "--limit", "4", "--layers", *LAYERS, "--out", o["out"],
+            "--device-map", '{"model.layers.1": "disk", "": "cpu"}',
+            "--offload-folder", str(tmp_path / "off"),
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    rows = {ln.split()[0]: ln.split(None, 1)[1].strip() for ln in err.splitlines()
+            if ln.startswith(("cpu ", "disk "))}  # fmt: skip
+    assert rows == {
+        "cpu": "model.embed_tokens, model.layers.0, model.norm, model.rotary_emb, lm_head",
+        "disk": "model.layers.1",
+    }, err
+    # the whole model on one device, by a device map: said too (a misspelt key would show)
+    code = main(
+        [
+            "capture", "--model", o["model"], "--input", o["input"], "--context-size", "12",
+            "--limit", "4", "--layers", *LAYERS, "--out", o["out"], "--overwrite",
+            "--device-map", "cpu",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert re.search(r"^cpu\s+\(the whole model\)", err, re.M), err

@@ -32,6 +32,7 @@ from ._names import check_model_name
 if TYPE_CHECKING:
     from torch import nn
 from ._paths import _existing_dir, _is_url, check_out_dir
+from .runner import _MAP_WORDS  # the words transformers knows (torch-free)
 
 __all__ = [
     "CaptureJob",
@@ -911,15 +912,39 @@ class CaptureJob:
             memory = {
                 int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in memory.items()
             }
+        try:  # a device map is checked against the model's modules before the weights load
+            device_map = runner.check_placement(
+                prepared, self.device_map, max_memory=memory, offload_folder=self.offload_folder
+            )
+        except runner.RunnerError as e:
+            raise JobError(str(e)) from None
         return runner.load_weights(
             prepared,
             device=device,
             dtype=model_dtype,
-            device_map=self.device_map,
+            device_map=device_map,
             max_memory=memory,
             offload_folder=self.offload_folder,
             tp_size=self.tp_size,
         )
+
+    def _loading_line(self, prepared: Any, device: str) -> str:
+        """What the weights' load is about to do, in words (``progress``)."""
+        if _is_module(self.model):
+            return f"using the {type(self.model).__name__} given (already loaded)"
+        paths = [getattr(m, "path", "") for m in getattr(prepared, "loaded", {}).values()]
+        paths = paths or [prepared.path]
+        size = sum(_weights_bytes(p) for p in paths)
+        what = f"{_human(size)} of weights" if size else "the weights"
+        if self.device_map is not None:
+            m = self.device_map
+            shown = f"{m!r}" if isinstance(m, str) else f"({len(m)} module(s) named)"
+            where = f"placed by `device_map` {shown}"
+        elif self.tp_size > 1:
+            where = f"sharded over tensor-parallel groups of {self.tp_size} ranks"
+        else:
+            where = f"onto {device}"
+        return f"loading {what} {where}, from {', '.join(paths)}"
 
     def _device(self, world: int) -> str:
         """The device, after joining the process group when torchrun started several ranks."""
@@ -934,7 +959,7 @@ class CaptureJob:
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         return device
 
-    def plan(self) -> CapturePlan:
+    def plan(self, *, progress: bool = False) -> CapturePlan:
         """Check everything that can be checked before the first forward and estimate the run.
 
         In order, each a one-line error (:class:`JobError`, or the runner's and the corpus's
@@ -944,7 +969,9 @@ class CaptureJob:
         positions; then the weights load and one short probe forward gives each layer's width
         (a layer that never runs is an error). The plan holds the loaded model: pass it to
         :meth:`run`. It does not refuse a run that exceeds the free space (``plan.fits``):
-        :meth:`run` does, unless ``force``.
+        :meth:`run` does, unless ``force``. ``progress`` says on stderr (rank 0) what is being
+        read or loaded as each step starts: the model's config and tokenizer, the corpus, the
+        weights, the probe.
         """
         import torch
 
@@ -963,8 +990,13 @@ class CaptureJob:
         self._check_out(out)
         lay = self._layout()
         rank, world = lay.dp_rank, lay.dp_size  # the corpus's shares: one per writer
+        say = _progress_line if progress and lay.rank == 0 else _quiet
 
         # 1. The model's config and tokenizer, the corpus and out: all before the weights.
+        say(
+            ("importing transformers, " if "transformers" not in sys.modules else "")
+            + f"reading {_model_shown(self.model)}: its config and tokenizer, and the corpus"
+        )
         got = self._source(rank=rank, world=world)
         prepared, src, context_size = got["prepared"], got["source"], got["context_size"]
         unit = f"contexts of {context_size} tokens" if context_size else "examples"
@@ -1032,10 +1064,12 @@ class CaptureJob:
                 plan.note = done_note
                 return plan
         if share is None:
+            say(f"counting {os.path.basename(got['input'])}")
             share = src.estimate()
 
         # 2. The weights, the layers, one probe forward for their widths.
         device = self._device(lay.world)
+        say(self._loading_line(prepared, device))
         model = self._load(prepared, device, model_dtype)
         paired = hasattr(prepared, "load_weights")  # several models (pyhook.pipeline.paired)
         layers = self.layers or (
@@ -1078,6 +1112,7 @@ class CaptureJob:
             return plan
         grads = getattr(rec, "_grads", None)  # "<layer>_grad": the rows of its layer's shape
         acts = [n for n in rec.layers if grads is None or n not in grads.names]
+        say(f"sizing {len(acts)} layer(s) with one short example through {type(model).__name__}")
         shapes = _probe_layers(model, acts, src.peek(), device)
         if grads is not None:
             shapes.update({g: shapes[a] for g, a in zip(grads.names, grads.layers)})
@@ -1152,6 +1187,10 @@ class CaptureJob:
         plan.model_class = model.describe() if paired else type(model).__name__
         plan.device = device
         plan.ranks = _ranks_table(lay, model, plan.examples, plan.rows, plan.bytes)
+        if self.device_map is not None:  # where transformers put each module
+            placed = getattr(model, "hf_device_map", None)
+            first = next(iter(model.parameters()), None)
+            plan.placement = dict(placed) if placed else {"": str(getattr(first, "device", device))}
         plan._state = {
             "model": model,
             "source": src,
@@ -1459,6 +1498,9 @@ class CapturePlan:
     #: ``rows`` and ``bytes`` of its group's share, ``weights`` (bytes of its weights by device;
     #: ``"offloaded"``: held by accelerate off the device, loaded when the layer runs)
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: with ``device_map``: where the loaded model's modules are (module name -> device; the
+    #: model's ``hf_device_map``, or ``{"": device}`` when transformers placed it whole)
+    placement: dict[str, Any] | None = None
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1526,7 +1568,8 @@ class CapturePlan:
         if not self.ranks:
             return ""
         one = self.ranks[0]["weights"]
-        if len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one:
+        whole = len(self.ranks) == 1 and len(one) <= 1 and "offloaded" not in one
+        if whole and self.placement is None:
             return ""
         unit = self.unit.split(" ")[0]
         rows = []
@@ -1547,6 +1590,8 @@ class CapturePlan:
         table = _table(
             rows, ["rank", "dp rank", "writes", unit, "rows", "MB written", "weights MB"]
         )
+        if self.placement is not None:
+            table += "\n" + _placement_table(self.placement)
         return f"layout: {head}\n{table}"
 
     def report(self, flags: bool = False) -> str:
@@ -1636,6 +1681,40 @@ class CaptureResult:
 
 
 # -- helpers of the plan -----------------------------------------------------------------------
+def _progress_line(text: str) -> None:
+    """One line on stderr, at once: what the plan is doing now (``plan(progress=True)``)."""
+    print(f"pyhook: {_spell(text, flags=True)} ...", file=sys.stderr, flush=True)
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def _model_shown(model: Any) -> str:
+    """The job's ``model`` in a progress line."""
+    if model is None:
+        from .runner import DEFAULT_MODEL
+
+        return f"{DEFAULT_MODEL} (the default model)"
+    if isinstance(model, dict):
+        return "the models " + ", ".join(f"{n}={m}" for n, m in model.items())
+    if _is_module(model):
+        return f"the {type(model).__name__} given"
+    return str(model)
+
+
+def _weights_bytes(path: str) -> int:
+    """Bytes of the weight files in a checkpoint folder (0 when there are none to count)."""
+    if not os.path.isdir(path):
+        return 0
+    ends = (".safetensors", ".bin", ".pt", ".pth")
+    return sum(
+        os.path.getsize(os.path.join(path, f))
+        for f in os.listdir(path)
+        if f.endswith(ends) and os.path.isfile(os.path.join(path, f))
+    )
+
+
 def _weight_bytes(model: Any) -> dict[str, int]:
     """Bytes of this rank's weights (parameters and buffers) by device: a tensor-parallel
     shard counts its local part; weights accelerate holds off the device (on the ``meta``
@@ -1650,6 +1729,40 @@ def _weight_bytes(model: Any) -> dict[str, int]:
         where = "offloaded" if local.device.type == "meta" else str(local.device)
         out[where] = out.get(where, 0) + local.numel() * local.element_size()
     return dict(sorted(out.items(), key=lambda kv: kv[0] == "offloaded"))
+
+
+def _placement_table(placement: dict[str, Any]) -> str:
+    """The device map as loaded, one line a device: its modules in order, a run of numbered
+    layers shown as one (``model.layers.0-31``).
+
+    >>> print(_placement_table({"model.embed": 0, "model.layers.0": 0, "model.layers.1": 0,
+    ...                         "model.layers.2": "disk", "lm_head": "cpu"}))
+    device  modules (device map)
+    ------  -----------------------------
+    0       model.embed, model.layers.0-1
+    disk    model.layers.2
+    cpu     lm_head
+    """
+    by: dict[str, list[str]] = {}
+    for name, dev in placement.items():
+        by.setdefault(str(dev), []).append(name or "(the whole model)")
+    rows = []
+    for dev, names in by.items():
+        runs: list[list[Any]] = []  # [name] or [prefix, first, last]
+        for n in names:
+            prefix, _, last = n.rpartition(".")
+            numbered = last.isdigit() and bool(prefix)
+            run = runs[-1] if runs else []
+            if numbered and len(run) == 3 and run[0] == prefix and int(last) == run[2] + 1:
+                run[2] = int(last)
+                continue
+            runs.append([prefix, int(last), int(last)] if numbered else [n])
+        shown = [
+            r[0] if len(r) == 1 else f"{r[0]}.{r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "")
+            for r in runs
+        ]
+        rows.append([dev, ", ".join(shown)])
+    return _table(rows, ["device", "modules (device map)"])
 
 
 def _ranks_table(
@@ -1680,9 +1793,6 @@ def _is_module(v: Any) -> bool:
     return any(
         c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(v).__mro__
     )
-
-
-_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _check_placement(name: str, v: Any) -> None:

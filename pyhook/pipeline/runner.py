@@ -26,6 +26,7 @@ __all__ = [
     "Loaded",
     "RunnerError",
     "check_device",
+    "check_placement",
     "load_model",
     "load_tokenizer",
     "load_weights",
@@ -324,6 +325,240 @@ def _refuse_encoder_decoder(transformers: Any, config: Any, cls: Any, path: str)
     )
 
 
+_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _meta_model(loaded: Loaded) -> Any:
+    """The model ``loaded`` describes, built from its config on the meta device (no memory, no
+    weights read): its module and parameter names, before the weights load. None when the
+    class cannot be built that way (the load itself then reports what is wrong)."""
+    import torch
+
+    cls, config = loaded.model_class, loaded.config
+    if cls is None or config is None:
+        return None
+    try:
+        with torch.device("meta"):
+            if hasattr(cls, "_model_mapping"):  # AutoModel & co
+                return cls.from_config(config, trust_remote_code=False)
+            return cls._from_config(config)
+    except Exception:  # a class that cannot be built empty: leave the checks to the load
+        return None
+
+
+def _placement_device(where: str, value: Any) -> str | None:
+    """Why ``value`` is not a device a layer can be placed on (None when it is one)."""
+    import torch
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return f"{where} {value!r} is not a device"
+    if isinstance(value, str) and value in ("cpu", "disk"):
+        return None
+    if isinstance(value, int) or value.isdigit():
+        index = int(value)
+        if index < 0:
+            return f"{where} {value!r} is not a device (a GPU index is >= 0)"
+    else:
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, ValueError):
+            return (
+                f"{where} {value!r} is not a device: give 'cpu', 'disk', a GPU index (0, 1, ...) "
+                "or a device name such as 'cuda:1'"
+            )
+        if dev.type == "meta":
+            return f"{where} {value!r} holds no data: give 'cpu', 'disk' or a GPU"
+        if dev.type != "cuda":
+            return None  # mps, xpu, ...: the load says whether this torch has it
+        index = dev.index or 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        seen = f"only {count} CUDA device(s) are visible" if count else "no CUDA device is visible"
+        return f"{where} {value!r}: {seen} (use 'cpu' or 'disk' to offload)"
+    return None
+
+
+def check_placement(
+    loaded: Loaded,
+    device_map: Any,
+    *,
+    max_memory: dict[Any, Any] | None = None,
+    offload_folder: str | None = None,
+) -> Any:
+    """Check ``device_map`` and ``max_memory`` against ``loaded``'s model before its weights
+    load, and return the device map to load with. The model is built from its config on the
+    meta device; every key of a mapping must name one of its modules (or parameters; ``""``
+    is the rest of the model) and every weight must get a device. ``""`` beside other keys is
+    spelt out as the modules the other keys leave (accelerate cannot offload a module to the
+    disk under a ``""`` entry). A misspelt name is a :class:`RunnerError` listing the closest
+    real names (transformers would leave that layer on the default device without a word); so
+    is a device that is not one, a GPU that is not visible, a ``max_memory`` key that is not a
+    device, and ``"disk"`` without ``offload_folder``. Options are named as ``device_map`` in
+    backticks (the job spells them as its flags).
+
+    >>> prepared = prepare_model("minilm", need_tokenizer=False)
+    >>> check_placement(prepared, {"encoder.layer.5": "disk", "": "cpu"}, offload_folder="off")
+    {'embeddings': 'cpu', 'encoder.layer.0': 'cpu', 'encoder.layer.1': 'cpu', 'encoder.layer.2': 'cpu', 'encoder.layer.3': 'cpu', 'encoder.layer.4': 'cpu', 'encoder.layer.5': 'disk', 'pooler': 'cpu'}
+    >>> try:
+    ...     check_placement(prepared, {"encoder.layers.0": "disk", "": "cpu"})
+    ... except RunnerError as e:
+    ...     print(e)  # doctest: +ELLIPSIS
+    `device_map` names no module of BertModel: 'encoder.layers.0' (closest names: 'encoder.layer.0', ...
+    """
+    if device_map is None or isinstance(device_map, _CheckedMap):
+        return device_map
+    if importlib.util.find_spec("accelerate") is None:
+        raise RunnerError(
+            "`device_map` places layers with accelerate, which is not installed: "
+            "pip install accelerate (or pip install 'pyhook[cli]')"
+        )
+    if isinstance(device_map, str):
+        if device_map not in _MAP_WORDS:
+            why = _placement_device("`device_map`", device_map)
+            if why is not None:
+                raise RunnerError(f"{why}; or one of {', '.join(map(repr, _MAP_WORDS))}")
+    elif isinstance(device_map, dict):
+        device_map = _check_map(loaded, device_map)
+    if max_memory is not None:
+        for key in max_memory:
+            if key in ("cpu", "disk", "mps"):
+                continue
+            if isinstance(key, int) and not isinstance(key, bool):
+                why = _placement_device("`max_memory` GPU", key)
+                if why is not None:
+                    raise RunnerError(why)
+                continue
+            hint = ""
+            if isinstance(key, str) and key.startswith("cuda"):
+                hint = f" (a GPU is named by its index: {key.partition(':')[2] or '0'})"
+            raise RunnerError(
+                f"`max_memory` key {key!r} is not a device: give GPU indices (0, 1, ...), "
+                f"'cpu', 'mps' or 'disk'{hint}"
+            )
+    values = device_map.values() if isinstance(device_map, dict) else [device_map]
+    if offload_folder is None and "disk" in values:
+        raise RunnerError(
+            "`device_map` puts layers on 'disk': give `offload_folder` (the folder their "
+            "weights are written to)"
+        )
+    return device_map
+
+
+class _CheckedMap(dict):  # type: ignore[type-arg]
+    """A device map :func:`check_placement` has checked (and spelt out): not checked again."""
+
+
+def _check_map(loaded: Loaded, device_map: dict[str, Any]) -> dict[str, Any]:
+    """Each key of ``device_map`` names a module or weight of the model, and each of its
+    weights (parameters, persistent buffers) gets a device. The map, ``""`` spelt out."""
+    for key, value in device_map.items():
+        why = _placement_device(f"`device_map` {key!r}:", value)
+        if why is not None:
+            raise RunnerError(why)
+    model = _meta_model(loaded)
+    if model is None:
+        return device_map
+    modules = [n for n, _ in model.named_modules()]
+    known = set(modules)
+    buffers = dict(model.named_buffers())
+    tensors = [n for n, _ in model.named_parameters()]
+    tensors += [k for k in model.state_dict() if k in buffers]
+    known.update(tensors)
+    wrong = [k for k in device_map if k not in known]
+    if wrong:
+        import difflib
+
+        key = wrong[0]
+        close = difflib.get_close_matches(key, modules, n=3, cutoff=0.5)
+        if not close:  # the names beside it
+            parent, depth = key.rpartition(".")[0], key.count(".")
+            close = [n for n in modules if n.startswith(parent + ".") and n.count(".") == depth]
+        shown = ", ".join(repr(n) for n in close[:3]) or "none"
+        more = ""
+        if len(wrong) > 1:
+            more = f" (and {len(wrong) - 1} more: {', '.join(map(repr, wrong[1:4]))})"
+        raise RunnerError(
+            f"`device_map` names no module of {type(model).__name__}: {key!r} (closest names: "
+            f"{shown}){more}; pyhook layers lists the modules"
+        )
+    if "" in device_map:
+        if len(device_map) == 1:
+            return _CheckedMap(device_map)
+        return _CheckedMap(_spell_out_root(model, device_map))
+    keys = list(device_map)
+    missing = {t for t in tensors if not any(t == k or t.startswith(k + ".") for k in keys)}
+    if missing:
+        owners = _uncovered(tensors, missing)
+        shown = ", ".join(map(repr, owners[:6]))
+        shown += f" and {len(owners) - 6} more" if len(owners) > 6 else ""
+        raise RunnerError(
+            f"`device_map` gives no device to {len(missing)} weight(s) of "
+            f"{type(model).__name__}, in {shown}: add them, or '' for the rest of the model"
+        )
+    return _CheckedMap(device_map)
+
+
+def _uncovered(tensors: list[str], missing: set[str]) -> list[str]:
+    """The outermost modules (or tensors) all of whose tensors are ``missing``, in order."""
+    total: dict[str, int] = {}
+    lacking: dict[str, int] = {}
+    for t in tensors:
+        parts = t.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            total[prefix] = total.get(prefix, 0) + 1
+            lacking[prefix] = lacking.get(prefix, 0) + (t in missing)
+    out: list[str] = []
+    for t in tensors:
+        if t not in missing:
+            continue
+        parts = t.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if lacking[prefix] == total[prefix]:
+                if prefix not in out:
+                    out.append(prefix)
+                break
+    return out
+
+
+def _spell_out_root(model: Any, device_map: dict[str, Any]) -> dict[str, Any]:
+    """``device_map`` with its ``""`` entry replaced by the outermost modules (or weights) the
+    other keys leave, in the model's order; the other keys keep their devices."""
+    rest = device_map[""]
+    given = {k: v for k, v in device_map.items() if k != ""}
+
+    def covered(name: str) -> bool:
+        return any(name == k or name.startswith(k + ".") for k in given)
+
+    def inside(name: str) -> bool:  # a key lies strictly inside it
+        return any(k.startswith(name + ".") for k in given)
+
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, module: Any) -> None:
+        for name, _ in module.named_parameters(recurse=False):
+            if not covered(prefix + name):
+                out[prefix + name] = rest
+        for name, _ in module.named_buffers(recurse=False):
+            if not covered(prefix + name) and name not in module._non_persistent_buffers_set:
+                out[prefix + name] = rest
+        for name, child in module.named_children():
+            full = prefix + name
+            if full in given:
+                out[full] = given[full]
+            elif covered(full):
+                continue
+            elif inside(full):
+                walk(full + ".", child)
+            else:
+                out[full] = rest
+
+    walk("", model)
+    out.update({k: v for k, v in given.items() if k not in out})  # weights named alone
+    return out
+
+
 def load_weights(
     loaded: Loaded,
     *,
@@ -351,6 +586,9 @@ def load_weights(
     import transformers
 
     dev = check_device(device)
+    device_map = check_placement(
+        loaded, device_map, max_memory=max_memory, offload_folder=offload_folder
+    )
     cls = loaded.model_class
     with_bar = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
