@@ -401,11 +401,43 @@ def _rows(output: Any, start: int, stop: int, total: int) -> Any:
     return pytree.tree_map(cut, output)
 
 
-def _metric_value(metric: Metric, output: Any, batch: int) -> torch.Tensor:
-    """The metric of one group of ``batch`` examples, as a 0-dim tensor (summed over them)."""
+def _call_metric(metric: Metric, output: Any, who: str | None) -> torch.Tensor:
+    """``metric(output)`` as a tensor; ``who``: a function that differentiates it, for which
+    a Python number (no gradient) is refused."""
     v = metric(output)
-    if not isinstance(v, torch.Tensor):
-        v = torch.as_tensor(v)
+    if isinstance(v, torch.Tensor):
+        return v
+    if who is not None:
+        raise TypeError(
+            f"{who}: metric(output) must return a torch.Tensor computed from the output (its "
+            f"gradient is taken), got {type(v).__name__}: return the tensor itself, not "
+            ".item() or float(...)"
+        )
+    return torch.as_tensor(v)
+
+
+def _differentiable(value: torch.Tensor, who: str) -> None:
+    """Refuse a metric value that autograd cannot differentiate, saying why."""
+    if value.requires_grad:
+        return
+    raise ValueError(
+        f"{who}: metric(output) returned a tensor cut from the model's graph (it does not "
+        "require grad): compute it from the output with torch operations, without .detach(), "
+        "torch.no_grad() or a round trip through NumPy/Python numbers"
+    )
+
+
+def _check_grad_mode(who: str) -> None:
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{who} takes gradients, and no gradient can be taken inside torch.inference_mode(): "
+            "call it outside that block (inside torch.no_grad() it works)"
+        )
+
+
+def _metric_value(metric: Metric, output: Any, batch: int, who: str | None = None) -> torch.Tensor:
+    """The metric of one group of ``batch`` examples, as a 0-dim tensor (summed over them)."""
+    v = _call_metric(metric, output, who)
     if v.dim() == 0:
         return v
     if v.dim() == 1 and v.shape[0] == batch:
@@ -416,12 +448,13 @@ def _metric_value(metric: Metric, output: Any, batch: int) -> torch.Tensor:
     )
 
 
-def _metric_groups(metric: Metric, output: Any, batch: int, groups: int) -> torch.Tensor:
-    """The metric of each of ``groups`` consecutive groups of ``batch`` rows: ``[groups]``."""
+def _metric_groups(
+    metric: Metric, output: Any, batch: int, groups: int, who: str | None = None
+) -> torch.Tensor:
+    """The metric of each of ``groups`` consecutive groups of ``batch`` rows: ``[groups]``
+    (``who``: see :func:`_call_metric`)."""
     total = batch * groups
-    v = metric(output)
-    if not isinstance(v, torch.Tensor):
-        v = torch.as_tensor(v)
+    v = _call_metric(metric, output, who)
     if v.dim() == 1 and v.shape[0] == total:
         return v.reshape(groups, batch).sum(1)
     if v.dim() == 0 and groups == 1:
@@ -429,7 +462,7 @@ def _metric_groups(metric: Metric, output: Any, batch: int, groups: int) -> torc
     if v.dim() == 0:  # a metric that sums over the batch: evaluate it on each group's rows
         return torch.stack(
             [
-                _metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch)
+                _metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch, who)
                 for g in range(groups)
             ]
         )
@@ -706,6 +739,7 @@ def attribution_patch(
     per_head: bool = True,
     one_batch: bool = False,
     offload: bool = False,
+    signed: bool = False,
 ) -> PatchResult:
     """Estimate every (point, position[, head]) patching effect from one backward pass (AtP).
 
@@ -744,6 +778,7 @@ def attribution_patch(
     """
     if method not in ("atp", "atp*"):
         raise ValueError(f"attribution_patch: method must be 'atp' or 'atp*', got {method!r}")
+    _check_grad_mode("attribution_patch")
     model = unwrap_compiled(model)
     _check_eager(model, "attribution_patch")
     _check_no_dropout(model)
@@ -773,7 +808,10 @@ def attribution_patch(
             src_acts = {n: _to_host(a) for n, a in src_acts.items()}
     kw = _tile(kw1, width, groups)
     sites = _Sites(_sink_dtype(model))
+    # per point, [copies, batch, pos(, head)]: each pair's estimate under each copy's gradient
     partial: dict[str, torch.Tensor] = {}
+    # per point, [copies]: whether the copy's gradient reaches the point at all
+    reached: dict[str, torch.Tensor] = {}
 
     def site_hook(name: str) -> Callable[[torch.Tensor], None]:
         heads = heads_of[name]
@@ -788,8 +826,10 @@ def attribution_patch(
             if src.dim() == 5 and not heads:
                 src = src.flatten(-2)
             prod = (src.to(g.device, g.dtype) - base) * g  # [groups, batch, pos, ...]
-            s = prod.sum(dim=(1, 4)) if heads else prod.sum(dim=1).flatten(2).sum(-1)
+            s = prod.sum(dim=4) if heads else prod.flatten(3).sum(-1)
             partial[name] = s.detach().to(store) if store is not None else s.detach()
+            if groups > 1:
+                reached[name] = g.flatten(1).ne(0).any(1).cpu()
 
         return on_grad
 
@@ -816,6 +856,7 @@ def attribution_patch(
                 attn,
                 sites,
                 partial,
+                reached,
                 groups,
                 width,
                 base_rows,
@@ -837,11 +878,6 @@ def attribution_patch(
         for kind in ("attn_out", "mlp_out"):
             sites.add(f"{kind}.{layer}", dropper, first=True)
 
-    with (
-        torch.enable_grad(),
-        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
-    ):
-        out = _run(model, kw)
     total = groups * width
     rows = torch.cat(
         [
@@ -849,7 +885,11 @@ def attribution_patch(
             for k in range(groups)
         ]
     )
-    values = _metric_groups(metric, _take(out, rows, total), batch, groups)
+    with torch.enable_grad():  # the metric too: it is differentiated
+        with TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+            out = _run(model, kw)
+        values = _metric_groups(metric, _take(out, rows, total), batch, groups, "attribution_patch")
+    _differentiable(values, "attribution_patch")
     if one_batch:
         other_out = _rows(out, src_rows.start, src_rows.stop, total)
     with torch.no_grad():
@@ -865,13 +905,19 @@ def attribution_patch(
     for name in names:
         per_copy = partial.get(name)
         if per_copy is None:  # the point does not reach the metric
-            per_copy = torch.zeros((groups, *shapes.get(name, (0,))), dtype=base_m.dtype)
-        atp = per_copy[0]
+            per_copy = torch.zeros((groups, batch, *shapes.get(name, (0,))), dtype=base_m.dtype)
+        atp = per_copy[0].sum(0)
         if method == "atp":
             result[name] = atp
-        else:
-            dropped = per_copy[1:].abs().sum(0) / max(blocks - 1, 1)
-            result[name] = torch.sign(atp) * dropped
+            continue
+        # GradDrop (Kramár et al. 2024, section 3.1.2): per pair, the mean of |AtP with block
+        # l dropped| over the drops that leave the point a gradient (L - 1 for a component
+        # inside a block, whose own block's drop cuts it; L for the residual stream), then
+        # summed over the pairs
+        kept = reached.get(name)
+        terms = max(int(kept[1:].sum()) if kept is not None else blocks - 1, 1)
+        score = (per_copy[1:].abs().sum(0) / terms).sum(0)
+        result[name] = torch.sign(atp) * score if signed else score
     clean_m, corrupt_m = (base_m, other_m) if noising else (other_m, base_m)
     return PatchResult(result, method, float(clean_m), float(corrupt_m), bool(noising))
 
@@ -886,6 +932,7 @@ def _qk_fix_hook(
     attn: nn.Module,
     sites: _Sites,
     partial: dict[str, torch.Tensor],
+    reached: dict[str, torch.Tensor],
     groups: int,
     width: int,
     base_rows: slice,
@@ -921,52 +968,90 @@ def _qk_fix_hook(
             scaling = float(getattr(attn, "scaling", q.shape[-1] ** -0.5))
             mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             mask = mask.expand(b, 1, s, s)
+            real = None  # query rows of real tokens (a 2-D attention mask's ones)
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
                 rows = attention_mask.unflatten(0, (groups, width))[0, base_rows]
-                mask = mask & rows.to(q.device).bool().view(b, 1, 1, s)
+                real = rows.to(q.device).bool()
+                mask = mask & real.view(b, 1, 1, s)
             scores = torch.einsum("bihd,bjhd->bhij", q, kq) * scaling
-            pattern = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
-            pattern = torch.nan_to_num(pattern)  # a row with every key masked
+            logits = scores.masked_fill(~mask, float("-inf"))
+            pattern = torch.nan_to_num(torch.softmax(logits, -1))  # a row with every key masked
             recomputed = torch.einsum("bhij,bjhd->bihd", pattern, vq)
+            # rows no real token reads (a padding query, all of whose keys are masked: the
+            # model's own softmax gives them any finite values) are not compared
+            diff = (recomputed - z).abs()
+            if real is not None:
+                diff = torch.where(real.view(b, s, 1, 1), diff, torch.zeros_like(diff))
             # (models that take the softmax in float32 agree to float32's precision only)
             tol = max(torch.finfo(dtype).eps ** 0.5, 3.5e-4) * max(float(z.abs().max()), 1e-12)
-            if float((recomputed - z).abs().max()) > tol:
+            if float(diff.max()) > tol:
                 raise ValueError(
                     f"attribution_patch(method='atp*'): the QK fix recomputes block {layer}'s "
                     f"attention pattern as softmax(q k^T * {scaling:g} + causal/padding mask), "
-                    f"but pattern @ v differs from attn_z.{layer} by "
-                    f"{float((recomputed - z).abs().max()):.3g} ({type(attn).__name__} computes "
-                    "it otherwise: a sliding window, soft-capping, ...); score attn_q/attn_k "
-                    "with method='atp' instead"
+                    f"but pattern @ v differs from attn_z.{layer} by {float(diff.max()):.3g} "
+                    f"({type(attn).__name__} computes it otherwise: a sliding window, "
+                    "soft-capping, ...); score attn_q/attn_k with method='atp' instead"
                 )
             g = grad.unflatten(0, (groups, width))[:, base_rows].to(dtype)  # [G, b, s, H, dh]
-            d_pattern = torch.einsum("gbihd,bjhd->gbhij", g, vq)  # d metric / d pattern
-            dot = (pattern * d_pattern).sum(-1)  # [G, b, h, i]
+            reach = g.flatten(1).ne(0).any(1)  # [G]: the copy's gradient reaches the block
             for name in qk_names:
                 which = name.split(".")[0][-1]
                 src = source(name).to(q.device, dtype)
-                if which == "q":  # row i of the pattern, exactly, under the source query
-                    new = torch.einsum("bihd,bjhd->bhij", src, kq) * scaling
-                    new = torch.nan_to_num(torch.softmax(new.masked_fill(~mask, float("-inf")), -1))
-                    eff = ((new - pattern) * d_pattern).sum(-1)  # [G, b, h, i]
-                    per = eff.sum(1).transpose(1, 2)  # [G, pos, head]
-                else:  # column j under the source key: every row renormalised exactly
-                    new = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
-                    shift = torch.where(mask, new * scaling - scores, torch.zeros_like(scores))
-                    a = pattern.clamp(0, 1)
-                    # log of each row's new normaliser over the old: log(1 - a + a e^shift)
-                    lognorm = torch.logaddexp(torch.log1p(-a), torch.log(a) + shift)
-                    kept = torch.exp(-lognorm) * (dot.unsqueeze(-1) - a * d_pattern)
-                    moved = torch.exp(torch.log(a) + shift - lognorm) * d_pattern
-                    eff = kept + moved - dot.unsqueeze(-1)  # [G, b, h, i, j]
-                    eff = torch.where(mask.unsqueeze(0), eff, torch.zeros_like(eff))
-                    per = eff.sum((1, 3))  # [G, h, j]
-                    per = per.unflatten(1, (k.shape[2], rep)).sum(2).transpose(1, 2)
+                if which == "q":
+                    new_logits = torch.einsum("bihd,bjhd->bhij", src, kq) * scaling
+                    new_logits = new_logits.masked_fill(~mask, float("-inf"))
+                    new_pattern = torch.nan_to_num(torch.softmax(new_logits, -1))
+                else:
+                    new_logits = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
+                    new_logits = (new_logits * scaling).masked_fill(~mask, float("-inf"))
+                per = []
+                # one GradDrop copy at a time: a few [batch, heads, pos, pos] tensors at once
+                for copy in range(groups):
+                    d_pattern = torch.einsum("bihd,bjhd->bhij", g[copy], vq)  # d metric / d A
+                    if which == "q":  # row i of the pattern, exactly, under the source query
+                        eff = ((new_pattern - pattern) * d_pattern).sum(-1)  # [b, h, i]
+                        per.append(eff.transpose(1, 2))  # [b, pos, head]
+                    else:  # column j under the source key: every row renormalised exactly
+                        eff = _key_effect(pattern, logits, new_logits, d_pattern)  # [b, h, i, j]
+                        eff = eff.sum(2).unflatten(1, (k.shape[2], rep)).sum(2)  # [b, kv, j]
+                        per.append(eff.transpose(1, 2))  # [b, pos, kv head]
+                out = torch.stack(per)  # [G, b, pos, head]
                 if not heads_of[name]:
-                    per = per.sum(-1)
-                partial[name] = per.to(store) if store is not None else per
+                    out = out.sum(-1)
+                partial[name] = out.to(store) if store is not None else out
+                reached[name] = reach.cpu()
 
     return on_grad
+
+
+def _loo_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``out[..., j] = logsumexp_{k != j} x[..., k]``, from exclusive prefix and suffix
+    log-sums: key ``j`` is left out exactly, never subtracted back out (a subtraction loses
+    every other key once ``j``'s weight rounds to 1)."""
+    ninf = torch.full_like(x[..., :1], float("-inf"))
+    before = torch.cat([ninf, torch.logcumsumexp(x, -1)[..., :-1]], -1)
+    after = torch.cat([torch.logcumsumexp(x.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)
+    return torch.logaddexp(before, after)
+
+
+def _key_effect(
+    pattern: torch.Tensor, logits: torch.Tensor, new_logits: torch.Tensor, d_pattern: torch.Tensor
+) -> torch.Tensor:
+    """``[b, h, i, j]``: ``sum_k (A'_ik - A_ik) dM/dA_ik`` for row ``i`` with key ``j`` alone
+    patched, ``A'`` the softmax of row ``i`` with logit ``j`` replaced by ``new_logits[..., i,
+    j]``. Computed in the logit domain: the other keys' new weights are ``exp(logit_k -
+    LSE')``, ``LSE' = logaddexp(LSE of the row without j, new logit j)``, and their part of the
+    sum, ``sum_{k != j} exp(logit_k) dM/dA_k``, a leave-one-out log-sum of the positive and of
+    the negative parts of ``dM/dA``; exact however saturated the row."""
+    rest = _loo_logsumexp(logits)  # [b, h, i, j]
+    lse = torch.logaddexp(rest, new_logits)
+    pos = _loo_logsumexp(logits + torch.log(d_pattern.clamp(min=0)))
+    neg = _loo_logsumexp(logits + torch.log((-d_pattern).clamp(min=0)))
+    moved = torch.exp(new_logits - lse) * d_pattern
+    kept = torch.exp(pos - lse) - torch.exp(neg - lse)
+    dot = (pattern * d_pattern).sum(-1, keepdim=True)
+    eff = kept + moved - dot
+    return torch.where(torch.isfinite(new_logits), eff, torch.zeros_like(eff))
 
 
 def _take(output: Any, index: torch.Tensor, total: int) -> Any:
@@ -1041,6 +1126,7 @@ def edge_attribution(
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"edge_attribution: steps must be a positive int, got {steps!r}")
+    _check_grad_mode("edge_attribution")
     model = unwrap_compiled(model)
     _check_eager(model, "edge_attribution")
     _check_no_dropout(model)
@@ -1116,12 +1202,11 @@ def edge_attribution(
         # embed is resid_pre.0's tensor: the interpolation is an edit at resid_pre.0
         sites.modify["resid_pre.0"] = interpolate
     kw = _tile(base_kw, batch, steps)
-    with (
-        torch.enable_grad(),
-        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
-    ):
-        out = _run(model, kw)
-    groups = _metric_groups(metric, out, batch, steps)
+    with torch.enable_grad():  # the metric too: it is differentiated
+        with TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+            out = _run(model, kw)
+        groups = _metric_groups(metric, out, batch, steps, "edge_attribution")
+    _differentiable(groups, "edge_attribution")
     base_m = groups[0].detach()
     sites.backward(groups.sum())
     del out

@@ -109,7 +109,7 @@ PATHS = {
         "encoder.layer.{}.output.dropout",
     ),
 }
-KIND = {"resid_pre": 0, "attn_out": 1, "attn_z": 2, "mlp_out": 3}
+KIND = {"resid_pre": 0, "resid_post": 0, "attn_out": 1, "attn_z": 2, "mlp_out": 3}
 
 
 def _arch(model: nn.Module) -> str:
@@ -234,7 +234,9 @@ def _ref_grads(model, ids, points, metric, block_grad=None):
     }, kept
 
 
-def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=None):
+def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=None, pairs=False):
+    """AtP per point, summed over the batch ([pos] or [pos, head]); ``pairs``: one per prompt
+    pair ([batch, pos(, head)])."""
     base, src = (clean, corrupt) if noising else (corrupt, clean)
     _, src_acts = _ref_record(model, src, points)
     grads, base_acts = _ref_grads(model, base, points, metric, block_grad)
@@ -243,9 +245,11 @@ def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=No
     for p in points:
         prod = (src_acts[p] - base_acts[p].detach()) * grads[p]
         if p.startswith("attn_z"):
-            out[p] = prod.unflatten(-1, (H, -1)).sum(dim=(0, 3))
+            out[p] = prod.unflatten(-1, (H, -1)).sum(dim=3)
         else:
-            out[p] = prod.sum(dim=(0, 2))
+            out[p] = prod.sum(dim=2)
+        if not pairs:
+            out[p] = out[p].sum(0)
     return out
 
 
@@ -341,22 +345,51 @@ def test_one_batch_slices_get_their_own_gradient():
         torch.testing.assert_close(got[p], summed[p], **TOL)
 
 
-@pytest.mark.parametrize("opts", [{}, {"one_batch": True}])
-def test_atp_star_graddrop_equals_reference(opts):
+@pytest.mark.parametrize("opts", [{}, {"one_batch": True}, {"offload": True}])
+def test_atp_star_graddrop_is_the_papers(opts):
+    """GradDrop as Kramár et al. (2024), section 3.1.2, write it: for each prompt pair x and
+    each layer l, AtP_l(n; x) is AtP with the gradient through layer l's residual-stream
+    contribution (its attention and MLP outputs) set to zero; the score of a node is
+    1/(L-1) sum_l |AtP_l(n; x)|, the absolute value taken per pair, unsigned. The paper's nodes
+    sit inside a block, whose own drop cuts them (L - 1 terms survive); a residual-stream
+    point survives all L drops and is divided by L. Summed over the pairs (as every score)."""
     model = gpt2(layers=3)
-    clean, corrupt = _pair(model)
+    L = 3
+    clean, corrupt = _pair(model, batch=3)
     metric = _metric_for(model)
-    points = ["resid_pre.0", "resid_pre.2", "attn_z.1"]
-    atp = _ref_atp(model, clean, corrupt, metric, points)
-    dropped = [
-        _ref_atp(model, clean, corrupt, metric, points, block_grad=layer) for layer in range(3)
+    inside = ["attn_z.1", "attn_out.0", "mlp_out.1"]
+    residual = ["resid_pre.0", "resid_pre.2", "resid_post.2"]
+    points = inside + residual
+    per_pair = [
+        _ref_atp(model, clean, corrupt, metric, points, block_grad=layer, pairs=True)
+        for layer in range(L)
     ]
+    atp = _ref_atp(model, clean, corrupt, metric, points)
     got = attribution_patch(model, clean, corrupt, metric, points, method="atp*", **opts)
+    signed = attribution_patch(
+        model, clean, corrupt, metric, points, method="atp*", signed=True, **opts
+    )
     assert got.method == "atp*"
     for p in points:
-        want = torch.sign(atp[p]) * sum(d[p].abs() for d in dropped) / 2
+        terms = L - 1 if p in inside else L
+        want = (sum(d[p].abs() for d in per_pair) / terms).sum(0)
         torch.testing.assert_close(got[p], want, **TOL)
-        assert not torch.allclose(got[p], atp[p])
+        torch.testing.assert_close(signed[p], torch.sign(atp[p]) * want, **TOL)
+        assert float(want.abs().max()) > 1e-5
+    # per pair, not after summing the batch: the pairs' signs differ here
+    summed_first = sum(d["attn_z.1"].sum(0).abs() for d in per_pair) / (L - 1)
+    assert not torch.allclose(got["attn_z.1"], summed_first)
+
+
+def test_atp_star_scale_of_the_last_residual():
+    """The last residual is never cut by a drop: its score is the plain per-pair |AtP|, not
+    L/(L-1) of it."""
+    model = gpt2(layers=3)
+    clean, corrupt = _pair(model, batch=2)
+    metric = _metric_for(model)
+    got = attribution_patch(model, clean, corrupt, metric, "resid_post.2", method="atp*")
+    pairs = _ref_atp(model, clean, corrupt, metric, ["resid_post.2"], pairs=True)["resid_post.2"]
+    torch.testing.assert_close(got["resid_post.2"], pairs.abs().sum(0), **TOL)
 
 
 def _ref_edges(model, clean, corrupt, metric, steps=1):
