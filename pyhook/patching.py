@@ -293,25 +293,42 @@ def _heatmap(
 
 # -- checks and inputs -------------------------------------------------------------------------
 def _check_no_dropout(model: nn.Module) -> None:
-    """Refuse a model with active dropout, naming the first module that would drop."""
-    for name, mod in model.named_modules():
-        if not mod.training:
-            continue
-        p = None
+    """Refuse a model with active dropout, naming the first module that would drop.
+
+    Dropout is active when a module is in training mode and holds a non-zero dropout
+    probability in any form the model applies it from: a dropout module, a number attribute
+    whose name says so (BLOOM's ``hidden_dropout``, applied with ``dropout_add``), or its
+    config (Falcon reads ``config.hidden_dropout`` in the forward)."""
+    training = [(name, mod) for name, mod in model.named_modules() if mod.training]
+    for name, mod in training:
         if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
-            p = mod.p
-        else:
-            for attr in ("attention_dropout", "attn_dropout", "dropout", "dropout_p"):
-                v = mod.__dict__.get(attr)
-                if isinstance(v, float) and v > 0:
-                    p = v
-                    break
-        if p is not None:
-            raise DropoutActiveError(
-                f"dropout is active in module {name or '(the model)'!r} ({type(mod).__name__}, "
-                f"p={p}): patching a model in training mode measures random masks; call "
-                "model.eval() first"
-            )
+            _refuse_dropout(name, mod, "p", mod.p)
+        for attr, v in vars(mod).items():
+            if _is_drop_rate(attr, v):
+                _refuse_dropout(name, mod, attr, v)
+    seen: set[int] = set()
+    for name, mod in training:
+        config = vars(mod).get("config")
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for attr, v in vars(config).items():
+            if _is_drop_rate(attr, v):
+                _refuse_dropout(name, mod, f"config.{attr}", v)
+
+
+def _is_drop_rate(attr: str, v: object) -> bool:
+    return (
+        "drop" in attr.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    )
+
+
+def _refuse_dropout(name: str, mod: nn.Module, what: str, p: object) -> None:
+    raise DropoutActiveError(
+        f"dropout is active in module {name or '(the model)'!r} ({type(mod).__name__}, "
+        f"{what}={p}): patching a model in training mode measures random masks; call "
+        "model.eval() first"
+    )
 
 
 def _check_eager(model: nn.Module, who: str) -> None:
@@ -716,8 +733,12 @@ class _Sites:
 
         self.edits[name] = edit
 
-    def backward(self, value: torch.Tensor, retain_graph: bool = False) -> None:
-        torch.autograd.grad(value, [self.sink], retain_graph=retain_graph, allow_unused=True)
+    def backward(self, values: torch.Tensor, retain_graph: bool = False) -> None:
+        """The backward pass of ``values.sum()`` (summed under enable_grad: callers may run
+        inside torch.no_grad())."""
+        with torch.enable_grad():
+            total = values.sum()
+            torch.autograd.grad(total, [self.sink], retain_graph=retain_graph, allow_unused=True)
 
 
 def _sink_dtype(model: nn.Module) -> torch.dtype:
@@ -894,7 +915,7 @@ def attribution_patch(
         other_out = _rows(out, src_rows.start, src_rows.stop, total)
     with torch.no_grad():
         other_m = _metric_value(metric, other_out, batch).detach()
-    sites.backward(values.sum())
+    sites.backward(values)
     base_m = values[0].detach()
     shapes = {
         n: _zero_shape(sites.values[n][:batch], heads_of[n]) for n in names if n in sites.values
@@ -1208,7 +1229,7 @@ def edge_attribution(
         groups = _metric_groups(metric, out, batch, steps, "edge_attribution")
     _differentiable(groups, "edge_attribution")
     base_m = groups[0].detach()
-    sites.backward(groups.sum())
+    sites.backward(groups)
     del out
 
     downs: list[str] = []

@@ -505,6 +505,95 @@ def test_dropout_is_refused_by_name_and_nothing_stays_registered():
     activation_patch(model, clean, corrupt, _metric_for(model), "resid_pre.0")
 
 
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_dropout_held_as_a_number_or_in_the_config_is_refused(family):
+    """BLOOM keeps its residual dropout as a float (``hidden_dropout``), Falcon reads it from
+    its config; both apply it with ``dropout_add``, no dropout module. In training mode two
+    identical calls differ, so both are refused; with every probability 0, training mode runs."""
+    torch.manual_seed(0)
+    if family == "bloom":
+        cfg = T.BloomConfig(
+            hidden_size=16,
+            n_layer=2,
+            n_head=2,
+            vocab_size=32,
+            hidden_dropout=0.3,
+            attention_dropout=0.0,
+        )
+        model = T.BloomForCausalLM(cfg).double()
+        where = r"'transformer\.h\.0' \(BloomBlock, hidden_dropout=0\.3\)"
+    else:
+        cfg = T.FalconConfig(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            vocab_size=32,
+            hidden_dropout=0.3,
+            attention_dropout=0.0,
+        )
+        model = T.FalconForCausalLM(cfg).double()
+        # Falcon's forward reads config.hidden_dropout; its modules' copies are unused: without
+        # them the dropout still runs, from the config alone
+        for m in model.modules():
+            vars(m).pop("hidden_dropout", None)
+        where = r"'\(the model\)' \(FalconForCausalLM, config\.hidden_dropout=0\.3\)"
+    clean, corrupt = _pair(model)
+    metric = _metric_for(model)
+    model.train()
+    with torch.no_grad():  # the dropout runs: training-mode forwards differ
+        assert not torch.equal(model(clean).logits, model(clean).logits)
+    for fn in (activation_patch, attribution_patch):
+        with pytest.raises(DropoutActiveError, match=where + r".*model\.eval\(\)"):
+            fn(model, clean, corrupt, metric, "resid_pre.*")
+    with pytest.raises(DropoutActiveError, match=where):
+        edge_attribution(model, clean, corrupt, metric)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    model.eval()
+    a = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    b = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    torch.testing.assert_close(a["resid_pre.1"], b["resid_pre.1"], rtol=0, atol=0)
+    # training mode with every dropout probability 0: nothing drops, nothing refused
+    model.config.hidden_dropout = 0.0
+    for m in model.modules():
+        if "hidden_dropout" in vars(m):
+            m.hidden_dropout = 0.0
+    with torch.no_grad():
+        assert torch.equal(model.train()(clean).logits, model(clean).logits)
+    model.train()
+    c = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    torch.testing.assert_close(c["resid_pre.1"], a["resid_pre.1"], rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_functions_under_no_grad_and_metrics_without_a_graph():
+    """Inside torch.no_grad() the gradient functions give the same scores as outside (the
+    metric, too, is differentiated under enable_grad); inside inference_mode, and with a
+    metric that returns a number or a tensor cut from the graph, a named error says why."""
+    model = gpt2()
+    clean, corrupt = _pair(model)
+    metric = _metric_for(model)
+    want_atp = attribution_patch(model, clean, corrupt, metric, "resid_pre.*", method="atp*")
+    want_eap = edge_attribution(model, clean, corrupt, metric)
+    with torch.no_grad():
+        atp = attribution_patch(model, clean, corrupt, metric, "resid_pre.*", method="atp*")
+        eap = edge_attribution(model, clean, corrupt, metric)
+    for p in ("resid_pre.0", "resid_pre.1"):
+        torch.testing.assert_close(atp[p], want_atp[p], rtol=0, atol=0)
+    torch.testing.assert_close(eap.scores, want_eap.scores, rtol=0, atol=0)
+    calls = (
+        lambda m: attribution_patch(model, clean, corrupt, m, "resid_pre.*"),
+        lambda m: attribution_patch(model, clean, corrupt, m, "resid_pre.*", one_batch=True),
+        lambda m: edge_attribution(model, clean, corrupt, m),
+    )
+    for call in calls:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+            call(metric)
+        with pytest.raises(TypeError, match=r"must return a torch\.Tensor.*got float"):
+            call(lambda o: metric(o).detach().sum().item())
+        with pytest.raises(ValueError, match=r"cut from the model's graph.*detach"):
+            call(lambda o: metric(o).detach())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_bad_input_is_named():
     model = gpt2()
     clean, corrupt = _pair(model)
