@@ -392,7 +392,18 @@ def test_atp_star_scale_of_the_last_residual():
     torch.testing.assert_close(got["resid_post.2"], pairs.abs().sum(0), **TOL)
 
 
-def _ref_edges(model, clean, corrupt, metric, steps=1):
+def _ref_edges(model, clean, corrupt, metric, steps=1, convention="attribution patching"):
+    """Edge scores from a convention's own definition, summed over the pairs:
+
+    * "attribution patching" (Syed et al. 2023, the denoising convention of Nanda's AtP):
+      (clean - corrupt upstream output) . d metric / d (downstream input) in the corrupt run;
+      EAP-IG: the corrupt run's input embedding moved to corrupt + k/N (clean - corrupt),
+      k = 0..N-1, the gradients averaged;
+    * "hannamw 2024" (hannamw/EAP-IG, eap/attribute.py): (corrupted - clean) . gradient in the
+      clean run; EAP-IG's input corrupted + k/N (clean - corrupted) for k = 1..N; the gradient of
+      an attention's q, k and v inputs of every head summed (their sum is the residual read);
+    * "hannamw 2025": the same with k = 0..N-1.
+    """
     arch = _arch(model)
     n = model.config.num_hidden_layers
     H = _heads(model)
@@ -413,18 +424,25 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
     )
     _, ca = _ref_record(model, clean, points)
     _, ra = _ref_record(model, corrupt, points)
-    ups = [ca["resid_pre.0"] - ra["resid_pre.0"]]
+    if convention == "attribution patching":
+        run, ks = corrupt, range(steps)
+        ups_of = lambda p: ca[p] - ra[p]  # noqa: E731
+    else:
+        run = clean
+        ks = range(1, steps + 1) if convention == "hannamw 2024" else range(steps)
+        ups_of = lambda p: ra[p] - ca[p]  # noqa: E731
+    ups = [ups_of("resid_pre.0")]
     names = ["embed"]
     for i in range(n):
-        dz = ca[f"attn_z.{i}"] - ra[f"attn_z.{i}"]
+        dz = ups_of(f"attn_z.{i}")
         dh = dz.shape[-1] // H
         for h in range(H):
             ups.append(dz[..., h * dh : (h + 1) * dh] @ o_w(i)[h * dh : (h + 1) * dh])
             names.append(f"attn.{i}.h{h}")
-        ups.append(ca[f"mlp_out.{i}"] - ra[f"mlp_out.{i}"])
+        ups.append(ups_of(f"mlp_out.{i}"))
         names.append(f"mlp.{i}")
     grads = {r: 0 for r in reads}
-    for k in range(steps):
+    for k in ks:
         kept = {}
         handles = []
         for r in reads:
@@ -435,7 +453,7 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
                 return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
             handles.append(model.get_submodule(r).register_forward_pre_hook(pre, with_kwargs=True))
-        alpha = k / steps
+        alpha = k / steps  # the input embedding: corrupt + k/N (clean - corrupt)
         handles.append(
             _ref_hook(
                 model,
@@ -446,7 +464,7 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
             )
         )
         try:
-            value = metric(model(corrupt)).sum()
+            value = metric(model(run)).sum()
             gs = torch.autograd.grad(value, [kept[r] for r in reads])
         finally:
             for h in handles:
@@ -481,6 +499,35 @@ def test_edge_attribution_equals_reference(arch, steps):
     )
     assert got[("attn.1.h0", "attn.0")] == 0.0  # not an edge
     assert got.top(1)[0].score == max((e.score for e in got.edges()), key=abs)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_edge_attribution_conventions(steps):
+    """The default is attribution patching's denoising convention (clean - corrupt, gradient
+    in the corrupt run); noising=True is hannamw/EAP-IG's EAP, and with steps its 2024 EAP-IG
+    grid (k = 1..N from the corrupted input), not its 2025 one (k = 0..N-1). hannamw averages
+    over the pairs where pyhook sums: the reference is divided by the batch size here."""
+    model = gpt2()
+    clean, corrupt = _pair(model, batch=3)
+    metric = _metric_for(model)
+    default = edge_attribution(model, clean, corrupt, metric, steps=steps)
+    noising = edge_attribution(model, clean, corrupt, metric, steps=steps, noising=True)
+    refs = {
+        c: _ref_edges(model, clean, corrupt, metric, steps, c)
+        for c in ("attribution patching", "hannamw 2024", "hannamw 2025")
+    }
+    for e in default.edges():
+        want = refs["attribution patching"][(e.upstream, e.downstream)]
+        assert e.score == pytest.approx(want, rel=1e-7, abs=1e-9), e
+    for e in noising.edges():
+        mean = refs["hannamw 2024"][(e.upstream, e.downstream)] / 3  # hannamw: / total_items
+        assert e.score / 3 == pytest.approx(mean, rel=1e-7, abs=1e-9), e
+    if steps > 1:  # not the 2025 grid
+        assert any(
+            e.score != pytest.approx(refs["hannamw 2025"][(e.upstream, e.downstream)], rel=1e-3)
+            for e in noising.edges()
+        )
+    assert max(abs(e.score) for e in noising.edges()) > 1e-3
 
 
 def test_edge_attribution_refuses_post_norm_models():
