@@ -8,12 +8,13 @@ Index:
   one forward along the batch dimension; the results are those of one patch per forward.
 * :func:`attribution_patch` estimates all of those effects at once from one backward pass:
   AtP, ``(clean - corrupt) . d metric / d activation`` at the corrupt run (Nanda 2022), and
-  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop, and the QK fix for the query and key
-  points ``attn_q.L``/``attn_k.L`` (the attention pattern under the patch computed exactly).
+  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop (unsigned, per prompt pair, as the
+  paper defines it), and the QK fix for the query and key points ``attn_q.L``/``attn_k.L``
+  (the attention pattern under the patch computed exactly).
 * :func:`edge_attribution` scores the edges between components: EAP (Syed et al. 2023), the
-  upstream output's change times the gradient at the downstream component's residual read,
-  and EAP-IG (Hanna et al. 2024) with ``steps`` integrated-gradient interpolations of the
-  input embeddings.
+  upstream output's change times the gradient at the downstream component's residual read
+  (``noising=True``: hannamw/EAP-IG's convention), and EAP-IG (Hanna et al. 2024) with
+  ``steps`` integrated-gradient interpolations of the input embeddings.
 * :class:`PatchResult` (scores keyed by point name, ``[position]`` or ``[position, head]``,
   with :meth:`~PatchResult.top` and a heatmap :meth:`~PatchResult.plot`) and
   :class:`EdgeResult` hold the results.
@@ -23,7 +24,9 @@ dicts of model keyword arguments), a ``metric(output)`` returning a scalar or on
 example (summed over the batch), and standard point names or globs (``"resid_pre.*"``,
 ``"attn_z.3"``). Effects are differences from the unpatched run (``metric(patched) -
 metric(base)``, summed over the batch). A model whose dropout is active is refused
-(:class:`DropoutActiveError`): its effects would be noise.
+(:class:`DropoutActiveError`): its effects would be noise. The functions that differentiate
+the metric need it to return a tensor computed from the output; they work inside
+``torch.no_grad()`` and refuse ``torch.inference_mode()``.
 
 Example::
 
@@ -766,20 +769,28 @@ def attribution_patch(
 
     The estimate is ``(source - base) . d metric / d activation`` at the base run, summed over
     the batch and the features: denoising (default) takes the gradient in the corrupt run with
-    ``source`` the clean activation; ``noising=True`` the reverse. ``method="atp*"`` adds
-    GradDrop (Kramár et al. 2024, section 3.1.2): the gradient again with block ``l``'s branch
-    outputs (``attn_out.l``, ``mlp_out.l``) passing no gradient, for every block ``l``, and the
-    score ``sign(AtP) * sum_l |AtP with l dropped| / (L - 1)``, which does not vanish where a
-    component's direct and indirect effects cancel. The ``L`` extra gradients come from ``L``
-    more copies of the base batch in the same forward and backward (memory: ``L + 1`` times the
-    base run's). For query and key points (``attn_q.L``, ``attn_k.L``) ``"atp*"`` also applies
-    the paper's QK fix (section 3.1.1): the attention pattern under the patched query (or key)
-    is computed exactly, and only the rest is linearised: ``sum (pattern_patched -
-    pattern_base) . d metric / d pattern``, with ``d metric / d pattern`` from the gradient at
-    ``attn_z.L`` and the values (each copy of the GradDrop gradients gets the same treatment).
-    The pattern is recomputed from the captured query, key and the causal (and 2-D
-    ``attention_mask``) mask, and checked against the model's own ``attn_z.L``: an attention
-    that computes it otherwise (a sliding window, soft-capping) is refused, naming the layer.
+    ``source`` the clean activation; ``noising=True`` the reverse.
+
+    ``method="atp*"`` is AtP* (Kramár et al. 2024). GradDrop (section 3.1.2, equation 11): for
+    each prompt pair ``x`` and block ``l``, ``AtP_l(n; x)`` is AtP with block ``l``'s branch
+    outputs (``attn_out.l``, ``mlp_out.l``) passing no gradient, and the score is
+    ``sum_l |AtP_l(n; x)| / terms``, the absolute value taken per pair, summed over the pairs
+    (the paper averages them). ``terms`` is the number of drops the point survives: ``L - 1``
+    for the paper's nodes, which sit inside a block and are cut by its own drop (the paper's
+    ``1/(L-1)``), ``L`` for residual-stream points that no drop cuts. The score is unsigned;
+    ``signed=True`` multiplies it by the sign of AtP summed over the batch (pyhook's variant,
+    not the paper's). The ``L`` extra gradients come from ``L`` more copies of the base batch
+    in the same forward and backward (memory: ``L + 1`` times the base run's). For query and
+    key points (``attn_q.L``, ``attn_k.L``) ``"atp*"`` also applies the paper's QK fix
+    (section 3.1.1): the attention pattern under the patched query (or key) is computed
+    exactly, and only the rest is linearised: ``sum (pattern_patched - pattern_base) . d
+    metric / d pattern``, with ``d metric / d pattern`` from the gradient at ``attn_z.L`` and
+    the values (each GradDrop copy gets the same treatment, and GradDrop's absolute values are
+    taken on these estimates). A patched key's rows are renormalised in the logit domain, exact
+    however saturated the softmax. The pattern is recomputed from the captured query, key and
+    the causal (and 2-D ``attention_mask``) mask, and checked against the model's own
+    ``attn_z.L`` on the query rows of real tokens: an attention that computes it otherwise (a
+    sliding window, soft-capping) is refused, naming the layer.
 
     ``one_batch=True`` runs clean and corrupt as one forward of twice the batch (the metric sees
     the base rows only; each half gets its own gradient). ``offload=True`` keeps the source
@@ -1122,11 +1133,15 @@ def edge_attribution(
     MLP (``mlp.L``); downstream components are each attention and MLP (``attn.L``, ``mlp.L``:
     the residual stream as that branch reads it) and ``logits`` (the last block's output, as the
     final norm reads it). The score of an edge is ``(source - base upstream output) . d metric /
-    d (downstream input)`` at the base run, summed over batch and positions (Syed et al. 2023),
-    with the source the clean run when denoising (default). With ``steps > 1`` the gradient is
-    averaged over ``steps`` runs whose input embedding goes from the base run's towards the
-    source run's (``base + k/steps (source - base)``, ``k = 0..steps-1``; EAP-IG, Hanna et al.
-    2024), all in one forward.
+    d (downstream input)`` at the base run, summed over batch and positions. Denoising
+    (default): ``(clean - corrupt) . gradient in the corrupt run``, the convention of Syed et
+    al. (2023) and of attribution patching; ``noising=True``: ``(corrupt - clean) . gradient
+    in the clean run``, hannamw/EAP-IG's EAP (which averages over the pairs, and keeps an
+    attention's q/k/v inputs apart where ``attn.L`` is their sum). With ``steps > 1`` the
+    gradient is averaged over ``steps`` runs whose input embedding goes from the base run's
+    towards the source run's (``base + k/steps (source - base)``, ``k = 0..steps-1``; EAP-IG,
+    Hanna et al. 2024), all in one forward: with ``noising=True``, hannamw/EAP-IG's 2024 grid
+    (``corrupt + k/steps (clean - corrupt)``, ``k = 1..steps``), not its 2025 one.
 
     It needs a residual stream that the branches add to: ``resid_mid = resid_pre + attn_out``,
     ``resid_post = resid_mid + mlp_out`` and ``attn_out`` the sum of the heads' projected
