@@ -1199,7 +1199,7 @@ def edge_attribution(
             name = f"attn_z.{layer}"
             dz = src_acts[name] - base_acts[name]  # [b, s, H, dh]
             heads = dz.shape[2]
-            per = _per_head_out(points[name].module, dz)
+            per = _per_head_out(points[name].module, dz, points[name].module_name)
             deltas.extend(per[h] for h in range(heads))
             ups.extend(f"attn.{layer}.h{h}" for h in range(heads))
             deltas.append(src_acts[f"mlp_out.{layer}"] - base_acts[f"mlp_out.{layer}"])
@@ -1293,17 +1293,56 @@ def edge_attribution(
     )
 
 
-def _per_head_out(proj: nn.Module, dz: torch.Tensor) -> torch.Tensor:
+def _per_head_out(proj: nn.Module, dz: torch.Tensor, what: str) -> torch.Tensor:
     """``[heads, b, s, d]``: each head's part of the projection of ``dz`` (``[b, s, H, dh]``),
     ``proj(only head h) - proj(0)``, through the projection module itself (any linear layer:
-    nn.Linear, GPT-2's Conv1D, offloaded ones)."""
+    nn.Linear, GPT-2's Conv1D, offloaded ones, tensor-parallel ones: see :func:`_project`)."""
     heads = dz.shape[2]
     eye = torch.eye(heads, dtype=dz.dtype, device=dz.device)
     masked = dz.unsqueeze(0) * eye.view(heads, 1, 1, heads, 1)  # [H, b, s, H, dh]
     flat = masked.flatten(-2)
     with torch.no_grad():
-        out = proj(flat.flatten(0, 1)).unflatten(0, (heads, dz.shape[0]))
-        return out - proj(torch.zeros_like(flat[0]))
+        out = _project(proj, flat.flatten(0, 1), what).unflatten(0, (heads, dz.shape[0]))
+        return out - _project(proj, torch.zeros_like(flat[0]), what)
+
+
+def _project(proj: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``proj`` applied to the whole tensor ``x`` (the heads' output, as the layout layer
+    hands it to hooks), whatever the layout of ``proj``: a row-parallel projection (tensor
+    parallelism) takes this rank's slice of ``x``'s last dimension and gives the whole output
+    (its ranks' parts reduced), so every rank calls it with its own slice, in the same order.
+    A layout that gives no whole output, or whose input layout pyhook does not know, is
+    refused by name (:class:`~pyhook.distributed.LayoutError`)."""
+    from .distributed import _HF_WHOLE, LayoutError, _chunk_sizes, module_layout
+
+    layout = module_layout(proj, what)
+    if layout is None:
+        return proj(x)
+    if layout.output is not None:
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) hands each rank a shard of its output, "
+            "and edges need each head's whole contribution to the residual stream"
+        )
+    if layout.input is None:
+        if layout.style.rsplit(" ", 1)[-1] in _HF_WHOLE:
+            return proj(x)
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) takes an input laid out by its parallel "
+            "style, which pyhook does not know how to slice; edges need each head's whole "
+            "contribution to the residual stream (use transformers' tp_plan, or an unsharded "
+            "output projection)"
+        )
+    sharded = layout.input
+    dim = sharded.dim % x.dim()
+    full = x.shape[dim]
+    if sharded.full is not None and sharded.full != full:
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) takes {sharded.full} features whole, "
+            f"but the heads' output has {full}"
+        )
+    sizes = _chunk_sizes(full, sharded.axis.size)
+    start = sum(sizes[: sharded.axis.rank])
+    return proj(x.narrow(dim, start, sizes[sharded.axis.rank]))
 
 
 def _check_residual(
@@ -1331,7 +1370,7 @@ def _check_residual(
         z = acts[f"attn_z.{i}"]
         proj = points[f"attn_z.{i}"].module
         with torch.no_grad():
-            whole = proj(z.flatten(-2))
+            whole = _project(proj, z.flatten(-2), points[f"attn_z.{i}"].module_name)
         if not close(whole, attn):
             raise ValueError(
                 f"edge_attribution needs attn_out to be the output projection of the heads: on "
