@@ -95,7 +95,7 @@ def test_edge_and_attribution_scores_on_a_tensor_parallel_model(tmp_path):
         assert sorted(got) == sorted(want)
         for k, w in want.items():
             torch.testing.assert_close(
-                got[k], w, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"rank {rank}: {k}: {m}"
+                got[k], w, rtol=1e-4, atol=1e-5, msg=lambda m, k=k, r=rank: f"rank {r}: {k}: {m}"
             )
         assert "model.layers.0.self_attn.o_proj" in res["refused"], res.get("refused")
         assert "RowwiseParallel" in res["refused"]
