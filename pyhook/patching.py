@@ -1036,6 +1036,7 @@ def _qk_fix_hook(
                 else:
                     new_logits = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
                     new_logits = (new_logits * scaling).masked_fill(~mask, float("-inf"))
+                    fix = _key_fix(pattern, logits, new_logits)
                 per = []
                 # one GradDrop copy at a time: a few [batch, heads, pos, pos] tensors at once
                 for copy in range(groups):
@@ -1044,7 +1045,7 @@ def _qk_fix_hook(
                         eff = ((new_pattern - pattern) * d_pattern).sum(-1)  # [b, h, i]
                         per.append(eff.transpose(1, 2))  # [b, pos, head]
                     else:  # column j under the source key: every row renormalised exactly
-                        eff = _key_effect(pattern, logits, new_logits, d_pattern)  # [b, h, i, j]
+                        eff = _key_effect(fix, pattern, d_pattern)  # [b, h, i, j]
                         eff = eff.sum(2).unflatten(1, (k.shape[2], rep)).sum(2)  # [b, kv, j]
                         per.append(eff.transpose(1, 2))  # [b, pos, kv head]
                 out = torch.stack(per)  # [G, b, pos, head]
@@ -1056,34 +1057,63 @@ def _qk_fix_hook(
     return on_grad
 
 
-def _loo_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """``out[..., j] = logsumexp_{k != j} x[..., k]``, from exclusive prefix and suffix
-    log-sums: key ``j`` is left out exactly, never subtracted back out (a subtraction loses
-    every other key once ``j``'s weight rounds to 1)."""
-    ninf = torch.full_like(x[..., :1], float("-inf"))
-    before = torch.cat([ninf, torch.logcumsumexp(x, -1)[..., :-1]], -1)
-    after = torch.cat([torch.logcumsumexp(x.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)
-    return torch.logaddexp(before, after)
+class _KeyFix(NamedTuple):
+    """What AtP*'s key fix needs of one layer's rows, independent of ``dM/dA`` (so computed
+    once for every GradDrop copy); see :func:`_key_fix`."""
+
+    valid: torch.Tensor  # [b, h, i, j]: the key is read by the row
+    keep: torch.Tensor  # the other keys' factor 1 / (1 - a + a e^shift)
+    move: torch.Tensor  # the key's new weight a e^shift / (1 - a + a e^shift)
+    top: torch.Tensor  # [b, h, i, 1]: each row's dominant key
+    rest: torch.Tensor  # [b, h, i, j]: softmax of the row without its dominant key
+    kept_top: torch.Tensor  # [b, h, i, 1]: the others' total new weight when top is patched
+    moved_top: torch.Tensor  # [b, h, i, 1]: top's new weight when it is patched
 
 
-def _key_effect(
-    pattern: torch.Tensor, logits: torch.Tensor, new_logits: torch.Tensor, d_pattern: torch.Tensor
-) -> torch.Tensor:
+def _key_fix(pattern: torch.Tensor, logits: torch.Tensor, new_logits: torch.Tensor) -> _KeyFix:
+    """Row ``i`` with key ``j`` alone patched (its logit replaced by ``new_logits[..., i, j]``;
+    ``logits``: ``-inf`` where masked) renormalises the other keys by ``1 - a + a e^shift``,
+    with ``log a`` taken from the logits (a weight that underflowed to 0 still moves). That
+    closed form holds while ``1 - a`` does, for every key below 1/2; the row's dominant key
+    (the only one that can reach 1/2) is taken in the logit domain instead: the other keys'
+    new weights are ``softmax(row without it) * exp(LSE(row without it) - LSE')``, ``LSE' =
+    logaddexp(LSE(row without it), its new logit)``. Exact however saturated the row: where a
+    weight rounds to 1, ``1 - a`` and ``dot - a dM/dA`` lose every other key."""
+    valid = torch.isfinite(logits) & torch.isfinite(new_logits)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    log_a = torch.where(valid, logits - lse, float("-inf"))
+    shift = torch.where(valid, new_logits - logits, zero)
+    lognorm = torch.logaddexp(torch.log1p(-pattern), log_a + shift)
+    top = logits.argmax(-1, keepdim=True)
+    others = logits.scatter(-1, top, float("-inf"))
+    rest_lse = torch.logsumexp(others, -1, keepdim=True)
+    rest = torch.nan_to_num(torch.exp(others - rest_lse))  # a row with one key: no others
+    t = new_logits.gather(-1, top)
+    lse_new = torch.logaddexp(rest_lse, t)
+    return _KeyFix(
+        valid,
+        torch.exp(-lognorm),
+        torch.exp(log_a + shift - lognorm),
+        top,
+        rest,
+        torch.exp(rest_lse - lse_new),
+        torch.exp(t - lse_new),
+    )
+
+
+def _key_effect(fix: _KeyFix, pattern: torch.Tensor, d_pattern: torch.Tensor) -> torch.Tensor:
     """``[b, h, i, j]``: ``sum_k (A'_ik - A_ik) dM/dA_ik`` for row ``i`` with key ``j`` alone
-    patched, ``A'`` the softmax of row ``i`` with logit ``j`` replaced by ``new_logits[..., i,
-    j]``. Computed in the logit domain: the other keys' new weights are ``exp(logit_k -
-    LSE')``, ``LSE' = logaddexp(LSE of the row without j, new logit j)``, and their part of the
-    sum, ``sum_{k != j} exp(logit_k) dM/dA_k``, a leave-one-out log-sum of the positive and of
-    the negative parts of ``dM/dA``; exact however saturated the row."""
-    rest = _loo_logsumexp(logits)  # [b, h, i, j]
-    lse = torch.logaddexp(rest, new_logits)
-    pos = _loo_logsumexp(logits + torch.log(d_pattern.clamp(min=0)))
-    neg = _loo_logsumexp(logits + torch.log((-d_pattern).clamp(min=0)))
-    moved = torch.exp(new_logits - lse) * d_pattern
-    kept = torch.exp(pos - lse) - torch.exp(neg - lse)
+    patched (see :func:`_key_fix`), for one ``dM/dA`` (``[b, h, i, j]``)."""
     dot = (pattern * d_pattern).sum(-1, keepdim=True)
-    eff = kept + moved - dot
-    return torch.where(torch.isfinite(new_logits), eff, torch.zeros_like(eff))
+    eff = fix.keep * (dot - pattern * d_pattern) + fix.move * d_pattern - dot
+    exact = (
+        fix.kept_top * (fix.rest * d_pattern).sum(-1, keepdim=True)
+        + fix.moved_top * d_pattern.gather(-1, fix.top)
+        - dot
+    )
+    eff = eff.scatter(-1, fix.top, exact)
+    return torch.where(fix.valid, eff, torch.zeros((), dtype=eff.dtype, device=eff.device))
 
 
 def _take(output: Any, index: torch.Tensor, total: int) -> Any:
