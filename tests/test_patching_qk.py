@@ -434,12 +434,25 @@ def test_qk_key_fix_on_a_saturated_softmax_in_float32(noising):
     patched = (src_ids != base_ids).view(2, 1, 1, 6)  # keys the patch changes
     assert bool(((a32 == 1.0) & patched).any())  # a saturated weight on a patched key
     assert model.dtype == torch.float32
+    # last block of 2: GradDrop's one surviving copy is the plain gradient, |.| per pair
+    for i in range(2):  # each pair alone, then the batch
+        one = attribution_patch(
+            model,
+            clean[i : i + 1],
+            corrupt[i : i + 1],
+            metric,
+            "attn_k.1",
+            method="atp*",
+            noising=noising,
+        )["attn_k.1"]
+        ref = want[i].abs()
+        assert float(ref.max()) > 1e-3
+        tol = 1e-4 * float(ref.max())
+        torch.testing.assert_close(one.double().abs(), ref, rtol=0, atol=tol)
     got = attribution_patch(
         model, clean, corrupt, metric, "attn_k.1", method="atp*", noising=noising
     )
-    # last block of 2: GradDrop's one surviving copy is the plain gradient, per pair |.|
     ref = want.abs().sum(0)
-    assert float(ref.abs().max()) > 1e-3
     torch.testing.assert_close(got["attn_k.1"].double(), ref, rtol=0, atol=1e-4 * float(ref.max()))
 
 
