@@ -8,12 +8,13 @@ Index:
   one forward along the batch dimension; the results are those of one patch per forward.
 * :func:`attribution_patch` estimates all of those effects at once from one backward pass:
   AtP, ``(clean - corrupt) . d metric / d activation`` at the corrupt run (Nanda 2022), and
-  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop, and the QK fix for the query and key
-  points ``attn_q.L``/``attn_k.L`` (the attention pattern under the patch computed exactly).
+  ``method="atp*"``, AtP* (Kramár et al. 2024): GradDrop (unsigned, per prompt pair, as the
+  paper defines it), and the QK fix for the query and key points ``attn_q.L``/``attn_k.L``
+  (the attention pattern under the patch computed exactly).
 * :func:`edge_attribution` scores the edges between components: EAP (Syed et al. 2023), the
-  upstream output's change times the gradient at the downstream component's residual read,
-  and EAP-IG (Hanna et al. 2024) with ``steps`` integrated-gradient interpolations of the
-  input embeddings.
+  upstream output's change times the gradient at the downstream component's residual read
+  (``noising=True``: hannamw/EAP-IG's convention), and EAP-IG (Hanna et al. 2024) with
+  ``steps`` integrated-gradient interpolations of the input embeddings.
 * :class:`PatchResult` (scores keyed by point name, ``[position]`` or ``[position, head]``,
   with :meth:`~PatchResult.top` and a heatmap :meth:`~PatchResult.plot`) and
   :class:`EdgeResult` hold the results.
@@ -23,7 +24,9 @@ dicts of model keyword arguments), a ``metric(output)`` returning a scalar or on
 example (summed over the batch), and standard point names or globs (``"resid_pre.*"``,
 ``"attn_z.3"``). Effects are differences from the unpatched run (``metric(patched) -
 metric(base)``, summed over the batch). A model whose dropout is active is refused
-(:class:`DropoutActiveError`): its effects would be noise.
+(:class:`DropoutActiveError`): its effects would be noise. The functions that differentiate
+the metric need it to return a tensor computed from the output; they work inside
+``torch.no_grad()`` and refuse ``torch.inference_mode()``.
 
 Example::
 
@@ -293,25 +296,42 @@ def _heatmap(
 
 # -- checks and inputs -------------------------------------------------------------------------
 def _check_no_dropout(model: nn.Module) -> None:
-    """Refuse a model with active dropout, naming the first module that would drop."""
-    for name, mod in model.named_modules():
-        if not mod.training:
-            continue
-        p = None
+    """Refuse a model with active dropout, naming the first module that would drop.
+
+    Dropout is active when a module is in training mode and holds a non-zero dropout
+    probability in any form the model applies it from: a dropout module, a number attribute
+    whose name says so (BLOOM's ``hidden_dropout``, applied with ``dropout_add``), or its
+    config (Falcon reads ``config.hidden_dropout`` in the forward)."""
+    training = [(name, mod) for name, mod in model.named_modules() if mod.training]
+    for name, mod in training:
         if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
-            p = mod.p
-        else:
-            for attr in ("attention_dropout", "attn_dropout", "dropout", "dropout_p"):
-                v = mod.__dict__.get(attr)
-                if isinstance(v, float) and v > 0:
-                    p = v
-                    break
-        if p is not None:
-            raise DropoutActiveError(
-                f"dropout is active in module {name or '(the model)'!r} ({type(mod).__name__}, "
-                f"p={p}): patching a model in training mode measures random masks; call "
-                "model.eval() first"
-            )
+            _refuse_dropout(name, mod, "p", mod.p)
+        for attr, v in vars(mod).items():
+            if _is_drop_rate(attr, v):
+                _refuse_dropout(name, mod, attr, v)
+    seen: set[int] = set()
+    for name, mod in training:
+        config = vars(mod).get("config")
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for attr, v in vars(config).items():
+            if _is_drop_rate(attr, v):
+                _refuse_dropout(name, mod, f"config.{attr}", v)
+
+
+def _is_drop_rate(attr: str, v: object) -> bool:
+    return (
+        "drop" in attr.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    )
+
+
+def _refuse_dropout(name: str, mod: nn.Module, what: str, p: object) -> None:
+    raise DropoutActiveError(
+        f"dropout is active in module {name or '(the model)'!r} ({type(mod).__name__}, "
+        f"{what}={p}): patching a model in training mode measures random masks; call "
+        "model.eval() first"
+    )
 
 
 def _check_eager(model: nn.Module, who: str) -> None:
@@ -401,11 +421,43 @@ def _rows(output: Any, start: int, stop: int, total: int) -> Any:
     return pytree.tree_map(cut, output)
 
 
-def _metric_value(metric: Metric, output: Any, batch: int) -> torch.Tensor:
-    """The metric of one group of ``batch`` examples, as a 0-dim tensor (summed over them)."""
+def _call_metric(metric: Metric, output: Any, who: str | None) -> torch.Tensor:
+    """``metric(output)`` as a tensor; ``who``: a function that differentiates it, for which
+    a Python number (no gradient) is refused."""
     v = metric(output)
-    if not isinstance(v, torch.Tensor):
-        v = torch.as_tensor(v)
+    if isinstance(v, torch.Tensor):
+        return v
+    if who is not None:
+        raise TypeError(
+            f"{who}: metric(output) must return a torch.Tensor computed from the output (its "
+            f"gradient is taken), got {type(v).__name__}: return the tensor itself, not "
+            ".item() or float(...)"
+        )
+    return torch.as_tensor(v)
+
+
+def _differentiable(value: torch.Tensor, who: str) -> None:
+    """Refuse a metric value that autograd cannot differentiate, saying why."""
+    if value.requires_grad:
+        return
+    raise ValueError(
+        f"{who}: metric(output) returned a tensor cut from the model's graph (it does not "
+        "require grad): compute it from the output with torch operations, without .detach(), "
+        "torch.no_grad() or a round trip through NumPy/Python numbers"
+    )
+
+
+def _check_grad_mode(who: str) -> None:
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{who} takes gradients, and no gradient can be taken inside torch.inference_mode(): "
+            "call it outside that block (inside torch.no_grad() it works)"
+        )
+
+
+def _metric_value(metric: Metric, output: Any, batch: int, who: str | None = None) -> torch.Tensor:
+    """The metric of one group of ``batch`` examples, as a 0-dim tensor (summed over them)."""
+    v = _call_metric(metric, output, who)
     if v.dim() == 0:
         return v
     if v.dim() == 1 and v.shape[0] == batch:
@@ -416,12 +468,13 @@ def _metric_value(metric: Metric, output: Any, batch: int) -> torch.Tensor:
     )
 
 
-def _metric_groups(metric: Metric, output: Any, batch: int, groups: int) -> torch.Tensor:
-    """The metric of each of ``groups`` consecutive groups of ``batch`` rows: ``[groups]``."""
+def _metric_groups(
+    metric: Metric, output: Any, batch: int, groups: int, who: str | None = None
+) -> torch.Tensor:
+    """The metric of each of ``groups`` consecutive groups of ``batch`` rows: ``[groups]``
+    (``who``: see :func:`_call_metric`)."""
     total = batch * groups
-    v = metric(output)
-    if not isinstance(v, torch.Tensor):
-        v = torch.as_tensor(v)
+    v = _call_metric(metric, output, who)
     if v.dim() == 1 and v.shape[0] == total:
         return v.reshape(groups, batch).sum(1)
     if v.dim() == 0 and groups == 1:
@@ -429,7 +482,7 @@ def _metric_groups(metric: Metric, output: Any, batch: int, groups: int) -> torc
     if v.dim() == 0:  # a metric that sums over the batch: evaluate it on each group's rows
         return torch.stack(
             [
-                _metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch)
+                _metric_value(metric, _rows(output, g * batch, (g + 1) * batch, total), batch, who)
                 for g in range(groups)
             ]
         )
@@ -683,8 +736,12 @@ class _Sites:
 
         self.edits[name] = edit
 
-    def backward(self, value: torch.Tensor, retain_graph: bool = False) -> None:
-        torch.autograd.grad(value, [self.sink], retain_graph=retain_graph, allow_unused=True)
+    def backward(self, values: torch.Tensor, retain_graph: bool = False) -> None:
+        """The backward pass of ``values.sum()`` (summed under enable_grad: callers may run
+        inside torch.no_grad())."""
+        with torch.enable_grad():
+            total = values.sum()
+            torch.autograd.grad(total, [self.sink], retain_graph=retain_graph, allow_unused=True)
 
 
 def _sink_dtype(model: nn.Module) -> torch.dtype:
@@ -706,25 +763,34 @@ def attribution_patch(
     per_head: bool = True,
     one_batch: bool = False,
     offload: bool = False,
+    signed: bool = False,
 ) -> PatchResult:
     """Estimate every (point, position[, head]) patching effect from one backward pass (AtP).
 
     The estimate is ``(source - base) . d metric / d activation`` at the base run, summed over
     the batch and the features: denoising (default) takes the gradient in the corrupt run with
-    ``source`` the clean activation; ``noising=True`` the reverse. ``method="atp*"`` adds
-    GradDrop (Kramár et al. 2024, section 3.1.2): the gradient again with block ``l``'s branch
-    outputs (``attn_out.l``, ``mlp_out.l``) passing no gradient, for every block ``l``, and the
-    score ``sign(AtP) * sum_l |AtP with l dropped| / (L - 1)``, which does not vanish where a
-    component's direct and indirect effects cancel. The ``L`` extra gradients come from ``L``
-    more copies of the base batch in the same forward and backward (memory: ``L + 1`` times the
-    base run's). For query and key points (``attn_q.L``, ``attn_k.L``) ``"atp*"`` also applies
-    the paper's QK fix (section 3.1.1): the attention pattern under the patched query (or key)
-    is computed exactly, and only the rest is linearised: ``sum (pattern_patched -
-    pattern_base) . d metric / d pattern``, with ``d metric / d pattern`` from the gradient at
-    ``attn_z.L`` and the values (each copy of the GradDrop gradients gets the same treatment).
-    The pattern is recomputed from the captured query, key and the causal (and 2-D
-    ``attention_mask``) mask, and checked against the model's own ``attn_z.L``: an attention
-    that computes it otherwise (a sliding window, soft-capping) is refused, naming the layer.
+    ``source`` the clean activation; ``noising=True`` the reverse.
+
+    ``method="atp*"`` is AtP* (Kramár et al. 2024). GradDrop (section 3.1.2, equation 11): for
+    each prompt pair ``x`` and block ``l``, ``AtP_l(n; x)`` is AtP with block ``l``'s branch
+    outputs (``attn_out.l``, ``mlp_out.l``) passing no gradient, and the score is
+    ``sum_l |AtP_l(n; x)| / terms``, the absolute value taken per pair, summed over the pairs
+    (the paper averages them). ``terms`` is the number of drops the point survives: ``L - 1``
+    for the paper's nodes, which sit inside a block and are cut by its own drop (the paper's
+    ``1/(L-1)``), ``L`` for residual-stream points that no drop cuts. The score is unsigned;
+    ``signed=True`` multiplies it by the sign of AtP summed over the batch (pyhook's variant,
+    not the paper's). The ``L`` extra gradients come from ``L`` more copies of the base batch
+    in the same forward and backward (memory: ``L + 1`` times the base run's). For query and
+    key points (``attn_q.L``, ``attn_k.L``) ``"atp*"`` also applies the paper's QK fix
+    (section 3.1.1): the attention pattern under the patched query (or key) is computed
+    exactly, and only the rest is linearised: ``sum (pattern_patched - pattern_base) . d
+    metric / d pattern``, with ``d metric / d pattern`` from the gradient at ``attn_z.L`` and
+    the values (each GradDrop copy gets the same treatment, and GradDrop's absolute values are
+    taken on these estimates). A patched key's rows are renormalised in the logit domain, exact
+    however saturated the softmax. The pattern is recomputed from the captured query, key and
+    the causal (and 2-D ``attention_mask``) mask, and checked against the model's own
+    ``attn_z.L`` on the query rows of real tokens: an attention that computes it otherwise (a
+    sliding window, soft-capping) is refused, naming the layer.
 
     ``one_batch=True`` runs clean and corrupt as one forward of twice the batch (the metric sees
     the base rows only; each half gets its own gradient). ``offload=True`` keeps the source
@@ -744,6 +810,7 @@ def attribution_patch(
     """
     if method not in ("atp", "atp*"):
         raise ValueError(f"attribution_patch: method must be 'atp' or 'atp*', got {method!r}")
+    _check_grad_mode("attribution_patch")
     model = unwrap_compiled(model)
     _check_eager(model, "attribution_patch")
     _check_no_dropout(model)
@@ -773,7 +840,10 @@ def attribution_patch(
             src_acts = {n: _to_host(a) for n, a in src_acts.items()}
     kw = _tile(kw1, width, groups)
     sites = _Sites(_sink_dtype(model))
+    # per point, [copies, batch, pos(, head)]: each pair's estimate under each copy's gradient
     partial: dict[str, torch.Tensor] = {}
+    # per point, [copies]: whether the copy's gradient reaches the point at all
+    reached: dict[str, torch.Tensor] = {}
 
     def site_hook(name: str) -> Callable[[torch.Tensor], None]:
         heads = heads_of[name]
@@ -788,8 +858,10 @@ def attribution_patch(
             if src.dim() == 5 and not heads:
                 src = src.flatten(-2)
             prod = (src.to(g.device, g.dtype) - base) * g  # [groups, batch, pos, ...]
-            s = prod.sum(dim=(1, 4)) if heads else prod.sum(dim=1).flatten(2).sum(-1)
+            s = prod.sum(dim=4) if heads else prod.flatten(3).sum(-1)
             partial[name] = s.detach().to(store) if store is not None else s.detach()
+            if groups > 1:
+                reached[name] = g.flatten(1).ne(0).any(1).cpu()
 
         return on_grad
 
@@ -816,6 +888,7 @@ def attribution_patch(
                 attn,
                 sites,
                 partial,
+                reached,
                 groups,
                 width,
                 base_rows,
@@ -837,11 +910,6 @@ def attribution_patch(
         for kind in ("attn_out", "mlp_out"):
             sites.add(f"{kind}.{layer}", dropper, first=True)
 
-    with (
-        torch.enable_grad(),
-        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
-    ):
-        out = _run(model, kw)
     total = groups * width
     rows = torch.cat(
         [
@@ -849,12 +917,16 @@ def attribution_patch(
             for k in range(groups)
         ]
     )
-    values = _metric_groups(metric, _take(out, rows, total), batch, groups)
+    with torch.enable_grad():  # the metric too: it is differentiated
+        with TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+            out = _run(model, kw)
+        values = _metric_groups(metric, _take(out, rows, total), batch, groups, "attribution_patch")
+    _differentiable(values, "attribution_patch")
     if one_batch:
         other_out = _rows(out, src_rows.start, src_rows.stop, total)
     with torch.no_grad():
         other_m = _metric_value(metric, other_out, batch).detach()
-    sites.backward(values.sum())
+    sites.backward(values)
     base_m = values[0].detach()
     shapes = {
         n: _zero_shape(sites.values[n][:batch], heads_of[n]) for n in names if n in sites.values
@@ -865,13 +937,19 @@ def attribution_patch(
     for name in names:
         per_copy = partial.get(name)
         if per_copy is None:  # the point does not reach the metric
-            per_copy = torch.zeros((groups, *shapes.get(name, (0,))), dtype=base_m.dtype)
-        atp = per_copy[0]
+            per_copy = torch.zeros((groups, batch, *shapes.get(name, (0,))), dtype=base_m.dtype)
+        atp = per_copy[0].sum(0)
         if method == "atp":
             result[name] = atp
-        else:
-            dropped = per_copy[1:].abs().sum(0) / max(blocks - 1, 1)
-            result[name] = torch.sign(atp) * dropped
+            continue
+        # GradDrop (Kramár et al. 2024, section 3.1.2): per pair, the mean of |AtP with block
+        # l dropped| over the drops that leave the point a gradient (L - 1 for a component
+        # inside a block, whose own block's drop cuts it; L for the residual stream), then
+        # summed over the pairs
+        kept = reached.get(name)
+        terms = max(int(kept[1:].sum()) if kept is not None else blocks - 1, 1)
+        score = (per_copy[1:].abs().sum(0) / terms).sum(0)
+        result[name] = torch.sign(atp) * score if signed else score
     clean_m, corrupt_m = (base_m, other_m) if noising else (other_m, base_m)
     return PatchResult(result, method, float(clean_m), float(corrupt_m), bool(noising))
 
@@ -886,6 +964,7 @@ def _qk_fix_hook(
     attn: nn.Module,
     sites: _Sites,
     partial: dict[str, torch.Tensor],
+    reached: dict[str, torch.Tensor],
     groups: int,
     width: int,
     base_rows: slice,
@@ -921,52 +1000,120 @@ def _qk_fix_hook(
             scaling = float(getattr(attn, "scaling", q.shape[-1] ** -0.5))
             mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             mask = mask.expand(b, 1, s, s)
+            real = None  # query rows of real tokens (a 2-D attention mask's ones)
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
                 rows = attention_mask.unflatten(0, (groups, width))[0, base_rows]
-                mask = mask & rows.to(q.device).bool().view(b, 1, 1, s)
+                real = rows.to(q.device).bool()
+                mask = mask & real.view(b, 1, 1, s)
             scores = torch.einsum("bihd,bjhd->bhij", q, kq) * scaling
-            pattern = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
-            pattern = torch.nan_to_num(pattern)  # a row with every key masked
+            logits = scores.masked_fill(~mask, float("-inf"))
+            pattern = torch.nan_to_num(torch.softmax(logits, -1))  # a row with every key masked
             recomputed = torch.einsum("bhij,bjhd->bihd", pattern, vq)
+            # rows no real token reads (a padding query, all of whose keys are masked: the
+            # model's own softmax gives them any finite values) are not compared
+            diff = (recomputed - z).abs()
+            if real is not None:
+                diff = torch.where(real.view(b, s, 1, 1), diff, torch.zeros_like(diff))
             # (models that take the softmax in float32 agree to float32's precision only)
             tol = max(torch.finfo(dtype).eps ** 0.5, 3.5e-4) * max(float(z.abs().max()), 1e-12)
-            if float((recomputed - z).abs().max()) > tol:
+            if float(diff.max()) > tol:
                 raise ValueError(
                     f"attribution_patch(method='atp*'): the QK fix recomputes block {layer}'s "
                     f"attention pattern as softmax(q k^T * {scaling:g} + causal/padding mask), "
-                    f"but pattern @ v differs from attn_z.{layer} by "
-                    f"{float((recomputed - z).abs().max()):.3g} ({type(attn).__name__} computes "
-                    "it otherwise: a sliding window, soft-capping, ...); score attn_q/attn_k "
-                    "with method='atp' instead"
+                    f"but pattern @ v differs from attn_z.{layer} by {float(diff.max()):.3g} "
+                    f"({type(attn).__name__} computes it otherwise: a sliding window, "
+                    "soft-capping, ...); score attn_q/attn_k with method='atp' instead"
                 )
             g = grad.unflatten(0, (groups, width))[:, base_rows].to(dtype)  # [G, b, s, H, dh]
-            d_pattern = torch.einsum("gbihd,bjhd->gbhij", g, vq)  # d metric / d pattern
-            dot = (pattern * d_pattern).sum(-1)  # [G, b, h, i]
+            reach = g.flatten(1).ne(0).any(1)  # [G]: the copy's gradient reaches the block
             for name in qk_names:
                 which = name.split(".")[0][-1]
                 src = source(name).to(q.device, dtype)
-                if which == "q":  # row i of the pattern, exactly, under the source query
-                    new = torch.einsum("bihd,bjhd->bhij", src, kq) * scaling
-                    new = torch.nan_to_num(torch.softmax(new.masked_fill(~mask, float("-inf")), -1))
-                    eff = ((new - pattern) * d_pattern).sum(-1)  # [G, b, h, i]
-                    per = eff.sum(1).transpose(1, 2)  # [G, pos, head]
-                else:  # column j under the source key: every row renormalised exactly
-                    new = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
-                    shift = torch.where(mask, new * scaling - scores, torch.zeros_like(scores))
-                    a = pattern.clamp(0, 1)
-                    # log of each row's new normaliser over the old: log(1 - a + a e^shift)
-                    lognorm = torch.logaddexp(torch.log1p(-a), torch.log(a) + shift)
-                    kept = torch.exp(-lognorm) * (dot.unsqueeze(-1) - a * d_pattern)
-                    moved = torch.exp(torch.log(a) + shift - lognorm) * d_pattern
-                    eff = kept + moved - dot.unsqueeze(-1)  # [G, b, h, i, j]
-                    eff = torch.where(mask.unsqueeze(0), eff, torch.zeros_like(eff))
-                    per = eff.sum((1, 3))  # [G, h, j]
-                    per = per.unflatten(1, (k.shape[2], rep)).sum(2).transpose(1, 2)
+                if which == "q":
+                    new_logits = torch.einsum("bihd,bjhd->bhij", src, kq) * scaling
+                    new_logits = new_logits.masked_fill(~mask, float("-inf"))
+                    new_pattern = torch.nan_to_num(torch.softmax(new_logits, -1))
+                else:
+                    new_logits = torch.einsum("bihd,bjhd->bhij", q, src.repeat_interleave(rep, 2))
+                    new_logits = (new_logits * scaling).masked_fill(~mask, float("-inf"))
+                    fix = _key_fix(pattern, logits, new_logits)
+                per = []
+                # one GradDrop copy at a time: a few [batch, heads, pos, pos] tensors at once
+                for copy in range(groups):
+                    d_pattern = torch.einsum("bihd,bjhd->bhij", g[copy], vq)  # d metric / d A
+                    if which == "q":  # row i of the pattern, exactly, under the source query
+                        eff = ((new_pattern - pattern) * d_pattern).sum(-1)  # [b, h, i]
+                        per.append(eff.transpose(1, 2))  # [b, pos, head]
+                    else:  # column j under the source key: every row renormalised exactly
+                        eff = _key_effect(fix, pattern, d_pattern)  # [b, h, i, j]
+                        eff = eff.sum(2).unflatten(1, (k.shape[2], rep)).sum(2)  # [b, kv, j]
+                        per.append(eff.transpose(1, 2))  # [b, pos, kv head]
+                out = torch.stack(per)  # [G, b, pos, head]
                 if not heads_of[name]:
-                    per = per.sum(-1)
-                partial[name] = per.to(store) if store is not None else per
+                    out = out.sum(-1)
+                partial[name] = out.to(store) if store is not None else out
+                reached[name] = reach.cpu()
 
     return on_grad
+
+
+class _KeyFix(NamedTuple):
+    """What AtP*'s key fix needs of one layer's rows, independent of ``dM/dA`` (so computed
+    once for every GradDrop copy); see :func:`_key_fix`."""
+
+    valid: torch.Tensor  # [b, h, i, j]: the key is read by the row
+    keep: torch.Tensor  # the other keys' factor 1 / (1 - a + a e^shift)
+    move: torch.Tensor  # the key's new weight a e^shift / (1 - a + a e^shift)
+    top: torch.Tensor  # [b, h, i, 1]: each row's dominant key
+    rest: torch.Tensor  # [b, h, i, j]: softmax of the row without its dominant key
+    kept_top: torch.Tensor  # [b, h, i, 1]: the others' total new weight when top is patched
+    moved_top: torch.Tensor  # [b, h, i, 1]: top's new weight when it is patched
+
+
+def _key_fix(pattern: torch.Tensor, logits: torch.Tensor, new_logits: torch.Tensor) -> _KeyFix:
+    """Row ``i`` with key ``j`` alone patched (its logit replaced by ``new_logits[..., i, j]``;
+    ``logits``: ``-inf`` where masked) renormalises the other keys by ``1 - a + a e^shift``,
+    with ``log a`` taken from the logits (a weight that underflowed to 0 still moves). That
+    closed form holds while ``1 - a`` does, for every key below 1/2; the row's dominant key
+    (the only one that can reach 1/2) is taken in the logit domain instead: the other keys'
+    new weights are ``softmax(row without it) * exp(LSE(row without it) - LSE')``, ``LSE' =
+    logaddexp(LSE(row without it), its new logit)``. Exact however saturated the row: where a
+    weight rounds to 1, ``1 - a`` and ``dot - a dM/dA`` lose every other key."""
+    valid = torch.isfinite(logits) & torch.isfinite(new_logits)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    log_a = torch.where(valid, logits - lse, float("-inf"))
+    shift = torch.where(valid, new_logits - logits, zero)
+    lognorm = torch.logaddexp(torch.log1p(-pattern), log_a + shift)
+    top = logits.argmax(-1, keepdim=True)
+    others = logits.scatter(-1, top, float("-inf"))
+    rest_lse = torch.logsumexp(others, -1, keepdim=True)
+    rest = torch.nan_to_num(torch.exp(others - rest_lse))  # a row with one key: no others
+    t = new_logits.gather(-1, top)
+    lse_new = torch.logaddexp(rest_lse, t)
+    return _KeyFix(
+        valid,
+        torch.exp(-lognorm),
+        torch.exp(log_a + shift - lognorm),
+        top,
+        rest,
+        torch.exp(rest_lse - lse_new),
+        torch.exp(t - lse_new),
+    )
+
+
+def _key_effect(fix: _KeyFix, pattern: torch.Tensor, d_pattern: torch.Tensor) -> torch.Tensor:
+    """``[b, h, i, j]``: ``sum_k (A'_ik - A_ik) dM/dA_ik`` for row ``i`` with key ``j`` alone
+    patched (see :func:`_key_fix`), for one ``dM/dA`` (``[b, h, i, j]``)."""
+    dot = (pattern * d_pattern).sum(-1, keepdim=True)
+    eff = fix.keep * (dot - pattern * d_pattern) + fix.move * d_pattern - dot
+    exact = (
+        fix.kept_top * (fix.rest * d_pattern).sum(-1, keepdim=True)
+        + fix.moved_top * d_pattern.gather(-1, fix.top)
+        - dot
+    )
+    eff = eff.scatter(-1, fix.top, exact)
+    return torch.where(fix.valid, eff, torch.zeros((), dtype=eff.dtype, device=eff.device))
 
 
 def _take(output: Any, index: torch.Tensor, total: int) -> Any:
@@ -1016,11 +1163,15 @@ def edge_attribution(
     MLP (``mlp.L``); downstream components are each attention and MLP (``attn.L``, ``mlp.L``:
     the residual stream as that branch reads it) and ``logits`` (the last block's output, as the
     final norm reads it). The score of an edge is ``(source - base upstream output) . d metric /
-    d (downstream input)`` at the base run, summed over batch and positions (Syed et al. 2023),
-    with the source the clean run when denoising (default). With ``steps > 1`` the gradient is
-    averaged over ``steps`` runs whose input embedding goes from the base run's towards the
-    source run's (``base + k/steps (source - base)``, ``k = 0..steps-1``; EAP-IG, Hanna et al.
-    2024), all in one forward.
+    d (downstream input)`` at the base run, summed over batch and positions. Denoising
+    (default): ``(clean - corrupt) . gradient in the corrupt run``, the convention of Syed et
+    al. (2023) and of attribution patching; ``noising=True``: ``(corrupt - clean) . gradient
+    in the clean run``, hannamw/EAP-IG's EAP (which averages over the pairs, and keeps an
+    attention's q/k/v inputs apart where ``attn.L`` is their sum). With ``steps > 1`` the
+    gradient is averaged over ``steps`` runs whose input embedding goes from the base run's
+    towards the source run's (``base + k/steps (source - base)``, ``k = 0..steps-1``; EAP-IG,
+    Hanna et al. 2024), all in one forward: with ``noising=True``, hannamw/EAP-IG's 2024 grid
+    (``corrupt + k/steps (clean - corrupt)``, ``k = 1..steps``), not its 2025 one.
 
     It needs a residual stream that the branches add to: ``resid_mid = resid_pre + attn_out``,
     ``resid_post = resid_mid + mlp_out`` and ``attn_out`` the sum of the heads' projected
@@ -1041,6 +1192,7 @@ def edge_attribution(
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"edge_attribution: steps must be a positive int, got {steps!r}")
+    _check_grad_mode("edge_attribution")
     model = unwrap_compiled(model)
     _check_eager(model, "edge_attribution")
     _check_no_dropout(model)
@@ -1077,7 +1229,7 @@ def edge_attribution(
             name = f"attn_z.{layer}"
             dz = src_acts[name] - base_acts[name]  # [b, s, H, dh]
             heads = dz.shape[2]
-            per = _per_head_out(points[name].module, dz)
+            per = _per_head_out(points[name].module, dz, points[name].module_name)
             deltas.extend(per[h] for h in range(heads))
             ups.extend(f"attn.{layer}.h{h}" for h in range(heads))
             deltas.append(src_acts[f"mlp_out.{layer}"] - base_acts[f"mlp_out.{layer}"])
@@ -1116,14 +1268,13 @@ def edge_attribution(
         # embed is resid_pre.0's tensor: the interpolation is an edit at resid_pre.0
         sites.modify["resid_pre.0"] = interpolate
     kw = _tile(base_kw, batch, steps)
-    with (
-        torch.enable_grad(),
-        TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits),
-    ):
-        out = _run(model, kw)
-    groups = _metric_groups(metric, out, batch, steps)
+    with torch.enable_grad():  # the metric too: it is differentiated
+        with TraceDict(model, list(sites.edits), retain_output=False, edit_output=sites.edits):
+            out = _run(model, kw)
+        groups = _metric_groups(metric, out, batch, steps, "edge_attribution")
+    _differentiable(groups, "edge_attribution")
     base_m = groups[0].detach()
-    sites.backward(groups.sum())
+    sites.backward(groups)
     del out
 
     downs: list[str] = []
@@ -1172,17 +1323,56 @@ def edge_attribution(
     )
 
 
-def _per_head_out(proj: nn.Module, dz: torch.Tensor) -> torch.Tensor:
+def _per_head_out(proj: nn.Module, dz: torch.Tensor, what: str) -> torch.Tensor:
     """``[heads, b, s, d]``: each head's part of the projection of ``dz`` (``[b, s, H, dh]``),
     ``proj(only head h) - proj(0)``, through the projection module itself (any linear layer:
-    nn.Linear, GPT-2's Conv1D, offloaded ones)."""
+    nn.Linear, GPT-2's Conv1D, offloaded ones, tensor-parallel ones: see :func:`_project`)."""
     heads = dz.shape[2]
     eye = torch.eye(heads, dtype=dz.dtype, device=dz.device)
     masked = dz.unsqueeze(0) * eye.view(heads, 1, 1, heads, 1)  # [H, b, s, H, dh]
     flat = masked.flatten(-2)
     with torch.no_grad():
-        out = proj(flat.flatten(0, 1)).unflatten(0, (heads, dz.shape[0]))
-        return out - proj(torch.zeros_like(flat[0]))
+        out = _project(proj, flat.flatten(0, 1), what).unflatten(0, (heads, dz.shape[0]))
+        return out - _project(proj, torch.zeros_like(flat[0]), what)
+
+
+def _project(proj: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``proj`` applied to the whole tensor ``x`` (the heads' output, as the layout layer
+    hands it to hooks), whatever the layout of ``proj``: a row-parallel projection (tensor
+    parallelism) takes this rank's slice of ``x``'s last dimension and gives the whole output
+    (its ranks' parts reduced), so every rank calls it with its own slice, in the same order.
+    A layout that gives no whole output, or whose input layout pyhook does not know, is
+    refused by name (:class:`~pyhook.distributed.LayoutError`)."""
+    from .distributed import _HF_WHOLE, LayoutError, _chunk_sizes, module_layout
+
+    layout = module_layout(proj, what)
+    if layout is None:
+        return proj(x)
+    if layout.output is not None:
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) hands each rank a shard of its output, "
+            "and edges need each head's whole contribution to the residual stream"
+        )
+    if layout.input is None:
+        if layout.style.rsplit(" ", 1)[-1] in _HF_WHOLE:
+            return proj(x)
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) takes an input laid out by its parallel "
+            "style, which pyhook does not know how to slice; edges need each head's whole "
+            "contribution to the residual stream (use transformers' tp_plan, or an unsharded "
+            "output projection)"
+        )
+    sharded = layout.input
+    dim = sharded.dim % x.dim()
+    full = x.shape[dim]
+    if sharded.full is not None and sharded.full != full:
+        raise LayoutError(
+            f"edge_attribution: {what} ({layout.style}) takes {sharded.full} features whole, "
+            f"but the heads' output has {full}"
+        )
+    sizes = _chunk_sizes(full, sharded.axis.size)
+    start = sum(sizes[: sharded.axis.rank])
+    return proj(x.narrow(dim, start, sizes[sharded.axis.rank]))
 
 
 def _check_residual(
@@ -1210,7 +1400,7 @@ def _check_residual(
         z = acts[f"attn_z.{i}"]
         proj = points[f"attn_z.{i}"].module
         with torch.no_grad():
-            whole = proj(z.flatten(-2))
+            whole = _project(proj, z.flatten(-2), points[f"attn_z.{i}"].module_name)
         if not close(whole, attn):
             raise ValueError(
                 f"edge_attribution needs attn_out to be the output projection of the heads: on "

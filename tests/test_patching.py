@@ -109,7 +109,7 @@ PATHS = {
         "encoder.layer.{}.output.dropout",
     ),
 }
-KIND = {"resid_pre": 0, "attn_out": 1, "attn_z": 2, "mlp_out": 3}
+KIND = {"resid_pre": 0, "resid_post": 0, "attn_out": 1, "attn_z": 2, "mlp_out": 3}
 
 
 def _arch(model: nn.Module) -> str:
@@ -234,7 +234,9 @@ def _ref_grads(model, ids, points, metric, block_grad=None):
     }, kept
 
 
-def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=None):
+def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=None, pairs=False):
+    """AtP per point, summed over the batch ([pos] or [pos, head]); ``pairs``: one per prompt
+    pair ([batch, pos(, head)])."""
     base, src = (clean, corrupt) if noising else (corrupt, clean)
     _, src_acts = _ref_record(model, src, points)
     grads, base_acts = _ref_grads(model, base, points, metric, block_grad)
@@ -243,9 +245,11 @@ def _ref_atp(model, clean, corrupt, metric, points, noising=False, block_grad=No
     for p in points:
         prod = (src_acts[p] - base_acts[p].detach()) * grads[p]
         if p.startswith("attn_z"):
-            out[p] = prod.unflatten(-1, (H, -1)).sum(dim=(0, 3))
+            out[p] = prod.unflatten(-1, (H, -1)).sum(dim=3)
         else:
-            out[p] = prod.sum(dim=(0, 2))
+            out[p] = prod.sum(dim=2)
+        if not pairs:
+            out[p] = out[p].sum(0)
     return out
 
 
@@ -341,25 +345,67 @@ def test_one_batch_slices_get_their_own_gradient():
         torch.testing.assert_close(got[p], summed[p], **TOL)
 
 
-@pytest.mark.parametrize("opts", [{}, {"one_batch": True}])
-def test_atp_star_graddrop_equals_reference(opts):
+@pytest.mark.parametrize("opts", [{}, {"one_batch": True}, {"offload": True}])
+def test_atp_star_graddrop_is_the_papers(opts):
+    """GradDrop as Kramár et al. (2024), section 3.1.2, write it: for each prompt pair x and
+    each layer l, AtP_l(n; x) is AtP with the gradient through layer l's residual-stream
+    contribution (its attention and MLP outputs) set to zero; the score of a node is
+    1/(L-1) sum_l |AtP_l(n; x)|, the absolute value taken per pair, unsigned. The paper's nodes
+    sit inside a block, whose own drop cuts them (L - 1 terms survive); a residual-stream
+    point survives all L drops and is divided by L. Summed over the pairs (as every score)."""
     model = gpt2(layers=3)
-    clean, corrupt = _pair(model)
+    L = 3
+    clean, corrupt = _pair(model, batch=3)
     metric = _metric_for(model)
-    points = ["resid_pre.0", "resid_pre.2", "attn_z.1"]
-    atp = _ref_atp(model, clean, corrupt, metric, points)
-    dropped = [
-        _ref_atp(model, clean, corrupt, metric, points, block_grad=layer) for layer in range(3)
+    inside = ["attn_z.1", "attn_out.0", "mlp_out.1"]
+    residual = ["resid_pre.0", "resid_pre.2", "resid_post.2"]
+    points = inside + residual
+    per_pair = [
+        _ref_atp(model, clean, corrupt, metric, points, block_grad=layer, pairs=True)
+        for layer in range(L)
     ]
+    atp = _ref_atp(model, clean, corrupt, metric, points)
     got = attribution_patch(model, clean, corrupt, metric, points, method="atp*", **opts)
     assert got.method == "atp*"
+    want = {}
     for p in points:
-        want = torch.sign(atp[p]) * sum(d[p].abs() for d in dropped) / 2
-        torch.testing.assert_close(got[p], want, **TOL)
-        assert not torch.allclose(got[p], atp[p])
+        terms = L - 1 if p in inside else L
+        want[p] = (sum(d[p].abs() for d in per_pair) / terms).sum(0)
+        torch.testing.assert_close(got[p], want[p], **TOL)
+        assert float(want[p].abs().max()) > 1e-5
+    signed = attribution_patch(
+        model, clean, corrupt, metric, points, method="atp*", signed=True, **opts
+    )
+    for p in points:
+        torch.testing.assert_close(signed[p], torch.sign(atp[p]) * want[p], **TOL)
+    # per pair, not after summing the batch: the pairs' signs differ here
+    summed_first = sum(d["attn_z.1"].sum(0).abs() for d in per_pair) / (L - 1)
+    assert not torch.allclose(got["attn_z.1"], summed_first)
 
 
-def _ref_edges(model, clean, corrupt, metric, steps=1):
+def test_atp_star_scale_of_the_last_residual():
+    """The last residual is never cut by a drop: its score is the plain per-pair |AtP|, not
+    L/(L-1) of it."""
+    model = gpt2(layers=3)
+    clean, corrupt = _pair(model, batch=2)
+    metric = _metric_for(model)
+    got = attribution_patch(model, clean, corrupt, metric, "resid_post.2", method="atp*")
+    pairs = _ref_atp(model, clean, corrupt, metric, ["resid_post.2"], pairs=True)["resid_post.2"]
+    torch.testing.assert_close(got["resid_post.2"], pairs.abs().sum(0), **TOL)
+
+
+def _ref_edges(model, clean, corrupt, metric, steps=1, convention="attribution patching"):
+    """Edge scores from a convention's own definition, summed over the pairs:
+
+    * "attribution patching" (Syed et al. 2023, the denoising convention of Nanda's AtP):
+      (clean - corrupt upstream output) . d metric / d (downstream input) in the corrupt run;
+      EAP-IG: the corrupt run's input embedding moved to corrupt + k/N (clean - corrupt),
+      k = 0..N-1, the gradients averaged;
+    * "hannamw 2024" (hannamw/EAP-IG, eap/attribute.py): (corrupted - clean) . gradient in the
+      clean run; EAP-IG's input corrupted + k/N (clean - corrupted) for k = 1..N; the gradient of
+      an attention's q, k and v inputs of every head summed (their sum is the residual read);
+    * "hannamw 2025": the same with k = 0..N-1.
+    """
     arch = _arch(model)
     n = model.config.num_hidden_layers
     H = _heads(model)
@@ -380,18 +426,25 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
     )
     _, ca = _ref_record(model, clean, points)
     _, ra = _ref_record(model, corrupt, points)
-    ups = [ca["resid_pre.0"] - ra["resid_pre.0"]]
+    if convention == "attribution patching":
+        run, ks = corrupt, range(steps)
+        ups_of = lambda p: ca[p] - ra[p]  # noqa: E731
+    else:
+        run = clean
+        ks = range(1, steps + 1) if convention == "hannamw 2024" else range(steps)
+        ups_of = lambda p: ra[p] - ca[p]  # noqa: E731
+    ups = [ups_of("resid_pre.0")]
     names = ["embed"]
     for i in range(n):
-        dz = ca[f"attn_z.{i}"] - ra[f"attn_z.{i}"]
+        dz = ups_of(f"attn_z.{i}")
         dh = dz.shape[-1] // H
         for h in range(H):
             ups.append(dz[..., h * dh : (h + 1) * dh] @ o_w(i)[h * dh : (h + 1) * dh])
             names.append(f"attn.{i}.h{h}")
-        ups.append(ca[f"mlp_out.{i}"] - ra[f"mlp_out.{i}"])
+        ups.append(ups_of(f"mlp_out.{i}"))
         names.append(f"mlp.{i}")
     grads = {r: 0 for r in reads}
-    for k in range(steps):
+    for k in ks:
         kept = {}
         handles = []
         for r in reads:
@@ -402,7 +455,7 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
                 return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
             handles.append(model.get_submodule(r).register_forward_pre_hook(pre, with_kwargs=True))
-        alpha = k / steps
+        alpha = k / steps  # the input embedding: corrupt + k/N (clean - corrupt)
         handles.append(
             _ref_hook(
                 model,
@@ -413,7 +466,7 @@ def _ref_edges(model, clean, corrupt, metric, steps=1):
             )
         )
         try:
-            value = metric(model(corrupt)).sum()
+            value = metric(model(run)).sum()
             gs = torch.autograd.grad(value, [kept[r] for r in reads])
         finally:
             for h in handles:
@@ -450,6 +503,35 @@ def test_edge_attribution_equals_reference(arch, steps):
     assert got.top(1)[0].score == max((e.score for e in got.edges()), key=abs)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_edge_attribution_conventions(steps):
+    """The default is attribution patching's denoising convention (clean - corrupt, gradient
+    in the corrupt run); noising=True is hannamw/EAP-IG's EAP, and with steps its 2024 EAP-IG
+    grid (k = 1..N from the corrupted input), not its 2025 one (k = 0..N-1). hannamw averages
+    over the pairs where pyhook sums: the reference is divided by the batch size here."""
+    model = gpt2()
+    clean, corrupt = _pair(model, batch=3)
+    metric = _metric_for(model)
+    default = edge_attribution(model, clean, corrupt, metric, steps=steps)
+    noising = edge_attribution(model, clean, corrupt, metric, steps=steps, noising=True)
+    refs = {
+        c: _ref_edges(model, clean, corrupt, metric, steps, c)
+        for c in ("attribution patching", "hannamw 2024", "hannamw 2025")
+    }
+    for e in default.edges():
+        want = refs["attribution patching"][(e.upstream, e.downstream)]
+        assert e.score == pytest.approx(want, rel=1e-7, abs=1e-9), e
+    for e in noising.edges():
+        mean = refs["hannamw 2024"][(e.upstream, e.downstream)] / 3  # hannamw: / total_items
+        assert e.score / 3 == pytest.approx(mean, rel=1e-7, abs=1e-9), e
+    if steps > 1:  # not the 2025 grid
+        assert any(
+            e.score != pytest.approx(refs["hannamw 2025"][(e.upstream, e.downstream)], rel=1e-3)
+            for e in noising.edges()
+        )
+    assert max(abs(e.score) for e in noising.edges()) > 1e-3
+
+
 def test_edge_attribution_refuses_post_norm_models():
     model = bert()
     clean, corrupt = _pair(model)
@@ -470,6 +552,95 @@ def test_dropout_is_refused_by_name_and_nothing_stays_registered():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     model.eval()  # the same model in eval mode runs
     activation_patch(model, clean, corrupt, _metric_for(model), "resid_pre.0")
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_dropout_held_as_a_number_or_in_the_config_is_refused(family):
+    """BLOOM keeps its residual dropout as a float (``hidden_dropout``), Falcon reads it from
+    its config; both apply it with ``dropout_add``, no dropout module. In training mode two
+    identical calls differ, so both are refused; with every probability 0, training mode runs."""
+    torch.manual_seed(0)
+    if family == "bloom":
+        cfg = T.BloomConfig(
+            hidden_size=16,
+            n_layer=2,
+            n_head=2,
+            vocab_size=32,
+            hidden_dropout=0.3,
+            attention_dropout=0.0,
+        )
+        model = T.BloomForCausalLM(cfg).double()
+        where = r"'transformer\.h\.0' \(BloomBlock, hidden_dropout=0\.3\)"
+    else:
+        cfg = T.FalconConfig(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            vocab_size=32,
+            hidden_dropout=0.3,
+            attention_dropout=0.0,
+        )
+        model = T.FalconForCausalLM(cfg).double()
+        # Falcon's forward reads config.hidden_dropout; its modules' copies are unused: without
+        # them the dropout still runs, from the config alone
+        for m in model.modules():
+            vars(m).pop("hidden_dropout", None)
+        where = r"'\(the model\)' \(FalconForCausalLM, config\.hidden_dropout=0\.3\)"
+    clean, corrupt = _pair(model)
+    metric = _metric_for(model)
+    model.train()
+    with torch.no_grad():  # the dropout runs: training-mode forwards differ
+        assert not torch.equal(model(clean).logits, model(clean).logits)
+    for fn in (activation_patch, attribution_patch):
+        with pytest.raises(DropoutActiveError, match=where + r".*model\.eval\(\)"):
+            fn(model, clean, corrupt, metric, "resid_pre.*")
+    with pytest.raises(DropoutActiveError, match=where):
+        edge_attribution(model, clean, corrupt, metric)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    model.eval()
+    a = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    b = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    torch.testing.assert_close(a["resid_pre.1"], b["resid_pre.1"], rtol=0, atol=0)
+    # training mode with every dropout probability 0: nothing drops, nothing refused
+    model.config.hidden_dropout = 0.0
+    for m in model.modules():
+        if "hidden_dropout" in vars(m):
+            m.hidden_dropout = 0.0
+    with torch.no_grad():
+        assert torch.equal(model.train()(clean).logits, model(clean).logits)
+    model.train()
+    c = activation_patch(model, clean, corrupt, metric, "resid_pre.1")
+    torch.testing.assert_close(c["resid_pre.1"], a["resid_pre.1"], rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_functions_under_no_grad_and_metrics_without_a_graph():
+    """Inside torch.no_grad() the gradient functions give the same scores as outside (the
+    metric, too, is differentiated under enable_grad); inside inference_mode, and with a
+    metric that returns a number or a tensor cut from the graph, a named error says why."""
+    model = gpt2()
+    clean, corrupt = _pair(model)
+    metric = _metric_for(model)
+    want_atp = attribution_patch(model, clean, corrupt, metric, "resid_pre.*", method="atp*")
+    want_eap = edge_attribution(model, clean, corrupt, metric)
+    with torch.no_grad():
+        atp = attribution_patch(model, clean, corrupt, metric, "resid_pre.*", method="atp*")
+        eap = edge_attribution(model, clean, corrupt, metric)
+    for p in ("resid_pre.0", "resid_pre.1"):
+        torch.testing.assert_close(atp[p], want_atp[p], rtol=0, atol=0)
+    torch.testing.assert_close(eap.scores, want_eap.scores, rtol=0, atol=0)
+    calls = (
+        lambda m: attribution_patch(model, clean, corrupt, m, "resid_pre.*"),
+        lambda m: attribution_patch(model, clean, corrupt, m, "resid_pre.*", one_batch=True),
+        lambda m: edge_attribution(model, clean, corrupt, m),
+    )
+    for call in calls:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+            call(metric)
+        with pytest.raises(TypeError, match=r"must return a torch\.Tensor.*got float"):
+            call(lambda o: metric(o).detach().sum().item())
+        with pytest.raises(ValueError, match=r"cut from the model's graph.*detach"):
+            call(lambda o: metric(o).detach())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_bad_input_is_named():

@@ -9,6 +9,8 @@ output, and patch one (position, head) at a time. Float64, norms with random wei
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -143,21 +145,27 @@ def _d_pattern(model, layer, ids, metric, pattern, v, drop=None):
 
 
 def _qk_fixed_reference(model, layer, clean, corrupt, metric, which, drop=None):
-    """[pos, head] QK-fixed estimates (denoising): the exact pattern with one (position, head)
-    of the corrupt run's query/key set to the clean one, times d metric / d pattern."""
+    """[pos, head] QK-fixed estimates (denoising), summed over the batch: the exact pattern with
+    one (position, head) of the corrupt run's query/key set to the clean one, times d metric /
+    d pattern."""
+    return _qk_fixed_pairs(model, layer, clean, corrupt, metric, which, drop).sum(0)
+
+
+def _qk_fixed_pairs(model, layer, clean, corrupt, metric, which, drop=None):
+    """The same per prompt pair: [batch, pos, head]."""
     q, k, v = _qkv(model, layer, corrupt)
     qc, kc, _ = _qkv(model, layer, clean)
     scaling = float(_attn(model, layer).scaling)
     base = _pattern(q, k, scaling)
     g = _d_pattern(model, layer, corrupt, metric, base, v, drop)
     src, mine = (qc, q) if which == "q" else (kc, k)
-    out = torch.zeros(mine.shape[1], mine.shape[2], dtype=torch.float64)
+    out = torch.zeros(mine.shape[0], mine.shape[1], mine.shape[2], dtype=torch.float64)
     for s in range(mine.shape[1]):
         for h in range(mine.shape[2]):
             x = mine.clone()
             x[:, s, h] = src[:, s, h]
             new = _pattern(x, k, scaling) if which == "q" else _pattern(q, x, scaling)
-            out[s, h] = ((new - base) * g).sum()
+            out[:, s, h] = ((new - base) * g).sum((1, 2, 3))
     return out
 
 
@@ -238,14 +246,29 @@ def test_qk_fix_matches_hand_computation(family):
         r = attribution_patch(
             model, clean, corrupt, metric, [f"attn_q.{layer}", f"attn_k.{layer}"], method="atp*"
         )
+        signed = attribution_patch(
+            model,
+            clean,
+            corrupt,
+            metric,
+            [f"attn_q.{layer}", f"attn_k.{layer}"],
+            method="atp*",
+            signed=True,
+        )
         for which in "qk":
-            copies = [_qk_fixed_reference(model, layer, clean, corrupt, metric, which)]
+            # per pair: AtP with the QK fix under each block's drop; a query/key of block
+            # `layer` is cut by its own block's drop, so L - 1 terms (the paper's 1/(L-1))
+            copies = [_qk_fixed_pairs(model, layer, clean, corrupt, metric, which)]
             copies += [
-                _qk_fixed_reference(model, layer, clean, corrupt, metric, which, drop=d)
+                _qk_fixed_pairs(model, layer, clean, corrupt, metric, which, drop=d)
                 for d in range(n)
             ]
-            want = torch.sign(copies[0]) * sum(c.abs() for c in copies[1:]) / (n - 1)
+            assert float(copies[1 + layer].abs().max()) == 0.0
+            want = (sum(c.abs() for c in copies[1:]) / (n - 1)).sum(0)
             torch.testing.assert_close(r[f"attn_{which}.{layer}"], want, **TOL)
+            torch.testing.assert_close(
+                signed[f"attn_{which}.{layer}"], torch.sign(copies[0].sum(0)) * want, **TOL
+            )
     # per_head=False sums the heads; one_batch gives the same scores
     r1 = attribution_patch(model, clean, corrupt, metric, "attn_k.1", method="atp*", one_batch=True)
     torch.testing.assert_close(r1["attn_k.1"], r["attn_k.1"], **TOL)
@@ -253,11 +276,16 @@ def test_qk_fix_matches_hand_computation(family):
     flat = attribution_patch(
         model, clean, corrupt, metric, "attn_k.1", method="atp*", per_head=False
     )
-    torch.testing.assert_close(flat["attn_k.1"], r["attn_k.1"].sum(-1), **TOL)
+    # (a node is the whole point at a position: the absolute value of the heads' sum, per pair)
+    drops = [_qk_fixed_pairs(model, 1, clean, corrupt, metric, "k", drop=d) for d in range(n)]
+    want_flat = (sum(d.sum(-1).abs() for d in drops) / (n - 1)).sum(0)
+    torch.testing.assert_close(flat["attn_k.1"], want_flat, **TOL)
     off = attribution_patch(model, clean, corrupt, metric, "attn_q.0", method="atp*", offload=True)
     torch.testing.assert_close(off["attn_q.0"], r0["attn_q.0"], **TOL)
-    if n == 2:  # layer n-1: GradDrop's copies reduce to the plain gradient
-        torch.testing.assert_close(r["attn_k.1"], want_k, **TOL)
+    if n == 2:  # layer n-1: GradDrop's copies reduce to the plain gradient, per pair
+        pairs = _qk_fixed_pairs(model, 1, clean, corrupt, metric, "k")
+        torch.testing.assert_close(r["attn_k.1"], pairs.abs().sum(0), **TOL)
+        assert not torch.allclose(pairs.abs().sum(0), want_k.abs())  # the pairs' signs differ
 
 
 def test_atp_on_qk_points_stays_linear():
@@ -291,7 +319,8 @@ def test_qk_fix_is_closer_to_activation_patching_when_softmax_saturates():
     points = ["attn_q.1", "attn_k.1"]
     exact = activation_patch(model, clean, corrupt, metric, points)
     atp = attribution_patch(model, clean, corrupt, metric, points, method="atp")
-    fixed = attribution_patch(model, clean, corrupt, metric, points, method="atp*")
+    # (signed: the paper's AtP* is a magnitude; the signed variant compares with the effects)
+    fixed = attribution_patch(model, clean, corrupt, metric, points, method="atp*", signed=True)
     err_atp = sum(float((atp[p] - exact[p]).abs().sum()) for p in points)
     err_fix = sum(float((fixed[p] - exact[p]).abs().sum()) for p in points)
     total = sum(float(exact[p].abs().sum()) for p in points)
@@ -328,7 +357,7 @@ def test_qk_fix_noising_and_padding():
         model, clean, corrupt, metric, ["attn_q.1", "attn_k.1"], method="atp*", noising=True
     )
     for which in "qk":
-        want = _qk_fixed_reference(model, 1, corrupt, clean, metric, which)
+        want = _qk_fixed_pairs(model, 1, corrupt, clean, metric, which).abs().sum(0)
         torch.testing.assert_close(r[f"attn_{which}.1"], want, **TOL)
     # padding: the pattern is recomputed with the 2-D attention mask (ignoring it, the check
     # against the model's attn_z would refuse the layer)
@@ -342,3 +371,119 @@ def test_qk_fix_noising_and_padding():
         method="atp*",
     )
     assert r["attn_k.1"].shape == (5, 2) and bool(torch.isfinite(r["attn_k.1"]).all())
+
+
+def _saturated_gpt2() -> nn.Module:
+    """A float32 GPT-2 whose block-1 queries and keys are scaled x100: most rows of its
+    attention put a weight that rounds to 1 on one key."""
+    torch.manual_seed(2)
+    cfg = T.GPT2Config(
+        n_embd=16, n_layer=2, n_head=2, vocab_size=32, bos_token_id=0, eos_token_id=0
+    )
+    model = T.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.weight[:, :32] *= 100
+    return model
+
+
+def _key_fix_float64(model32, layer, base_ids, src_ids, metric):
+    """[batch, pos, head]: the key points' QK-fixed estimates by explicit recomputation in
+    float64: the float32 model's queries and keys in float64, the pattern with one key patched
+    as a softmax of the patched scores, times d metric / d pattern from a float64 copy of the
+    model (the pattern, a leaf, gives the heads' output of ``layer``)."""
+    model64 = copy.deepcopy(model32).double()
+    q, k, _ = (t.double() for t in _qkv(model32, layer, base_ids))
+    kc = _qkv(model32, layer, src_ids)[1].double()
+    v = _qkv(model64, layer, base_ids)[2]
+    attn = _attn(model64, layer)
+    scaling = float(attn.scaling)
+    base = _pattern(q, k, scaling)
+    leaf = base.clone().requires_grad_(True)
+    put = attn.c_proj.register_forward_pre_hook(
+        lambda m, a: (torch.einsum("bhij,bjhd->bihd", leaf, v).flatten(-2),)
+    )
+    try:
+        (g,) = torch.autograd.grad(metric(model64(base_ids)).sum(), leaf)
+    finally:
+        put.remove()
+    out = torch.zeros(k.shape[:3], dtype=torch.float64)
+    for s in range(k.shape[1]):
+        for h in range(k.shape[2]):
+            x = k.clone()
+            x[:, s, h] = kc[:, s, h]
+            out[:, s, h] = ((_pattern(q, x, scaling) - base) * g).sum((1, 2, 3))
+    return out, base
+
+
+@pytest.mark.parametrize("noising", [False, True])
+def test_qk_key_fix_on_a_saturated_softmax_in_float32(noising):
+    """A key whose weight rounds to 1 in float32: patching it sends the row's attention to the
+    other keys, whose renormalised weights the closed form 1 - a lost (it gave 100% error or
+    NaN here). Against the explicit recomputation in float64."""
+    model = _saturated_gpt2()
+    clean = torch.tensor([[1, 5, 2, 7, 3, 9], [1, 4, 2, 3, 8, 9]])
+    corrupt = torch.tensor([[1, 6, 2, 8, 3, 9], [1, 4, 11, 3, 2, 9]])
+
+    def metric(o):
+        return o.logits[:, -1, 3] - o.logits[:, -1, 6]
+
+    base_ids, src_ids = (clean, corrupt) if noising else (corrupt, clean)
+    want, _ = _key_fix_float64(model, 1, base_ids, src_ids, metric)
+    q, k, _ = _qkv(model, 1, base_ids)
+    a32 = _pattern(q, k, float(_attn(model, 1).scaling))
+    patched = (src_ids != base_ids).view(2, 1, 1, 6)  # keys the patch changes
+    assert bool(((a32 == 1.0) & patched).any())  # a saturated weight on a patched key
+    assert model.dtype == torch.float32
+    # last block of 2: GradDrop's one surviving copy is the plain gradient, |.| per pair
+    for i in range(2):  # each pair alone, then the batch
+        one = attribution_patch(
+            model,
+            clean[i : i + 1],
+            corrupt[i : i + 1],
+            metric,
+            "attn_k.1",
+            method="atp*",
+            noising=noising,
+        )["attn_k.1"]
+        ref = want[i].abs()
+        assert float(ref.max()) > 1e-3
+        tol = 1e-4 * float(ref.max())
+        torch.testing.assert_close(one.double().abs(), ref, rtol=0, atol=tol)
+    got = attribution_patch(
+        model, clean, corrupt, metric, "attn_k.1", method="atp*", noising=noising
+    )
+    ref = want.abs().sum(0)
+    torch.testing.assert_close(got["attn_k.1"].double(), ref, rtol=0, atol=1e-4 * float(ref.max()))
+
+
+def test_qk_fix_on_a_left_padded_batch():
+    """Left padding under eager attention: the padding query rows (every key masked) are
+    computed by the model as it likes (GPT-2's eager attention: finite values) and read by no
+    real token. Each example's scores are those of the example alone, without padding."""
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(
+        n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=16, attn_implementation="eager"
+    )
+    model = _randomize(T.GPT2LMHeadModel(cfg))
+    clean = torch.tensor([[1, 5, 2, 7, 3], [0, 0, 9, 2, 4]])
+    corrupt = torch.tensor([[1, 6, 2, 8, 3], [0, 0, 9, 5, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+
+    def metric(o):
+        return o.logits[:, -1, 3] - o.logits[:, -1, 6]
+
+    def inputs(ids):
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+    points = ["attn_q.0", "attn_k.0", "attn_q.1", "attn_k.1"]
+    got = attribution_patch(model, inputs(clean), inputs(corrupt), metric, points, method="atp*")
+    alone = [
+        attribution_patch(model, clean[:1], corrupt[:1], metric, points, method="atp*"),
+        attribution_patch(model, clean[1:, 2:], corrupt[1:, 2:], metric, points, method="atp*"),
+    ]
+    for p in points:
+        want = alone[0][p].clone()
+        want[2:] += alone[1][p]
+        torch.testing.assert_close(got[p], want, rtol=1e-7, atol=1e-10)
+    assert float(alone[1]["attn_k.1"].abs().max()) > 1e-6  # the padded example counts
