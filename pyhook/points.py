@@ -764,6 +764,11 @@ class _Handles:
         self.handles = handles
         self.id = handles[0].id
 
+    @property
+    def alive(self) -> bool:
+        """Whether any of the hooks is still registered."""
+        return any(h.alive for h in self.handles)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()

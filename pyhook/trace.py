@@ -392,11 +392,15 @@ class Trace(contextlib.AbstractContextManager):
         if entries.enter():
             # Outermost entry: the hook acts on the entering thread's forwards (re-registered
             # if it was registered, at construction, by another thread).
-            if self._active and not self._hooks.owned_by_caller:
-                self._handle.remove()
-            if not self._active:
-                with self._hooks.registering():
-                    self._register()
+            try:
+                if self._active and not self._hooks.owned_by_caller:
+                    self._handle.remove()
+                if not self._active:
+                    with self._hooks.registering():
+                        self._register()
+            except BaseException:
+                self.close()  # a failed entry leaves no hook behind (nor an entry counted)
+                raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
