@@ -334,3 +334,85 @@ def test_branch_inputs_of_a_parallel_block_get_their_own_gradients():
     torch.testing.assert_close(cache["attn_in.0_grad"] + cache["mlp_in.0_grad"], want)
     assert not torch.allclose(cache["attn_in.0_grad"], want, atol=1e-4)
     model.zero_grad()
+
+
+def _opt():
+    torch.manual_seed(0)
+    cfg = T.OPTConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=H,
+    )
+    return randomise_norms(T.OPTForCausalLM(cfg)).eval()
+
+
+@pytest.mark.parametrize("pos_slice", [-1, 2, (1, 4), [0, 3, -1]])
+def test_pos_slice_on_a_flat_point_selects_every_examples_positions(pos_slice):
+    """OPT computes its MLP on [batch*tokens, d]: pos_slice picks each example's positions
+    (a hand-written hook's tensor, viewed [batch, tokens, d] and sliced), staying flat."""
+    model = _opt()
+    x = torch.randint(2, 60, (3, 5), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    h = model.model.decoder.layers[1].fc2.register_forward_hook(
+        lambda m, a, o: seen.setdefault("mlp_out", o.detach())
+    )
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        h.remove()
+    assert seen["mlp_out"].shape == (15, H)  # flat, as the model computes it
+    grid = seen["mlp_out"].unflatten(0, (3, 5))
+    if isinstance(pos_slice, int):
+        want = grid[:, pos_slice]
+    else:
+        index = slice(*pos_slice) if isinstance(pos_slice, tuple) else pos_slice
+        want = grid[:, index].flatten(0, 1)
+    _, cache = pyhook.run_with_cache(
+        model, x, names_filter=["mlp_out.1", "resid_post.1"], pos_slice=pos_slice
+    )
+    torch.testing.assert_close(cache["mlp_out.1"], want, rtol=0, atol=0)
+    assert cache["resid_post.1"].shape[0] == 3  # [batch, ...] points keep their batch dim
+
+
+def test_pos_slice_out_of_range_is_refused_by_name_before_the_forward():
+    model = build("gpt2")
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        for bad in (5, -6, [0, 7], torch.tensor([1, 5])):
+            with pytest.raises(IndexError, match=r"pos_slice=.*out of range.* 5 positions"):
+                pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], pos_slice=bad)
+        assert calls == []  # refused before the forward
+        _, cache = pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], pos_slice=4)
+        assert calls == [1] and cache["resid_post.0"].shape == (2, H)
+    finally:
+        h.remove()
+
+
+def test_a_names_filter_that_matches_nothing_and_a_metric_without_incl_bwd_are_refused():
+    """An empty cache from a callable that matches no name, and a metric that is never used
+    (no backward runs without incl_bwd=True), are mistakes: each is refused, naming the argument."""
+    model = build("gpt2")
+    before = hook_snapshot(model)
+    with pytest.raises(LookupError, match=r"names_filter.*matches none of the"):
+        pyhook.run_with_cache(model, ids(), names_filter=lambda n: n.startswith("resid_psot"))
+    with pytest.raises(ValueError, match=r"metric=.*incl_bwd=True"):
+        pyhook.run_with_cache(model, ids(), labels=ids(), metric=metric)
+    with pytest.raises(LookupError, match=r"fwd_hooks.*matches none of the"):
+        pyhook.run_with_hooks(model, ids(), fwd_hooks=[(lambda n: False, lambda t, h: t * 0)])
+    assert diff(before, hook_snapshot(model)) == []
+    _, cache = pyhook.run_with_cache(
+        model,
+        ids(),
+        labels=ids(),
+        metric=metric,
+        incl_bwd=True,
+        names_filter=lambda n: n == "resid_post.0",
+    )
+    assert sorted(cache) == ["resid_post.0", "resid_post.0_grad"]
+    model.zero_grad()
