@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -65,12 +66,13 @@ class LensHook:
         ['0']
     """
 
-    __slots__ = ("ctx", "name", "point")
+    __slots__ = ("_hooked", "ctx", "name", "point")
 
     def __init__(self, name: str, point: Point | None) -> None:
         self.name = name
         self.point = point
         self.ctx: dict[str, Any] = {}
+        self._hooked = False  # a gradient hook was put on this point's tensor in a forward
 
     def __repr__(self) -> str:
         return f"<pyhook.LensHook {self.name!r}>"
@@ -213,6 +215,10 @@ def hooks(
                 dst[n].extend(fns)
     refs = {n: LensHook(n, p) for n, p in targets.items()}
     grads = HookSet(model=model)  # the tensor (gradient) hooks registered during forwards
+    # Edits made in an activation-checkpointed forward, and their recomputations during a
+    # backward in the block: a backward after the block would recompute without the edit.
+    ckpt_flag = bool(fwd) and _hf_checkpointing(model)
+    ckpt_edits: dict[str, list[list[bool]]] = {}
 
     def make_edit(name: str) -> Callable[[Any], Any]:
         ref, f_fns, b_fns = refs[name], per_fwd[name], per_bwd[name]
@@ -234,22 +240,58 @@ def hooks(
                     f"hook {name!r}: the output of the module is a {type(output).__name__}, "
                     "with no tensor to hand a hook"
                 )
+            orig = value
+            if (
+                b_fns
+                and not inplace
+                and not value.requires_grad
+                and torch.is_grad_enabled()
+                and (value.is_floating_point() or value.is_complex())
+            ):
+                # Nothing upstream requires grad (frozen embeddings, a frozen model): the model
+                # goes on from a leaf here, so the gradient at this point still exists.
+                value = value.detach().requires_grad_()
             v = value
             for fn in f_fns:
                 new = fn(v, ref)
                 if new is not None:
                     v = new
+            if (
+                b_fns
+                and inplace
+                and isinstance(v, torch.Tensor)
+                and not value.requires_grad
+                and torch.is_grad_enabled()
+                and value.is_floating_point()
+            ):
+                # read in place by several modules, with nothing upstream requiring grad: the
+                # model's own tensor (a leaf) becomes one requiring grad, for every reader
+                if v is not value:
+                    value.copy_(v)
+                    v = value
+                value.requires_grad_()
             if b_fns and isinstance(v, torch.Tensor) and v.requires_grad:
                 if inplace:  # every reader of the tensor has it: edit it there, hook it there
                     if v is not value:
                         value.copy_(v)
                     grads.tensor(value, on_backward)
+                    ref._hooked = True
                     return None
                 if v is value:  # a node of its own, so the hook sees this branch's gradient
                     v = value.view_as(value)
                 grads.tensor(v, on_backward)
-            if v is value:
+                ref._hooked = True
+            if v is orig:
                 return None
+            if torch._C._current_graph_task_id() != -1:  # a recomputation, in a backward
+                pending = ckpt_edits.get(name)
+                if pending:
+                    pending.pop(0)[0] = False
+            elif _in_checkpoint() or (ckpt_flag and not torch.is_grad_enabled()):
+                token = [True]  # cleared once a backward in the block went through this edit
+                ckpt_edits.setdefault(name, []).append(token)
+                if isinstance(v, torch.Tensor) and v.requires_grad:
+                    grads.tensor(v, functools.partial(_clear, token))
             return v if rebuild is None else rebuild(v)
 
         return edit
@@ -279,10 +321,39 @@ def hooks(
                 stops.forward(at, stop)
         with td:
             yield refs
+        lost = [n for n, tokens in ckpt_edits.items() if any(t[0] for t in tokens)]
+        if lost:
+            raise RuntimeError(
+                f"fwd_hooks edited {', '.join(map(repr, lost[:4]))} inside an activation-"
+                "checkpointed layer (gradient_checkpointing_enable(), train mode), and no "
+                "backward ran before the hooks were removed: a backward now would recompute "
+                "those layers without the edit (same loss, wrong parameter gradients). Run the "
+                "backward inside the block (run_with_hooks does with bwd_hooks=), or edit with "
+                "checkpointing off, the model in eval(), or under torch.no_grad()"
+            )
     finally:
         td.close()
         stops.remove()
         grads.remove()
+
+
+def _clear(token: list[bool], _grad: torch.Tensor) -> None:
+    token[0] = False
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """Whether a forward now runs ``transformers``' activation checkpointing (its layers' flag,
+    train mode, autograd on)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules())
+
+
+def _in_checkpoint() -> bool:
+    """Whether this forward runs inside ``torch.utils.checkpoint``'s non-reentrant checkpoint
+    (its saved-tensor hooks are the innermost ones)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
 
 
 def _pos_index(pos_slice: Any) -> Any:
@@ -382,12 +453,18 @@ def _device_index(index: Any, tensor: torch.Tensor) -> Any:
 
 def _scalar(output: Any, metric: Callable[[Any], Any] | None, who: str) -> torch.Tensor:
     value = metric(output) if metric is not None else getattr(output, "loss", None)
+    what = "metric(output)" if metric is not None else "output.loss"
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        what = "metric(output)" if metric is not None else "output.loss"
         raise ValueError(
             f"{who}: the backward needs a scalar tensor; {what} is "
             f"{type(value).__name__ if not isinstance(value, torch.Tensor) else tuple(value.shape)}"
             + ("" if metric is not None else " (pass metric=fn(output) -> scalar, or labels=)")
+        )
+    if not value.requires_grad:
+        raise ValueError(
+            f"{who}: {what} does not require grad, so no gradient can be taken: run outside "
+            "torch.no_grad()/torch.inference_mode(), and return a tensor computed from the "
+            "model's output (not a Python number or a detached tensor)"
         )
     return value
 
@@ -477,7 +554,7 @@ def run_with_cache(
     fwd = [(n, saver("")) for n in names]
     bwd = [(n, saver("_grad")) for n in names] if incl_bwd else None
     owner = object()
-    with hooks(model, fwd, bwd, _stop_at=stop_at_layer, _stop_owner=owner):
+    with hooks(model, fwd, bwd, _stop_at=stop_at_layer, _stop_owner=owner) as refs:
         try:
             output = model(*inputs, **model_kwargs)
         except StopForward as e:
@@ -486,4 +563,14 @@ def run_with_cache(
             output = e.payload
         if incl_bwd:
             _scalar(output, metric, "run_with_cache(incl_bwd=True)").backward()
+            for n, ref in refs.items():
+                if n in cache and n + "_grad" not in cache:
+                    if not ref._hooked:
+                        raise ValueError(
+                            f"run_with_cache(incl_bwd=True): no gradient can be taken at {n!r}: "
+                            "its value does not require grad and the model reads it in place "
+                            "(ask for a point upstream of it too, or unfreeze a parameter there)"
+                        )
+                    # hooked, but the metric does not depend on it: its gradient is zero
+                    cache[n + "_grad"] = torch.zeros_like(cache[n])
     return output, cache
