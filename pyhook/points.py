@@ -662,10 +662,12 @@ class Point:
             # An output an earlier norm hook of this call made carries its (centred, scale,
             # normalized): edits compose, as TransformerLens' hook_scale then hook_normalized.
             out_t = output if isinstance(output, torch.Tensor) else _output_tensor(point, output)
-            state = getattr(out_t, _NORM_STATE, None)
+            state = _NORM_STATE.get(id(out_t))
+            if state is not None and state[0]() is not out_t:
+                state = None
             x = _norm_input(point, args, kwargs)
             if state is not None:
-                centred, scale, normalized = state
+                centred, scale, normalized = state[1]
             else:
                 centred, scale = rule.parts(x)
                 normalized = centred / scale if not scale_point else None
@@ -682,7 +684,7 @@ class Point:
             else:
                 normalized = new
             out = rule.affine(module, normalized, x.dtype)
-            setattr(out, _NORM_STATE, (centred, scale, normalized))
+            _keep_norm_state(out, (centred, scale, normalized))
             return out if isinstance(output, torch.Tensor) else _replace_output(output, out)
 
         on_norm._pyhook_norm_rank = 0 if scale_point else 1  # type: ignore[attr-defined]
@@ -1342,9 +1344,15 @@ def _norm_rule(module: nn.Module) -> _NormRule | None:
     return None
 
 
-#: the attribute of a norm hook's edited output that holds its (centred, scale, normalized),
-#: read by the norm's later hooks in the same call (it goes with the tensor)
-_NORM_STATE = "_pyhook_norm_parts"
+#: id(output of a norm hook's edit) -> (a weak reference to it, its (centred, scale,
+#: normalized)): read by the norm's later hooks in the same call; an entry goes with its tensor
+_NORM_STATE: dict[int, tuple[weakref.ReferenceType[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+
+
+def _keep_norm_state(out: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> None:
+    key = id(out)
+    # (the callback runs while ``out`` is freed, before its id can be reused)
+    _NORM_STATE[key] = (weakref.ref(out, lambda _r: _NORM_STATE.pop(key, None)), parts)
 
 
 def _norm_rank(fn: Any) -> int:
