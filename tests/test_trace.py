@@ -650,3 +650,48 @@ def test_a_failure_while_entering_a_trace_leaves_no_hook(monkeypatch):
         pass
     assert all_hooks(model) == 0
     assert torch.equal(model(ids).logits, plain)
+
+
+@pytest.mark.parametrize("layer", ["transformer.h.1.mlp.c_fc", "transformer.h.1.attn"])
+def test_an_edit_in_a_checkpointed_layer_keeps_its_gradients_or_is_refused(layer):
+    """With transformers' gradient checkpointing (non-reentrant), a backward inside the block
+    recomputes the layer with the edit (the parameter gradients of the same model without
+    checkpointing); a backward after the block would recompute it without the edit, so the
+    block refuses to end quietly, naming the layer."""
+    import copy
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from _models import randomise_norms
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_embd=16, n_layer=3, n_head=2, vocab_size=64, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
+    )
+    plain = randomise_norms(transformers.GPT2LMHeadModel(cfg)).train()
+    ckpt = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    x = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    before = all_hooks(ckpt)  # transformers' own output-capturing hooks
+
+    def edit(output):
+        return (output[0] * 2, *output[1:]) if isinstance(output, tuple) else output * 2
+
+    grads = []
+    for model in (plain, ckpt):
+        with nethook.TraceDict(model, [layer], edit_output=edit):
+            model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
+    for make in (nethook.TraceDict, nethook.Trace):  # (a Trace registers when it is made)
+        with pytest.raises(RuntimeError, match=rf"edited '{layer}' inside an activation-check"):
+            with make(ckpt, [layer] if make is nethook.TraceDict else layer, edit_output=edit):
+                ckpt(x, labels=x)
+        assert all_hooks(ckpt) == before
+    with torch.no_grad(), nethook.TraceDict(ckpt, [layer], edit_output=edit):
+        ckpt(x, labels=x)  # no backward to come: nothing refused
