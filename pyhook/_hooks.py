@@ -452,13 +452,22 @@ class HookSet:
         0
     """
 
-    __slots__ = ("__weakref__", "_engine_thread", "_handles", "_model", "_thread", "any_thread")
+    __slots__ = (
+        "__weakref__",
+        "_engine_thread",
+        "_handles",
+        "_model",
+        "_prune_at",
+        "_thread",
+        "any_thread",
+    )
 
     # ``with hooks.registering(): ...`` is the hot path of every tracer's construction, so the
     # set is its own (cheap) context manager rather than a contextlib generator.
 
     def __init__(self, *, any_thread: bool = False, model: nn.Module | None = None) -> None:
         self._handles: list[Any] = []  # RemovableHandle, or a dispatcher entry's handle
+        self._prune_at = 64  # see tensor()
         self.any_thread = any_thread
         # The tracer's model, shown to the layout layer on a sharded model (which module holds
         # which: see pyhook.distributed.note_model); nothing is done with it otherwise.
@@ -674,7 +683,18 @@ class HookSet:
         return self._keep(_torch_handle(module, inner, "_backward_pre_hooks"))
 
     def tensor(self, tensor: torch.Tensor, fn: Callable[..., Any]) -> RemovableHandle:
-        """``tensor.register_hook(fn)`` (gradient hook), owned by this set."""
+        """``tensor.register_hook(fn)`` (gradient hook), owned by this set.
+
+        A set that lives over many forwards (a training loop inside one ``with`` block) drops
+        the handles of hooks whose tensor and graph are gone (nothing is left to remove), each
+        time it doubles: it holds what is alive, not one handle per forward ever run."""
+        if len(self._handles) >= self._prune_at:
+            self._handles = [
+                h
+                for h in self._handles
+                if not (type(h) is RemovableHandle and h.hooks_dict_ref() is None)
+            ]
+            self._prune_at = max(64, 2 * len(self._handles))
         return self._keep(tensor.register_hook(fn))
 
     # -- removal ------------------------------------------------------------------------

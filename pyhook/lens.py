@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -65,12 +66,13 @@ class LensHook:
         ['0']
     """
 
-    __slots__ = ("ctx", "name", "point")
+    __slots__ = ("_hooked", "ctx", "name", "point")
 
     def __init__(self, name: str, point: Point | None) -> None:
         self.name = name
         self.point = point
         self.ctx: dict[str, Any] = {}
+        self._hooked = False  # a gradient hook was put on this point's tensor in a forward
 
     def __repr__(self) -> str:
         return f"<pyhook.LensHook {self.name!r}>"
@@ -98,15 +100,23 @@ def _expand(model: nn.Module, name: Any, where: str) -> list[tuple[str, Point | 
     return [(name, None)]
 
 
-def _names_of(model: nn.Module, names_filter: Any) -> list[str]:
-    """The names a ``names_filter`` stands for (TransformerLens' forms)."""
+def _names_of(model: nn.Module, names_filter: Any, where: str) -> list[str]:
+    """The names a ``names_filter`` stands for (TransformerLens' forms); a callable that
+    matches no name is refused (a filter that hooks nothing is a mistake, not a request)."""
     if names_filter is None:
         return point_names(model)
     if isinstance(names_filter, str):
         return [names_filter]
     if callable(names_filter):
         pool = list(dict.fromkeys(point_names(model) + point_names(model, tl=True)))
-        return [n for n in pool if names_filter(n)]
+        names = [n for n in pool if names_filter(n)]
+        if not names:
+            raise LookupError(
+                f"{where}: the callable {getattr(names_filter, '__name__', names_filter)!r} "
+                f"matches none of the {len(pool)} point names of {type(model).__name__} "
+                f"(e.g. {', '.join(repr(n) for n in pool[:2] + pool[-2:])})"
+            )
+        return names
     if isinstance(names_filter, Iterable):
         return list(names_filter)
     raise TypeError(
@@ -127,7 +137,7 @@ def _by_name(model: nn.Module, pairs: Any, where: str) -> dict[str, list[HookFn]
         name, fn = item
         if not callable(fn):
             raise TypeError(f"{where}: the hook for {name!r} must be callable, got {fn!r}")
-        names = _names_of(model, name) if callable(name) else [name]
+        names = _names_of(model, name, where) if callable(name) else [name]
         for n in names:
             out.setdefault(n, []).append(fn)
     return out
@@ -205,6 +215,10 @@ def hooks(
                 dst[n].extend(fns)
     refs = {n: LensHook(n, p) for n, p in targets.items()}
     grads = HookSet(model=model)  # the tensor (gradient) hooks registered during forwards
+    # Edits made in an activation-checkpointed forward, and their recomputations during a
+    # backward in the block: a backward after the block would recompute without the edit.
+    ckpt_flag = bool(fwd) and _hf_checkpointing(model)
+    ckpt_edits: dict[str, list[list[bool]]] = {}
 
     def make_edit(name: str) -> Callable[[Any], Any]:
         ref, f_fns, b_fns = refs[name], per_fwd[name], per_bwd[name]
@@ -226,22 +240,58 @@ def hooks(
                     f"hook {name!r}: the output of the module is a {type(output).__name__}, "
                     "with no tensor to hand a hook"
                 )
+            orig = value
+            if (
+                b_fns
+                and not inplace
+                and not value.requires_grad
+                and torch.is_grad_enabled()
+                and (value.is_floating_point() or value.is_complex())
+            ):
+                # Nothing upstream requires grad (frozen embeddings, a frozen model): the model
+                # goes on from a leaf here, so the gradient at this point still exists.
+                value = value.detach().requires_grad_()
             v = value
             for fn in f_fns:
                 new = fn(v, ref)
                 if new is not None:
                     v = new
+            if (
+                b_fns
+                and inplace
+                and isinstance(v, torch.Tensor)
+                and not value.requires_grad
+                and torch.is_grad_enabled()
+                and value.is_floating_point()
+            ):
+                # read in place by several modules, with nothing upstream requiring grad: the
+                # model's own tensor (a leaf) becomes one requiring grad, for every reader
+                if v is not value:
+                    value.copy_(v)
+                    v = value
+                value.requires_grad_()
             if b_fns and isinstance(v, torch.Tensor) and v.requires_grad:
                 if inplace:  # every reader of the tensor has it: edit it there, hook it there
                     if v is not value:
                         value.copy_(v)
                     grads.tensor(value, on_backward)
+                    ref._hooked = True
                     return None
                 if v is value:  # a node of its own, so the hook sees this branch's gradient
                     v = value.view_as(value)
                 grads.tensor(v, on_backward)
-            if v is value:
+                ref._hooked = True
+            if v is orig:
                 return None
+            if torch._C._current_graph_task_id() != -1:  # a recomputation, in a backward
+                pending = ckpt_edits.get(name)
+                if pending:
+                    pending.pop(0)[0] = False
+            elif _in_checkpoint() or (ckpt_flag and not torch.is_grad_enabled()):
+                token = [True]  # cleared once a backward in the block went through this edit
+                ckpt_edits.setdefault(name, []).append(token)
+                if isinstance(v, torch.Tensor) and v.requires_grad:
+                    grads.tensor(v, functools.partial(_clear, token))
             return v if rebuild is None else rebuild(v)
 
         return edit
@@ -271,43 +321,150 @@ def hooks(
                 stops.forward(at, stop)
         with td:
             yield refs
+        lost = [n for n, tokens in ckpt_edits.items() if any(t[0] for t in tokens)]
+        if lost:
+            raise RuntimeError(
+                f"fwd_hooks edited {', '.join(map(repr, lost[:4]))} inside an activation-"
+                "checkpointed layer (gradient_checkpointing_enable(), train mode), and no "
+                "backward ran before the hooks were removed: a backward now would recompute "
+                "those layers without the edit (same loss, wrong parameter gradients). Run the "
+                "backward inside the block (run_with_hooks does with bwd_hooks=), or edit with "
+                "checkpointing off, the model in eval(), or under torch.no_grad()"
+            )
     finally:
         td.close()
         stops.remove()
         grads.remove()
 
 
-def _slice_pos(tensor: torch.Tensor, pos_slice: Any, per_head: bool) -> torch.Tensor:
-    """TransformerLens' ``Slice`` on the position dimension (-3 for per-head values, else -2)."""
-    if pos_slice is None:
+def _clear(token: list[bool], _grad: torch.Tensor) -> None:
+    token[0] = False
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """Whether a forward now runs ``transformers``' activation checkpointing (its layers' flag,
+    train mode, autograd on)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules())
+
+
+def _in_checkpoint() -> bool:
+    """Whether this forward runs inside ``torch.utils.checkpoint``'s non-reentrant checkpoint
+    (its saved-tensor hooks are the innermost ones)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
+
+
+def _pos_index(pos_slice: Any) -> Any:
+    """TransformerLens' ``Slice`` as an index (checked before the forward)."""
+    if pos_slice is None or isinstance(pos_slice, slice):
+        return pos_slice
+    if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):
+        return pos_slice
+    if isinstance(pos_slice, tuple) and 1 <= len(pos_slice) <= 3:
+        return slice(*pos_slice)
+    if isinstance(pos_slice, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in pos_slice
+    ):
+        return torch.tensor(pos_slice, dtype=torch.long)
+    if (
+        isinstance(pos_slice, torch.Tensor)
+        and pos_slice.dim() <= 1
+        and not (pos_slice.dtype.is_floating_point or pos_slice.dtype.is_complex)
+        and pos_slice.dtype != torch.bool
+    ):
+        return pos_slice
+    raise TypeError(
+        "pos_slice must be None, an int, a slice, a (start, stop[, step]) tuple or a list / "
+        f"tensor of positions, got {type(pos_slice).__name__}: {pos_slice!r}"
+    )
+
+
+def _check_positions(index: Any, pos_slice: Any, tokens: int) -> None:
+    """An ``IndexError`` naming ``pos_slice`` when a position it names is not one of ``tokens``."""
+    if isinstance(index, int):
+        bad = [index] if not -tokens <= index < tokens else []
+    elif isinstance(index, torch.Tensor) and index.numel():
+        bad = [int(i) for i in index.flatten() if not -tokens <= int(i) < tokens][:3]
+    else:
+        return  # a slice selects what exists, as in Python and TransformerLens
+    if bad:
+        raise IndexError(
+            f"pos_slice={pos_slice!r}: position {bad[0]} is out of range for this forward's "
+            f"{tokens} positions (valid: {-tokens} to {tokens - 1})"
+        )
+
+
+def _forward_grid(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """``(batch, tokens)`` of a forward, from its token ids or ``[batch, tokens, d]``
+    embeddings (the first argument, ``input_ids=`` or ``inputs_embeds=``); None if unknown."""
+    first = inputs[0] if inputs else kwargs.get("input_ids")
+    if first is None:
+        first = kwargs.get("inputs_embeds")
+    if not isinstance(first, torch.Tensor):
+        return None
+    ids = not (first.dtype.is_floating_point or first.dtype.is_complex)
+    if (ids and first.dim() == 2) or (not ids and first.dim() == 3):
+        return int(first.shape[0]), int(first.shape[1])
+    return None
+
+
+def _slice_pos(
+    tensor: torch.Tensor,
+    index: Any,
+    pos_slice: Any,
+    point: Point | None,
+    name: str,
+    grid: tuple[int, int] | None,
+) -> torch.Tensor:
+    """TransformerLens' ``Slice`` (``index``, from :func:`_pos_index`) on the position dimension
+    (-3 for per-head values, else -2). A point the model computes as ``[batch*tokens, ...]``
+    (:attr:`~pyhook.points.Point.flat`) is sliced per example and stays flat: ``[batch*k, ...]``
+    (``[batch, ...]`` for one position)."""
+    if index is None:
         return tensor
-    dim = -3 if per_head else -2
+    if point is not None and point.flat:
+        if grid is None or tensor.dim() < 2 or tensor.shape[0] != grid[0] * grid[1]:
+            raise ValueError(
+                f"pos_slice={pos_slice!r}: point {name!r} is computed as [batch*tokens, ...] "
+                f"(shape {tuple(tensor.shape)}), and this forward's [batch, tokens] is "
+                + (
+                    f"{list(grid)}"
+                    if grid is not None
+                    else "not known (no input_ids, inputs_embeds or token ids as the first input)"
+                )
+            )
+        _check_positions(index, pos_slice, grid[1])
+        picked = tensor.unflatten(0, grid)[:, _device_index(index, tensor)]
+        return picked if isinstance(index, int) else picked.flatten(0, 1)
+    dim = -3 if point is not None and point.heads is not None else -2
     if tensor.dim() < -dim:
         return tensor
-    if isinstance(pos_slice, tuple):
-        index: Any = slice(*pos_slice)
-    elif isinstance(pos_slice, (int, slice)):
-        index = pos_slice
-    elif isinstance(pos_slice, (list, torch.Tensor)):
-        index = torch.as_tensor(pos_slice, device=tensor.device)
-    else:
-        raise TypeError(
-            "pos_slice must be None, an int, a slice, a (start, stop[, step]) tuple or a list / "
-            f"tensor of positions, got {type(pos_slice).__name__}: {pos_slice!r}"
-        )
+    _check_positions(index, pos_slice, tensor.shape[dim])
     where: list[Any] = [slice(None)] * tensor.dim()
-    where[dim] = index
+    where[dim] = _device_index(index, tensor)
     return tensor[tuple(where)]
+
+
+def _device_index(index: Any, tensor: torch.Tensor) -> Any:
+    return index.to(tensor.device) if isinstance(index, torch.Tensor) else index
 
 
 def _scalar(output: Any, metric: Callable[[Any], Any] | None, who: str) -> torch.Tensor:
     value = metric(output) if metric is not None else getattr(output, "loss", None)
+    what = "metric(output)" if metric is not None else "output.loss"
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        what = "metric(output)" if metric is not None else "output.loss"
         raise ValueError(
             f"{who}: the backward needs a scalar tensor; {what} is "
             f"{type(value).__name__ if not isinstance(value, torch.Tensor) else tuple(value.shape)}"
             + ("" if metric is not None else " (pass metric=fn(output) -> scalar, or labels=)")
+        )
+    if not value.requires_grad:
+        raise ValueError(
+            f"{who}: {what} does not require grad, so no gradient can be taken: run outside "
+            "torch.no_grad()/torch.inference_mode(), and return a tensor computed from the "
+            "model's output (not a Python number or a detached tensor)"
         )
     return value
 
@@ -374,20 +531,30 @@ def run_with_cache(
         >>> list(cache), tuple(cache["blocks.1.hook_resid_post"].shape), torch.equal(resid[:, -1], cache["blocks.1.hook_resid_post"])
         (['blocks.0.hook_resid_post', 'blocks.1.hook_resid_post'], (1, 16), True)
     """
-    names = _names_of(model, names_filter)
+    if metric is not None and not incl_bwd:
+        raise ValueError(
+            "run_with_cache: metric= is the scalar whose backward gives the gradients, and is "
+            "only used with incl_bwd=True; pass incl_bwd=True, or leave metric out"
+        )
+    names = _names_of(model, names_filter, "run_with_cache(names_filter=...)")
+    index = _pos_index(pos_slice)
+    grid = _forward_grid(inputs, model_kwargs) if index is not None else None
+    if grid is not None:
+        _check_positions(index, pos_slice, grid[1])
     cache: dict[str, torch.Tensor] = {}
 
     def saver(suffix: str) -> HookFn:
         def save(tensor: torch.Tensor, hook: LensHook) -> None:
-            per_head = hook.point is not None and hook.point.heads is not None
-            cache[hook.name + suffix] = _slice_pos(tensor.detach(), pos_slice, per_head)
+            cache[hook.name + suffix] = _slice_pos(
+                tensor.detach(), index, pos_slice, hook.point, hook.name, grid
+            )
 
         return save
 
     fwd = [(n, saver("")) for n in names]
     bwd = [(n, saver("_grad")) for n in names] if incl_bwd else None
     owner = object()
-    with hooks(model, fwd, bwd, _stop_at=stop_at_layer, _stop_owner=owner):
+    with hooks(model, fwd, bwd, _stop_at=stop_at_layer, _stop_owner=owner) as refs:
         try:
             output = model(*inputs, **model_kwargs)
         except StopForward as e:
@@ -396,4 +563,14 @@ def run_with_cache(
             output = e.payload
         if incl_bwd:
             _scalar(output, metric, "run_with_cache(incl_bwd=True)").backward()
+            for n, ref in refs.items():
+                if n in cache and n + "_grad" not in cache:
+                    if not ref._hooked:
+                        raise ValueError(
+                            f"run_with_cache(incl_bwd=True): no gradient can be taken at {n!r}: "
+                            "its value does not require grad and the model reads it in place "
+                            "(ask for a point upstream of it too, or unfreeze a parameter there)"
+                        )
+                    # hooked, but the metric does not depend on it: its gradient is zero
+                    cache[n + "_grad"] = torch.zeros_like(cache[n])
     return output, cache

@@ -659,9 +659,19 @@ class Point:
         scale_point = self.norm == "scale"
 
         def on_norm(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            # An output an earlier norm hook of this call made carries its (centred, scale,
+            # normalized): edits compose, as TransformerLens' hook_scale then hook_normalized.
+            out_t = output if isinstance(output, torch.Tensor) else _output_tensor(point, output)
+            state = _NORM_STATE.get(id(out_t))
+            if state is not None and state[0]() is not out_t:
+                state = None
             x = _norm_input(point, args, kwargs)
-            centred, scale = rule.parts(x)
-            value = scale if scale_point else centred / scale
+            if state is not None:
+                centred, scale, normalized = state[1]
+            else:
+                centred, scale = rule.parts(x)
+                normalized = centred / scale if not scale_point else None
+            value = scale if scale_point else normalized
             new = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
             if new is None or new is value:
                 return None
@@ -669,13 +679,20 @@ class Point:
                 raise TypeError(
                     f"{point.name!r}: an edit must return a tensor, got {type(new).__name__}"
                 )
-            normalized = centred / new if scale_point else new
+            if scale_point:
+                scale, normalized = new, centred / new
+            else:
+                normalized = new
             out = rule.affine(module, normalized, x.dtype)
+            _keep_norm_state(out, (centred, scale, normalized))
             return out if isinstance(output, torch.Tensor) else _replace_output(output, out)
 
-        return hooks.forward(
+        on_norm._pyhook_norm_rank = 0 if scale_point else 1  # type: ignore[attr-defined]
+        handle = hooks.forward(
             self.module, on_norm, with_kwargs=True, prepend=prepend, always_call=always_call
         )
+        _order_norm_hooks(handle)
+        return handle
 
     def _register_qkv(
         self,
@@ -763,6 +780,11 @@ class _Handles:
     def __init__(self, *handles: Any) -> None:
         self.handles = handles
         self.id = handles[0].id
+
+    @property
+    def alive(self) -> bool:
+        """Whether any of the hooks is still registered."""
+        return any(h.alive for h in self.handles)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -1320,6 +1342,40 @@ def _norm_rule(module: nn.Module) -> _NormRule | None:
     if cls == "CohereLayerNorm":
         return _NormRule(True, eps, "w32")
     return None
+
+
+#: id(output of a norm hook's edit) -> (a weak reference to it, its (centred, scale,
+#: normalized)): read by the norm's later hooks in the same call; an entry goes with its tensor
+_NORM_STATE: dict[int, tuple[weakref.ReferenceType[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+
+
+def _keep_norm_state(out: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> None:
+    key = id(out)
+    # (the callback runs while ``out`` is freed, before its id can be reused)
+    _NORM_STATE[key] = (weakref.ref(out, lambda _r: _NORM_STATE.pop(key, None)), parts)
+
+
+def _norm_rank(fn: Any) -> int:
+    while fn is not None:
+        rank = getattr(fn, "_pyhook_norm_rank", None)
+        if rank is not None:
+            return int(rank)
+        fn = getattr(fn, "__wrapped__", None)
+    return 2
+
+
+def _order_norm_hooks(handle: Any) -> None:
+    """Order a norm's forward hooks as TransformerLens runs its norm hooks: every ``hook_scale``
+    hook, then every ``hook_normalized`` hook (each kind in registration order), then the rest
+    (the norm's output as a point or a module). A dispatcher's entry is left as it is."""
+    hooks = getattr(handle, "_hooks", None)
+    if not isinstance(hooks, dict) or not hasattr(hooks, "move_to_end"):
+        return
+    ranks = [_norm_rank(f) for f in hooks.values()]
+    if ranks == sorted(ranks):
+        return
+    for key in sorted(hooks, key=lambda k: _norm_rank(hooks[k])):
+        hooks.move_to_end(key)
 
 
 def _norm_input(point: Point, args: Any, kwargs: Any) -> torch.Tensor:

@@ -324,3 +324,58 @@ def test_a_job_file_names_its_metric_as_data(tmp_path):
         CaptureJob(gradients=True, metric="loss", tp_size=2)
     # a callable only from Python
     assert callable(CaptureJob(gradients=True, metric=bert_metric).metric)
+
+
+def _tensor_handles() -> int:
+    import gc
+
+    from torch.utils.hooks import RemovableHandle
+
+    gc.collect()
+    return sum(type(o) is RemovableHandle for o in gc.get_objects())
+
+
+def test_gradient_hook_handles_do_not_grow_over_many_batches():
+    """Each batch's tensor (gradient) hook handles are released once its graph is gone: over a
+    long capture the number of handles stays bounded, not one set per batch ever run."""
+    model = build("gpt2")
+    ids, am = batch()
+    counts = []
+
+    def metric(output, batch):
+        if len(calls) in (10, 11, 118, 119):
+            counts.append(_tensor_handles())
+        calls.append(1)
+        return output.logits[:, -1, 7]
+
+    calls = []
+    with capture(model, "resid_post.*", gradients=True, metric=metric) as rec:
+        for _ in range(120):
+            model(input_ids=ids, attention_mask=am)
+    assert rec["resid_post.0_grad"].shape[0] == 120 * 3 * 6
+    # two gradient hooks per batch: 216 more handles between the counts if each batch kept its
+    # own; a bounded set (dead ones dropped as the set doubles, at least 64) grows by less
+    assert counts[-1] - counts[0] < 64, counts
+
+
+def test_lens_hooks_gradient_handles_do_not_grow_over_a_training_loop():
+    model = build("gpt2")
+    ids, _ = batch()
+    seen = []
+    with pyhook.hooks(
+        model,
+        fwd_hooks=[("attn_z.0", lambda z, hook: z * 1.5)],
+        bwd_hooks=[
+            ("resid_post.*", lambda g, hook: seen.append(1)),
+            ("attn_z.*", lambda g, h: None),
+        ],
+    ):
+        counts = []
+        for i in range(150):
+            model(ids, labels=ids).loss.backward()
+            if i in (10, 11, 148, 149):
+                counts.append(_tensor_handles())
+    model.zero_grad()
+    assert len(seen) == 150 * 2
+    # four gradient hooks per forward: 548 more handles if each forward kept its own
+    assert counts[-1] - counts[0] < 64, counts

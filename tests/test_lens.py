@@ -334,3 +334,287 @@ def test_branch_inputs_of_a_parallel_block_get_their_own_gradients():
     torch.testing.assert_close(cache["attn_in.0_grad"] + cache["mlp_in.0_grad"], want)
     assert not torch.allclose(cache["attn_in.0_grad"], want, atol=1e-4)
     model.zero_grad()
+
+
+def _opt():
+    torch.manual_seed(0)
+    cfg = T.OPTConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=H,
+    )
+    return randomise_norms(T.OPTForCausalLM(cfg)).eval()
+
+
+@pytest.mark.parametrize("pos_slice", [-1, 2, (1, 4), [0, 3, -1]])
+def test_pos_slice_on_a_flat_point_selects_every_examples_positions(pos_slice):
+    """OPT computes its MLP on [batch*tokens, d]: pos_slice picks each example's positions
+    (a hand-written hook's tensor, viewed [batch, tokens, d] and sliced), staying flat."""
+    model = _opt()
+    x = torch.randint(2, 60, (3, 5), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    h = model.model.decoder.layers[1].fc2.register_forward_hook(
+        lambda m, a, o: seen.setdefault("mlp_out", o.detach())
+    )
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        h.remove()
+    assert seen["mlp_out"].shape == (15, H)  # flat, as the model computes it
+    grid = seen["mlp_out"].unflatten(0, (3, 5))
+    if isinstance(pos_slice, int):
+        want = grid[:, pos_slice]
+    else:
+        index = slice(*pos_slice) if isinstance(pos_slice, tuple) else pos_slice
+        want = grid[:, index].flatten(0, 1)
+    _, cache = pyhook.run_with_cache(
+        model, x, names_filter=["mlp_out.1", "resid_post.1"], pos_slice=pos_slice
+    )
+    torch.testing.assert_close(cache["mlp_out.1"], want, rtol=0, atol=0)
+    assert cache["resid_post.1"].shape[0] == 3  # [batch, ...] points keep their batch dim
+
+
+def test_pos_slice_out_of_range_is_refused_by_name_before_the_forward():
+    model = build("gpt2")
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        for bad in (5, -6, [0, 7], torch.tensor([1, 5])):
+            with pytest.raises(IndexError, match=r"pos_slice=.*out of range.* 5 positions"):
+                pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], pos_slice=bad)
+        assert calls == []  # refused before the forward
+        _, cache = pyhook.run_with_cache(model, ids(), names_filter=["resid_post.0"], pos_slice=4)
+        assert calls == [1] and cache["resid_post.0"].shape == (2, H)
+    finally:
+        h.remove()
+
+
+def test_a_names_filter_that_matches_nothing_and_a_metric_without_incl_bwd_are_refused():
+    """An empty cache from a callable that matches no name, and a metric that is never used
+    (no backward runs without incl_bwd=True), are mistakes: each is refused, naming the argument."""
+    model = build("gpt2")
+    before = hook_snapshot(model)
+    with pytest.raises(LookupError, match=r"names_filter.*matches none of the"):
+        pyhook.run_with_cache(model, ids(), names_filter=lambda n: n.startswith("resid_psot"))
+    with pytest.raises(ValueError, match=r"metric=.*incl_bwd=True"):
+        pyhook.run_with_cache(model, ids(), labels=ids(), metric=metric)
+    with pytest.raises(LookupError, match=r"fwd_hooks.*matches none of the"):
+        pyhook.run_with_hooks(model, ids(), fwd_hooks=[(lambda n: False, lambda t, h: t * 0)])
+    assert diff(before, hook_snapshot(model)) == []
+    _, cache = pyhook.run_with_cache(
+        model,
+        ids(),
+        labels=ids(),
+        metric=metric,
+        incl_bwd=True,
+        names_filter=lambda n: n == "resid_post.0",
+    )
+    assert sorted(cache) == ["resid_post.0", "resid_post.0_grad"]
+    model.zero_grad()
+
+
+def _gpt2_3():
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=H, n_layer=3, n_head=2, vocab_size=64))
+    return randomise_norms(model).eval()
+
+
+def _tl_norm(module, x, scale_times=1.0, normalized_times=1.0):
+    """TransformerLens' norm with hook_scale then hook_normalized edits, written from its
+    LayerNorm / RMSNorm: scale = sqrt(mean(centred^2) + eps), normalized = centred / scale,
+    then the affine. Returns (output, scale, normalized), the last two in the graph."""
+    rms = not isinstance(module, torch.nn.LayerNorm)
+    centred = x if rms else x - x.mean(-1, keepdim=True)
+    eps = module.variance_epsilon if rms else module.eps
+    scale = (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * scale_times
+    normalized = centred / scale * normalized_times
+    out = normalized * module.weight
+    if getattr(module, "bias", None) is not None:
+        out = out + module.bias
+    return out, scale, normalized
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("scale_first", [True, False])
+def test_two_edits_on_one_norm_compose_as_transformer_lens(arch, scale_first):
+    """hook_scale x2 and hook_normalized x1.5 on one norm give centred / (2 scale) * 1.5, then the
+    affine, in either order (each edit used to replace the norm's output alone)."""
+    model = build(arch)
+    ln = model.transformer.h[1].ln_1 if arch == "gpt2" else model.model.layers[1].input_layernorm
+    h = ln.register_forward_hook(lambda m, a, o: _tl_norm(m, a[0], 2.0, 1.5)[0])
+    try:
+        with torch.no_grad():
+            want = model(ids()).logits
+    finally:
+        h.remove()
+    edits = [
+        ("blocks.1.ln1.hook_scale", lambda t, hook: t * 2),
+        ("blocks.1.ln1.hook_normalized", lambda t, hook: t * 1.5),
+    ]
+    if not scale_first:
+        edits.reverse()
+    with torch.no_grad():
+        got = pyhook.run_with_hooks(model, ids(), fwd_hooks=edits).logits
+        plain = model(ids()).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
+def _plain_grads(model, freeze=None):
+    """Gradients of the loss at ln_1's scale of block 1, ln_f's output (``final``) and block 0's
+    input, by torch.autograd.grad on tensors captured by hand-written hooks (block 0's input made
+    a leaf when nothing upstream requires grad)."""
+    held = {}
+
+    def scale_hook(m, args, out):
+        new, held["scale"], _ = _tl_norm(m, args[0])
+        return new
+
+    def final_hook(m, args, out):
+        held["final"] = out
+        return None
+
+    def pre0(m, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        if not x.requires_grad:
+            x = x.detach().requires_grad_()
+        held["resid_pre"] = x
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    tr = model.transformer
+    hs = [
+        tr.h[1].ln_1.register_forward_hook(scale_hook),
+        tr.ln_f.register_forward_hook(final_hook),
+        tr.h[0].register_forward_pre_hook(pre0, with_kwargs=True),
+    ]
+    try:
+        loss = model(ids(), labels=ids()).loss
+    finally:
+        for h in hs:
+            h.remove()
+    names = ["scale", "final", "resid_pre"]
+    return dict(zip(names, torch.autograd.grad(loss, [held[n] for n in names])))
+
+
+@pytest.mark.parametrize("frozen", ["none", "embeddings", "all"])
+def test_every_name_asked_gets_its_gradient_equal_to_plain_autograd(frozen):
+    """names_filter=lambda n: True on a 3-block GPT-2: every name gets a gradient (hook_scale
+    and final used to be missing), with frozen embeddings (resid_pre.0 used to be missing) and a
+    fully frozen model (torch's bare autograd error); values equal plain autograd's."""
+    model = _gpt2_3()
+    if frozen == "embeddings":
+        model.transformer.wte.requires_grad_(False)
+        model.transformer.wpe.requires_grad_(False)
+    elif frozen == "all":
+        model.requires_grad_(False)
+    want = _plain_grads(model)
+    model.zero_grad()
+    _, cache = pyhook.run_with_cache(
+        model, ids(), labels=ids(), incl_bwd=True, names_filter=lambda n: True
+    )
+    model.zero_grad()
+    values = [n for n in cache if not n.endswith("_grad")]
+    assert len(values) > 60
+    assert [n for n in values if n + "_grad" not in cache] == []
+    for name, key in (
+        ("blocks.1.ln1.hook_scale", "scale"),
+        ("final", "final"),
+        ("resid_pre.0", "resid_pre"),
+        ("blocks.0.hook_resid_pre", "resid_pre"),
+    ):
+        assert want[key].abs().max() > 0
+        torch.testing.assert_close(cache[name + "_grad"], want[key], rtol=1e-4, atol=1e-6)
+    if frozen == "all":
+        assert all(p.grad is None for p in model.parameters())
+        _, trained = pyhook.run_with_cache(
+            _gpt2_3(), ids(), labels=ids(), incl_bwd=True, names_filter=lambda n: True
+        )
+        for n in values:  # a point's gradient does not depend on which parameters are frozen
+            torch.testing.assert_close(
+                cache[n + "_grad"], trained[n + "_grad"], rtol=1e-4, atol=1e-6
+            )
+
+
+def test_a_metric_that_cannot_be_differentiated_is_refused_by_name():
+    model = build("gpt2")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"output.loss does not require grad"):
+        pyhook.run_with_cache(
+            model, ids(), labels=ids(), incl_bwd=True, names_filter="resid_post.0"
+        )
+    with pytest.raises(ValueError, match=r"metric\(output\) does not require grad"):
+        pyhook.run_with_cache(
+            model, ids(), incl_bwd=True, names_filter="resid_post.0",
+            metric=lambda out: out.logits.sum().detach(),
+        )  # fmt: skip
+
+
+def _checkpointed_pair(reentrant):
+    """The same GPT-2 (no dropout) twice, in train mode: one with transformers' activation
+    checkpointing, one without."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(
+        n_embd=H, n_layer=3, n_head=2, vocab_size=64, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
+    )
+    plain = randomise_norms(T.GPT2LMHeadModel(cfg)).train()
+    ckpt = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the name changes in transformers 6
+        ckpt.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+    return ckpt.train(), plain
+
+
+def _param_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(
+    "point", ["mlp_hidden.1", "attn_z.1", "resid_mid.1", "blocks.1.ln1.hook_scale"]
+)
+def test_edits_in_checkpointed_layers_keep_the_gradients_or_are_refused(reentrant, point):
+    """With gradient checkpointing, an edit's recomputation must carry the edit: a backward in
+    the block gives the parameter gradients of the same model without checkpointing under the
+    same edit; a backward after the block (the recomputation would run without the edit: same
+    loss, other gradients) is refused by name when the block ends."""
+    ckpt, plain = _checkpointed_pair(reentrant)
+    x = ids()
+    edit = [(point, lambda t, hook: t * 2)]
+    with pyhook.hooks(plain, fwd_hooks=edit):
+        plain(x, labels=x).loss.backward()
+    want = _param_grads(plain)
+    with pyhook.hooks(ckpt, fwd_hooks=edit):
+        ckpt(x, labels=x).loss.backward()
+    got = _param_grads(ckpt)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+    ckpt.zero_grad()
+    pyhook.run_with_hooks(
+        ckpt, x, labels=x, fwd_hooks=edit, bwd_hooks=[("resid_post.0", lambda g, h: None)]
+    )
+    got_hooks = _param_grads(ckpt)
+    for n in want:
+        torch.testing.assert_close(got_hooks[n], want[n], rtol=1e-5, atol=1e-6)
+    ckpt.zero_grad()
+    before = hook_snapshot(ckpt)
+    with pytest.raises(RuntimeError, match=rf"edited '{point}' inside an activation-checkpointed"):
+        pyhook.run_with_hooks(ckpt, x, labels=x, fwd_hooks=edit)
+    with pytest.raises(RuntimeError, match="no backward ran before the hooks were removed"):
+        with pyhook.hooks(ckpt, fwd_hooks=edit):
+            ckpt(x, labels=x)
+    assert diff(before, hook_snapshot(ckpt)) == []
+    # outside the checkpointed layers, or with no backward to come, nothing is refused
+    pyhook.run_with_hooks(ckpt, x, labels=x, fwd_hooks=[("final", lambda t, hook: t * 2)])
+    with torch.no_grad():
+        pyhook.run_with_hooks(ckpt, x, labels=x, fwd_hooks=edit)
+    pyhook.run_with_hooks(ckpt.eval(), x, labels=x, fwd_hooks=edit)

@@ -196,7 +196,10 @@ def test_tracedict_stops_after_every_layer_whatever_the_order():
 def test_tracedict_dedup_order_and_per_layer_options():
     net, x = mlp(), torch.randn(3, 4)
     with nethook.TraceDict(
-        net, ["0", "2", "0"], retain_output={"2": True}, edit_output={"0": lambda output: output * 0}
+        net,
+        ["0", "2", "0"],
+        retain_output={"2": True},
+        edit_output={"0": lambda output: output * 0},
     ) as td:
         y = net(x)
     assert list(td.keys()) == ["0", "2"]
@@ -272,6 +275,7 @@ def test_retain_grad_then_backward(backend):
         y.sum().backward()
         # reference: d(sum y)/d(layer-2 output) by a hand-written hook
         grads = {}
+
         def grad_hook(_m, _a, o):
             o.register_hook(lambda g: grads.setdefault("g", g))
 
@@ -362,7 +366,9 @@ def test_exception_in_model_or_edit_leaves_no_hook():
 
 def test_two_threads_each_see_their_own_forward():
     model = gpt2()
-    ids = [torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    ids = [
+        torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
     with torch.no_grad():
         refs = [model(i, output_hidden_states=True).hidden_states[1] for i in ids]
     before = all_hooks(model)  # transformers installs its own output-capturing hooks
@@ -415,10 +421,14 @@ def test_rome_style_edit_retain_stop_and_grad_match_hand_written_hooks(backend):
     ref_logits = model(ids).logits
     h.remove()
 
-    with nethook.TraceDict(model, [layer, "transformer.h.0"], retain_input=True, edit_output=edit) as tr:
+    with nethook.TraceDict(
+        model, [layer, "transformer.h.0"], retain_input=True, edit_output=edit
+    ) as tr:
         logits = model(ids).logits
     assert torch.allclose(logits, ref_logits, atol=1e-6)
-    assert torch.allclose(tr[layer].output, ref["out"]) and torch.allclose(tr[layer].input, ref["in"])
+    assert torch.allclose(tr[layer].output, ref["out"]) and torch.allclose(
+        tr[layer].input, ref["in"]
+    )
 
     # stop=True: the hidden state of block 0, equal to output_hidden_states[1]
     with torch.no_grad():
@@ -431,6 +441,7 @@ def test_rome_style_edit_retain_stop_and_grad_match_hand_written_hooks(backend):
 
     # retain_grad then backward: the gradient at block 0's output
     grads = {}
+
     def grad_hook(_m, _a, o):
         o.register_hook(lambda g: grads.setdefault("g", g))
 
@@ -447,9 +458,19 @@ def test_rome_style_edit_retain_stop_and_grad_match_hand_written_hooks(backend):
 
 def test_import_as_nethook_exposes_every_name():
     for name in [
-        "Trace", "TraceDict", "StopForward", "recursive_copy", "subsequence",
-        "hierarchical_subsequence", "set_requires_grad", "get_module", "get_parameter",
-        "replace_module", "invoke_with_optional_args", "module_names", "parameter_names",
+        "Trace",
+        "TraceDict",
+        "StopForward",
+        "recursive_copy",
+        "subsequence",
+        "hierarchical_subsequence",
+        "set_requires_grad",
+        "get_module",
+        "get_parameter",
+        "replace_module",
+        "invoke_with_optional_args",
+        "module_names",
+        "parameter_names",
     ]:
         assert hasattr(nethook, name), name
 
@@ -458,8 +479,9 @@ def test_trace_on_each_device_matches_hand_written_hook(device, backend):
     net = mlp().to(device)
     x = torch.randn(5, 4, device=device)
     ref, ref_y = hand_hook_output(net, "2", x, edit=lambda o: o + 1)
-    with nethook.TraceDict(net, ["0", "2"], clone=True, detach=True,
-                           edit_output={"2": lambda output: output + 1}) as td:
+    with nethook.TraceDict(
+        net, ["0", "2"], clone=True, detach=True, edit_output={"2": lambda output: output + 1}
+    ) as td:
         y = net(x)
     assert td["2"].output.device == x.device
     assert torch.equal(td["2"].output, ref) and torch.equal(y, ref_y)
@@ -574,3 +596,102 @@ def test_trace_and_tracedict_handles_are_removable_handles():
         assert all(h.id in d for h, d in zip(handles, dicts))
     assert not any(h.id in d for h, d in zip(handles, dicts))
     assert all_hooks(net) == 0
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    from _models import randomise_norms
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    return randomise_norms(transformers.LlamaForCausalLM(cfg)).eval()
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_trace_on_a_query_key_value_point_edits_then_leaves_no_hook(which):
+    # attn_q/k/v on Llama register two hooks (the attention's pre-hook for the rotary
+    # embedding, the projection's hook): entering such a Trace used to fail after registering
+    # them, and the edit stayed on every later forward.
+    model, ids = _llama(), torch.tensor([[3, 5, 7, 9]])
+    plain = model(ids).logits
+    proj = model.model.layers[1].self_attn.get_submodule(f"{which}_proj")
+    h = proj.register_forward_hook(lambda _m, _a, out: out * 0)  # zero q/k/v: rotation is linear
+    try:
+        ref = model(ids).logits
+    finally:
+        h.remove()
+    tr = nethook.Trace(model, f"attn_{which}.1", edit_output=lambda output: output * 0)
+    with tr:
+        edited = model(ids).logits
+    assert torch.allclose(edited, ref, atol=1e-6) and not torch.allclose(edited, plain)
+    assert all_hooks(model) == 0
+    assert torch.equal(model(ids).logits, plain)
+
+
+def test_a_failure_while_entering_a_trace_leaves_no_hook(monkeypatch):
+    from pyhook.points import _Handles
+
+    model, ids = _llama(), torch.tensor([[3, 5, 7, 9]])
+    plain = model(ids).logits
+
+    def broken(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(_Handles, "alive", property(broken))
+    tr = nethook.Trace(model, "attn_q.1", edit_output=lambda output: output * 0)
+    with pytest.raises(RuntimeError, match="injected"), tr:
+        pass
+    assert all_hooks(model) == 0
+    assert torch.equal(model(ids).logits, plain)
+
+
+@pytest.mark.parametrize("layer", ["transformer.h.1.mlp.c_fc", "transformer.h.1.attn"])
+def test_an_edit_in_a_checkpointed_layer_keeps_its_gradients_or_is_refused(layer):
+    """With transformers' gradient checkpointing (non-reentrant), a backward inside the block
+    recomputes the layer with the edit (the parameter gradients of the same model without
+    checkpointing); a backward after the block would recompute it without the edit, so the
+    block refuses to end quietly, naming the layer."""
+    import copy
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from _models import randomise_norms
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_embd=16, n_layer=3, n_head=2, vocab_size=64, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
+    )
+    plain = randomise_norms(transformers.GPT2LMHeadModel(cfg)).train()
+    ckpt = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    x = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    before = all_hooks(ckpt)  # transformers' own output-capturing hooks
+
+    def edit(output):
+        return (output[0] * 2, *output[1:]) if isinstance(output, tuple) else output * 2
+
+    grads = []
+    for model in (plain, ckpt):
+        with nethook.TraceDict(model, [layer], edit_output=edit):
+            model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
+    for make in (nethook.TraceDict, nethook.Trace):  # (a Trace registers when it is made)
+        with pytest.raises(RuntimeError, match=rf"edited '{layer}' inside an activation-check"):
+            with make(ckpt, [layer] if make is nethook.TraceDict else layer, edit_output=edit):
+                ckpt(x, labels=x)
+        assert all_hooks(ckpt) == before
+    with torch.no_grad(), nethook.TraceDict(ckpt, [layer], edit_output=edit):
+        ckpt(x, labels=x)  # no backward to come: nothing refused
