@@ -668,7 +668,9 @@ class _Slot:
         self.event: Any = None  # the last asynchronous copy into buf (CUDA), or None
         self.storage = buf.untyped_storage()
         # The counts while nobody but the slot holds buf (None where torch cannot count).
-        self.base = None if _storage_use_count is None else int(_storage_use_count(self.storage._cdata))
+        self.base = (
+            None if _storage_use_count is None else int(_storage_use_count(self.storage._cdata))
+        )
         self.refs = sys.getrefcount(self.storage)
 
     @property
@@ -754,10 +756,14 @@ class HostBuffers:
         if pin is not None and not isinstance(pin, bool):
             raise TypeError(f"HostBuffers: pin must be True, False or None, got {pin!r}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"HostBuffers: depth must be an int >= 1 (buffers kept per layer), got {depth!r}")
+            raise ValueError(
+                f"HostBuffers: depth must be an int >= 1 (buffers kept per layer), got {depth!r}"
+            )
         self.pin = torch.cuda.is_available() if pin is None else pin
         if self.pin and not torch.cuda.is_available():
-            raise RuntimeError("HostBuffers(pin=True) needs CUDA: page-locked memory is for device copies")
+            raise RuntimeError(
+                "HostBuffers(pin=True) needs CUDA: page-locked memory is for device copies"
+            )
         self.depth = depth
         self._slots: dict[str, list[_Slot]] = {}
         self._want: dict[str, int] = {}  # layer -> bytes its last capture took

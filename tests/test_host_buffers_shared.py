@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 from _hygiene import bounded
 from hypothesis import given
 from hypothesis import strategies as st
+from pyhook.capture import capture
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from pyhook.capture import capture
 from pyhook.offload import HostBuffers
 
 D_IN, D_OUT = 4, 6
@@ -139,7 +139,7 @@ def test_rows_held_any_way_are_never_overwritten(consumer, steps, depth):
         del rows
         if release and held:
             held.pop(0)
-        for j, (m, h, read, expect) in enumerate(held):
+        for m, h, read, expect in held:
             got = read(h)
             assert torch.equal(got, expect), f"rows held as {m!r} were overwritten by capture {i}"
 
