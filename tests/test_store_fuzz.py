@@ -493,15 +493,15 @@ def test_stray_and_near_miss_names_are_ignored_or_refused_by_name(
         if name.startswith("index-r") and name.endswith(".json"):
             assert any(n.startswith(path + ":") for n in notes), notes
         assert verify_capture(out)[0] == []
-        with open(os.path.join(src, source), "rb") as f:  # the copy is kept, as it was
-            assert open(path, "rb").read() == f.read()
+        with open(os.path.join(src, source), "rb") as f, open(path, "rb") as g:
+            assert g.read() == f.read()  # the copy is kept, as it was
 
 
 @pytest.mark.parametrize("where", ["rank", "number"])
 def test_a_shard_name_of_5000_digits_in_an_index_is_damage_naming_the_file(
     original, tmp_path, where
 ):
-    src, layers, rows, _kw = original
+    src = original[0]
     out = str(tmp_path / "store")
     shutil.copytree(src, out, symlinks=True)
     path = os.path.join(out, "index-r000.json")

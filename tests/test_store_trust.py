@@ -505,5 +505,8 @@ def test_s3_verify_checks_texts_as_local_verify_does(tmp_path, s3):
     assert any("is not utf-8" in p for p in local), local
     _upload(tmp_path / "t", s3)
     problems, _ = verify_capture(s3)
-    assert [p for p in problems if p.startswith(f"{s3}/shard-r000-000000.safetensors: ")
-            and "is not utf-8" in p], problems
+    assert [
+        p
+        for p in problems
+        if p.startswith(f"{s3}/shard-r000-000000.safetensors: ") and "is not utf-8" in p
+    ], problems
