@@ -58,6 +58,15 @@ from .transport import Remote, Uploader, is_url
 from .verify import _check_shard
 
 
+def _model_name(name: Any) -> Any:
+    """The model class an index's ``meta.model`` names, without a wrapper's class: FSDP2's
+    ``fully_shard`` gives a module the class ``FSDP<its class>`` (transformers does it under
+    ``tp_size`` with data-parallel replicas), the same model as ``<its class>`` unwrapped."""
+    if isinstance(name, str) and name.startswith("FSDP") and len(name) > 4:
+        return name[4:]
+    return name
+
+
 def _json_arg(name: str, value: Any) -> Any:
     """``value`` through JSON (tuples become lists), or a TypeError naming the argument: the
     index stores it, and a failure there would come after shards were written."""
@@ -365,7 +374,11 @@ class ShardWriter:
             # its rows to this one's silently.
             old_model = (existing.get("meta") or {}).get("model")
             new_model = self.meta.get("model")
-            if old_model is not None and new_model is not None and old_model != new_model:
+            if (
+                old_model is not None
+                and new_model is not None
+                and _model_name(old_model) != _model_name(new_model)
+            ):
                 diff.append(f"model: {old_model!r} (stored) != {new_model!r} (now)")
             if diff:
                 raise CaptureExistsError(
