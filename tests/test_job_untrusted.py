@@ -264,3 +264,41 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_the_weights(
 def test_gradients_with_tp_size_are_accepted_by_the_checks():
     job = CaptureJob(gradients=True, metric="loss", tp_size=2)
     assert job.gradients is True and job.tp_size == 2
+
+
+# -- issue 54 item 3: a resume compares the model, not FSDP2's class for it --------------------------
+def _store(out, model_name):
+    import torch
+
+    from pyhook.store import ShardWriter
+
+    with ShardWriter(str(out), meta={"model": model_name}) as w:
+        w.add({"x": torch.ones(2, 4)}, examples=1)
+
+
+def test_a_store_begun_under_fsdp_resumes_with_the_plain_model(tmp_path):
+    """transformers' tp_size with data-parallel replicas (and any fully_shard) gives the model
+    the class FSDP<its class>; the store it began is the same model's, resumed unwrapped."""
+    from pyhook.store import CaptureExistsError, ShardWriter, open_capture
+
+    _store(tmp_path / "a", "FSDPQwen2ForCausalLM")
+    import torch
+
+    with ShardWriter(str(tmp_path / "a"), meta={"model": "Qwen2ForCausalLM"}) as w:
+        assert w.examples_done == 1
+        w.add({"x": torch.ones(2, 4)}, examples=1)
+    assert open_capture(str(tmp_path / "a")).examples == 2
+    with pytest.raises(CaptureExistsError, match=r"Qwen2ForCausalLM' \(stored\) != 'Llama"):
+        ShardWriter(str(tmp_path / "a"), meta={"model": "LlamaForCausalLM"})
+
+
+def test_the_job_records_the_models_own_class_under_fsdp():
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from pyhook.pipeline.job import model_class_name
+
+    m = torch.nn.Linear(2, 2)
+    m.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # as fully_shard does
+    assert type(m).__name__ == "FSDPLinear" and model_class_name(m) == "Linear"
+    assert model_class_name(torch.nn.Linear(2, 2)) == "Linear"
