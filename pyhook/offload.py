@@ -684,9 +684,11 @@ class _Slot:
     def idle(self) -> bool:
         """No tensor or storage outside the set refers to the buffer, and no other process can:
         it may be written again."""
+        count = _storage_use_count
         return (
             self.base is not None
-            and _storage_use_count(self.storage._cdata) == self.base
+            and count is not None
+            and count(self.storage._cdata) == self.base
             and sys.getrefcount(self.storage) == self.refs
             and not self.storage.is_shared()
         )

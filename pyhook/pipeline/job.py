@@ -1399,7 +1399,7 @@ def _job_yaml_loader(yaml: Any) -> Any:
     """PyYAML's safe loader, refusing aliases (``*name``: a 1 KB file of aliases nested ten
     deep holds 9**10 values) and reading an over-long integer as :class:`_LongNumber`."""
 
-    class JobLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+    class JobLoader(yaml.SafeLoader):
         def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent):
                 raise yaml.composer.ComposerError(
