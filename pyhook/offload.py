@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -644,31 +645,53 @@ class Offloader:
 
 
 # -- reusable host memory for captures to host ------------------------------------------------
-def _use_count(buf: torch.Tensor) -> int | None:
-    """How many tensors share ``buf``'s storage (None where torch cannot say)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:  # pragma: no cover - every torch this project supports has it
-        return None
-    return int(count(buf.untyped_storage()._cdata))
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class _Slot:
-    """One buffer of a :class:`HostBuffers`: its bytes, and the last copy that wrote them."""
+    """One buffer of a :class:`HostBuffers`: its bytes, and the last copy that wrote them.
 
-    __slots__ = ("base", "buf", "event")
+    Whether anybody else holds the buffer is counted twice: the tensors on its storage (the
+    storage's use count: ``rec[layer]``, a slice, a view, a numpy array over one) and the
+    references to its one Python storage object (``t.untyped_storage()`` kept alive, a typed
+    storage: not tensors). The slot keeps that storage object alive, so that the
+    ``untyped_storage()`` of every view of the buffer is that object and a reference to it
+    shows. Another process cannot be counted at all: a buffer whose storage went to shared
+    memory (a tensor sent through a ``torch.multiprocessing`` queue, out of a DataLoader worker,
+    or ``share_memory_()``) is retired, never written again.
+    """
+
+    __slots__ = ("base", "buf", "event", "refs", "storage")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
         self.event: Any = None  # the last asynchronous copy into buf (CUDA), or None
-        self.base = _use_count(buf)  # the count while nobody but the slot holds buf
+        self.storage = buf.untyped_storage()
+        # The counts while nobody but the slot holds buf (None where torch cannot count).
+        self.base = (
+            None if _storage_use_count is None else int(_storage_use_count(self.storage._cdata))
+        )
+        self.refs = sys.getrefcount(self.storage)
 
     @property
     def nbytes(self) -> int:
         return int(self.buf.numel())
 
+    def shared(self) -> bool:
+        """The buffer went to shared memory: another process may hold it (retired)."""
+        return bool(self.storage.is_shared())
+
     def idle(self) -> bool:
-        """No tensor outside the set refers to the buffer: it may be written again."""
-        return self.base is not None and _use_count(self.buf) == self.base
+        """No tensor or storage outside the set refers to the buffer, and no other process can:
+        it may be written again."""
+        count = _storage_use_count
+        return (
+            self.base is not None
+            and count is not None
+            and count(self.storage._cdata) == self.base
+            and sys.getrefcount(self.storage) == self.refs
+            and not self.storage.is_shared()
+        )
 
     def settle(self) -> None:
         """Wait for the last asynchronous copy into the buffer (one of an earlier capture)."""
@@ -700,11 +723,15 @@ class HostBuffers:
     later captures of the same size reuse the same memory, already faulted in (and on CUDA
     already page-locked): no allocation, no page fault, no ``cudaHostAlloc`` in the loop.
 
-    Reuse is safe: a buffer is written again only when no tensor outside the set refers to it.
-    Results you still hold (``rec[layer]``, a view, a slice) keep their values; the next capture
-    takes another buffer (up to ``depth`` per layer are kept, so a loop that holds the last
+    Reuse is safe: a buffer is written again only when nothing outside the set refers to it.
+    Results you still hold (``rec[layer]``, a view, a slice, a numpy array over one, their
+    ``untyped_storage()``) keep their values; the next capture takes another buffer (up to ``depth`` per layer are kept, so a loop that holds the last
     capture's results while it runs the next one alternates between two) and the memory goes
-    back when your tensors and the set are dropped (or on :meth:`clear`).
+    back when your tensors and the set are dropped (or on :meth:`clear`). A buffer whose rows
+    went to another process (through a ``torch.multiprocessing`` queue, out of a DataLoader
+    worker, or by ``share_memory_()``) lives in shared memory, where this process cannot see
+    who still reads it: it is never written again (the set forgets it; its holders keep it).
+    A set sent to another process arrives empty (buffers belong to the process that made them).
 
     ``pin`` (default: whether CUDA is available) page-locks the buffers, which only helps copies
     from a GPU. Thread-safe.
@@ -731,10 +758,14 @@ class HostBuffers:
         if pin is not None and not isinstance(pin, bool):
             raise TypeError(f"HostBuffers: pin must be True, False or None, got {pin!r}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"HostBuffers: depth must be an int >= 1 (buffers kept per layer), got {depth!r}")
+            raise ValueError(
+                f"HostBuffers: depth must be an int >= 1 (buffers kept per layer), got {depth!r}"
+            )
         self.pin = torch.cuda.is_available() if pin is None else pin
         if self.pin and not torch.cuda.is_available():
-            raise RuntimeError("HostBuffers(pin=True) needs CUDA: page-locked memory is for device copies")
+            raise RuntimeError(
+                "HostBuffers(pin=True) needs CUDA: page-locked memory is for device copies"
+            )
         self.depth = depth
         self._slots: dict[str, list[_Slot]] = {}
         self._want: dict[str, int] = {}  # layer -> bytes its last capture took
@@ -752,6 +783,8 @@ class HostBuffers:
         with self._lock:
             nbytes = max(nbytes, self._want.get(key, 0))
             slots = self._slots.setdefault(key, [])
+            if any(s.shared() for s in slots):  # retired: another process may hold them
+                slots[:] = [s for s in slots if not s.shared()]
             fits = [s for s in slots if s.nbytes >= nbytes and s.idle()]
             if fits:
                 slot = min(fits, key=lambda s: s.nbytes)
@@ -815,6 +848,11 @@ class HostBuffers:
                 "joins": self._joins,
             }
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A DataLoader worker started by spawn gets its own, empty set: the lock and the
+        # buffers are this process's.
+        return (_empty_host_buffers, (self.pin, self.depth))
+
     def __repr__(self) -> str:
         s = self.stats()
         return (
@@ -824,6 +862,10 @@ class HostBuffers:
 
     def _lease(self, max_inflight_bytes: int) -> _Lease:
         return _Lease(self, max_inflight_bytes)
+
+
+def _empty_host_buffers(pin: bool, depth: int) -> HostBuffers:
+    return HostBuffers(pin=pin and torch.cuda.is_available(), depth=depth)
 
 
 class _Chunk:

@@ -155,3 +155,79 @@ def ray_loop(config: dict) -> None:
     from pyhook import CaptureJob
 
     CaptureJob(**config).run()
+
+
+def tp_gradients_and_fsdp_resume(rank: int, world: int, port: int, outdir: str, spec: dict) -> None:
+    """Two ranks (issue 54 items 3 and 4): a job's gradients through a tensor-parallel model;
+    a job and a raw capture begun on an FSDP2 model (its class ``FSDP<class>``) and resumed by
+    the plain model on the same two writers."""
+    import time
+
+    import torch.distributed as dist
+
+    res: dict = {"t": []}
+    t0 = time.perf_counter()
+    try:
+        _init(rank, world, port)
+        import transformers
+        from pyhook.capture import capture
+        from torch.distributed.fsdp import fully_shard
+
+        from pyhook import CaptureJob
+
+        # 1. gradients with tp_size: one tensor-parallel group of both ranks, one writer
+        CaptureJob(
+            **spec["job"],
+            tp_size=world,
+            gradients=True,
+            metric="loss",
+            out=os.path.join(outdir, "grad_tp"),
+        ).run()
+        res["t"].append(time.perf_counter() - t0)
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))  # (where a hang stopped)
+
+        def fsdp_model():
+            model = transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt"]).eval()
+            for block in model.model.layers:
+                fully_shard(block)
+            fully_shard(model)
+            return model
+
+        # 2. a job begun on the FSDP2 model (4 contexts: one batch on each rank, as FSDP's
+        # collectives need), resumed from the checkpoint
+        half = {**spec["job"], "limit": 4}
+        job_out = os.path.join(outdir, "fsdp_job")
+        CaptureJob(**{**half, "model": fsdp_model()}, out=job_out).run()
+        res["fsdp_job_class"] = type(fsdp_model()).__name__
+        try:
+            CaptureJob(**spec["job"], out=job_out).run()
+            res["fsdp_job_resume"] = None
+        except Exception as e:
+            res["fsdp_job_resume"] = f"{type(e).__name__}: {e}"
+        res["t"].append(time.perf_counter() - t0)
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        # 3. a raw capture begun on the FSDP2 model, resumed by the plain model
+        mine = examples(spec["ckpt"])[rank::world]
+        raw_out = os.path.join(outdir, "fsdp_raw")
+        model = fsdp_model()
+        with capture(model, "model.layers.*", out=raw_out, mask="attention_mask"), torch.no_grad():
+            for ids, am in mine[: len(mine) // 2]:
+                model(input_ids=ids, attention_mask=am)
+        plain = transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt"]).eval()
+        try:
+            with (
+                capture(plain, "model.layers.*", out=raw_out, mask="attention_mask") as rec,
+                torch.no_grad(),
+            ):
+                for ids, am in mine[rec.examples_done :]:
+                    plain(input_ids=ids, attention_mask=am)
+            res["fsdp_raw_resume"] = None
+        except Exception as e:
+            res["fsdp_raw_resume"] = f"{type(e).__name__}: {e}"
+        res["t"].append(time.perf_counter() - t0)
+    except BaseException:
+        res["exception"] = traceback.format_exc()
+    finally:
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        if dist.is_initialized():
+            dist.destroy_process_group()

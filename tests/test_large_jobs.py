@@ -578,3 +578,44 @@ def test_ray_train_writes_the_store_torchrun_writes(ray, ckpt, two_nodes):
     # come out of Ray's workers different in the last bits (seen 1 ulp; the forward's values
     # themselves are identical), so they are compared to float64 rounding.
     _same_store(out, two_nodes, stats_exact=False)
+
+
+# -- two ranks: gradients through tensor parallelism, resumes across FSDP2 (issue 54 items 3, 4) --
+@pytest.fixture(scope="module")
+def spawned2(ckpt, reference, tmp_path_factory):
+    outdir = str(tmp_path_factory.mktemp("ranks2"))
+    spec = {"job": _job_options(ckpt), "ckpt": str(ckpt / "model")}
+    return outdir, _spawn(
+        W.tp_gradients_and_fsdp_resume, 2, outdir, spec, deadline_s=SPAWN_DEADLINE_S
+    )
+
+
+@pytest.mark.distributed
+def test_a_jobs_gradients_through_a_tensor_parallel_model_equal_the_unsharded_models(
+    spawned2, ckpt, tmp_path
+):
+    """Was refused ("its layers' outputs are shards"); the layout layer gives whole tensors
+    and their whole gradients. Reference: the same job on the unsharded model, one process."""
+    outdir, _ = spawned2
+    ref = str(tmp_path / "grad_ref")
+    CaptureJob(**_job_options(ckpt), gradients=True, metric="loss", out=ref).run()
+    layers = list(open_capture(ref).index["layers"])
+    grads = [n for n in layers if n.endswith("_grad") and not n.startswith("__")]
+    assert sorted(grads) == sorted(f"{n}_grad" for n in LAYERS), layers
+    _same_rows(os.path.join(outdir, "grad_tp"), ref, [*LAYERS, *grads])
+
+
+@pytest.mark.distributed
+def test_a_capture_begun_on_an_fsdp_model_resumes_on_the_plain_model(spawned2, reference):
+    """The same two writers, the same model: FSDP2's class (FSDPLlamaForCausalLM) is a
+    wrapper's, not another model's; the resumed stores hold every row once."""
+    outdir, results = spawned2
+    assert results[0]["fsdp_job_class"] == "FSDPLlamaForCausalLM"
+    assert [r["fsdp_job_resume"] for r in results] == [None, None]
+    assert [r["fsdp_raw_resume"] for r in results] == [None, None]
+    assert open_capture(os.path.join(outdir, "fsdp_job")).index["meta"]["model"] == (
+        "LlamaForCausalLM"
+    )
+    _same_rows(os.path.join(outdir, "fsdp_job"), reference["job"], LAYERS)
+    layers = [n for n in open_capture(reference["raw"]).index["layers"] if n.startswith("model.")]
+    _same_rows(os.path.join(outdir, "fsdp_raw"), reference["raw"], layers)

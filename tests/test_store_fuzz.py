@@ -423,3 +423,103 @@ def test_a_mutated_store_is_read_exactly_or_refused_by_name(
         assert any(p.startswith(linked + ":") and "symbolic link" in p for p in problems)
         if name not in ("index.json", ".lock-r000"):
             assert verified is None
+
+
+# -- stray and near-miss file names (issue 49 items 2 and 18) ---------------------------------
+#: Copies a person or a tool leaves beside a file: never part of the store (not read; kept).
+COPY_NAMES = [
+    "{stem} (1){ext}",
+    "{stem}.bak{ext}",
+    "{stem}-copy{ext}",
+    "{name}.bak",
+    "{name}~",
+    "Copy of {name}",
+    ".{name}.swp",
+]
+#: Names that claim rank 0 (or a rank past any world) as an index file: refused by name.
+CLAIMING_NAMES = [
+    "index-r0000.json",
+    "index-r00.json",
+    "index-r0.json",
+    "index-r00000000000000000000000000000.json",
+    "index-r" + "9" * 200 + ".json",
+]
+
+
+@st.composite
+def strays(draw):
+    """``(source file, stray name, refused)``: a copy of a store file under another name."""
+    source = draw(st.sampled_from(FILES))
+    if draw(st.booleans()):
+        stem, ext = os.path.splitext(source)
+        pattern = draw(st.sampled_from(COPY_NAMES))
+        return source, pattern.format(stem=stem, ext=ext, name=source), False
+    return source, draw(st.sampled_from(CLAIMING_NAMES)), True
+
+
+@bounded(40)
+@given(stray=strays())
+def test_stray_and_near_miss_names_are_ignored_or_refused_by_name(
+    original, tmp_path_factory, stray
+):
+    """A copy beside the store's files is not read: exactly the original rows, once, verify
+    passes (a note names an index-like copy) and a resume keeps the copy. A name that claims a
+    rank's index another way (``index-r0000.json`` beside ``index-r000.json``) is refused by
+    the readers, verify and a resume, naming it."""
+    src, layers, rows, kw = original
+    out = str(tmp_path_factory.mktemp("stray") / "store")
+    shutil.copytree(src, out, symlinks=True)
+    source, name, refused = stray
+    shutil.copyfile(os.path.join(out, source), os.path.join(out, name))
+    path = os.path.join(out, name)
+
+    problems, notes = verify_capture(out)
+    verified = _read_all(out, layers, rows, verify=True)
+    unverified = _read_all(out, layers, rows, verify=False)
+    try:
+        _capture(_net(), out, [], **kw)
+        resumed = None
+    except Exception as e:  # checked: a named error
+        _named(e, out)
+        resumed = e
+    if refused:
+        assert verified is None and unverified is None, "a second index of rank 0 was read"
+        assert any(p.startswith(path + ":") for p in problems), problems
+        assert isinstance(resumed, CaptureDamagedError) and resumed.path == path, resumed
+    else:
+        assert problems == [], problems
+        assert verified == unverified == [s for s in rows], "a copy's rows were read"
+        assert resumed is None
+        if name.startswith("index-r") and name.endswith(".json"):
+            assert any(n.startswith(path + ":") for n in notes), notes
+        assert verify_capture(out)[0] == []
+        with open(os.path.join(src, source), "rb") as f, open(path, "rb") as g:
+            assert g.read() == f.read()  # the copy is kept, as it was
+
+
+@pytest.mark.parametrize("where", ["rank", "number"])
+def test_a_shard_name_of_5000_digits_in_an_index_is_damage_naming_the_file(
+    original, tmp_path, where
+):
+    src = original[0]
+    out = str(tmp_path / "store")
+    shutil.copytree(src, out, symlinks=True)
+    path = os.path.join(out, "index-r000.json")
+    with open(path) as f:
+        part = json.load(f)
+    part.pop("index_checksum")
+    digits = "1" * 5000
+    part["shards"][0]["file"] = (
+        f"shard-r{digits}-000000.safetensors"
+        if where == "rank"
+        else f"shard-r000-{digits}.safetensors"
+    )
+    with open(path, "w") as f:
+        json.dump(F._with_checksum(part), f)
+    for verify in (True, False):
+        with pytest.raises(CaptureDamagedError) as e:
+            open_capture(out, verify=verify)
+        _named(e.value, out)
+        assert e.value.path == path
+    problems, _ = verify_capture(out)
+    assert problems and all(p.startswith(path + ":") for p in problems), problems

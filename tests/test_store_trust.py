@@ -308,6 +308,43 @@ def test_s3_errors_name_the_url_not_the_local_cache(tmp_path, s3, capsys):
     _cli_one_line(capsys, ["verify", s3], f"{s3}/index-r000.json: ")
 
 
+# -- issue 49 items 2 and 18, issue 52 item 6: stray copies of an index on S3 -------------------
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("index-r000 (1).json", False),
+        ("index-r000.bak.json", False),
+        ("index-r000.json.bak", False),
+        ("index-r0000.json", True),
+        ("index-r" + "9" * 200 + ".json", True),
+    ],
+)
+def test_s3_a_copy_of_an_index_is_not_read_and_a_second_claim_is_refused(
+    tmp_path, s3, capsys, name, refused
+):
+    _capture(tmp_path / "a")
+    want = open_capture(str(tmp_path / "a"))["0"].to_tensor()
+    with open(tmp_path / "a" / "index-r000.json", "rb") as f:
+        (tmp_path / "a" / name).write_bytes(f.read())
+    _upload(tmp_path / "a", s3)
+    url = f"{s3}/{name}"
+    if refused:
+        with pytest.raises(CaptureDamagedError) as e:
+            open_capture(s3)
+        assert e.value.path == url and str(e.value).startswith(url + ": ")
+        problems, _ = verify_capture(s3)
+        assert problems == [str(e.value)]
+        _cli_one_line(capsys, ["verify", s3], url + ": ")
+        return
+    got = open_capture(s3, verify=True)["0"].to_tensor()
+    assert torch.equal(got, want)  # each row once
+    problems, notes = verify_capture(s3)
+    assert problems == []
+    if name.endswith(".json"):
+        assert any(n.startswith(url + ": ") for n in notes), notes
+    assert main(["verify", s3]) == 0, capsys.readouterr().err
+
+
 # -- compact stores and texts: what the readers decode, verify checks first ----------------------
 def _compact(out):
     """A compact store (fp8 rows in zstd frames) of 2 shards, and its rows as read."""
@@ -468,5 +505,8 @@ def test_s3_verify_checks_texts_as_local_verify_does(tmp_path, s3):
     assert any("is not utf-8" in p for p in local), local
     _upload(tmp_path / "t", s3)
     problems, _ = verify_capture(s3)
-    assert [p for p in problems if p.startswith(f"{s3}/shard-r000-000000.safetensors: ")
-            and "is not utf-8" in p], problems
+    assert [
+        p
+        for p in problems
+        if p.startswith(f"{s3}/shard-r000-000000.safetensors: ") and "is not utf-8" in p
+    ], problems

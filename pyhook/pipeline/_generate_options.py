@@ -23,6 +23,7 @@ ValueError: `generate_kwargs`: 'custom_generate' is refused: it runs a generate 
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -100,9 +101,19 @@ def _token_lists(v: Any) -> bool:
     return isinstance(v, list) and all(_tokens(x) and len(x) > 0 for x in v)
 
 
+#: The most characters ``stop_strings`` may hold in all: transformers prepares each stop string
+#: against every token of the vocabulary, a cost that grows with vocabulary x length (6,000
+#: characters added 32 s to a job); stop strings are words or end markers.
+MAX_STOP_CHARACTERS = 256
+
+
 def _strings(v: Any) -> bool:
-    return (isinstance(v, str) and v != "") or (
-        isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
+    texts = [v] if isinstance(v, str) else v if isinstance(v, list) else None
+    return (
+        texts is not None
+        and 0 < len(texts) <= MAX_STOP_CHARACTERS
+        and all(isinstance(x, str) and x for x in texts)
+        and sum(len(x) for x in texts) <= MAX_STOP_CHARACTERS
     )
 
 
@@ -148,7 +159,10 @@ GENERATE_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eos_token_id": (_token_or_tokens, "a token id or a list of them"),
     "pad_token_id": (_token, "a token id (an integer >= 0)"),
     "bos_token_id": (_token, "a token id (an integer >= 0)"),
-    "stop_strings": (_strings, "a string or a list of strings"),
+    "stop_strings": (
+        _strings,
+        f"a string or a list of strings, at most {MAX_STOP_CHARACTERS} characters in all",
+    ),
     "max_time": (_positive, "seconds, a number > 0"),
     # accepted at the value a capture runs (any other is refused with the reason)
     "num_beams": (_int, "1"),
@@ -175,12 +189,41 @@ def _refusal(key: str, where: str) -> str:
 
 
 def _got(v: Any) -> str:
-    """A value as an error shows it: its repr when short, else its type (also job.py's)."""
+    """A value as an error shows it: its repr when short, else its type (also job.py's).
+
+    The value is measured before it is written out: a job file's value may be huge (a YAML
+    file of aliases nested ten deep is 9**10 leaves in 1 KB), and no message may grow with it.
+
+    >>> _got([1, 2]), _got("x" * 10**7), _got([[1] * 9] * 9)
+    ('[1, 2]', 'a str', 'a list')
+    """
+    if not _short(v):
+        return f"a {type(v).__name__}"
     try:
         text = repr(v)
-    except (RecursionError, ValueError):  # nested deeply; an int too long for a string
+    except (RecursionError, ValueError):  # (a subclass's repr)
         return f"a {type(v).__name__}"
     return text if len(text) <= 60 else f"a {type(v).__name__}"
+
+
+def _short(v: Any, budget: int = 16) -> bool:
+    """Whether ``v`` has at most ``budget`` parts (containers, items, tens of characters): it
+    can be written out in a short line; decided without walking further."""
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        budget -= 1
+        if isinstance(x, (str, bytes)):
+            budget -= len(x) // 10 if len(x) < 1000 else budget + 1
+        elif isinstance(x, int) and not isinstance(x, bool):
+            budget -= 0 if x.bit_length() < 200 else budget + 1
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo.extend(itertools.islice(x, budget + 1))
+        elif isinstance(x, dict):
+            todo.extend(item for kv in itertools.islice(x.items(), budget + 1) for item in kv)
+        if budget < 0:
+            return False
+    return True
 
 
 def check_generate_options(options: Any, where: str = "") -> None:

@@ -1,10 +1,12 @@
-"""Checks of a store's place (a folder or a URL) that need neither torch nor the store: the
-job and :func:`pyhook.stream` check ``out`` / ``tee`` with them before anything runs."""
+"""Checks of a store's place (a folder or a URL) and of a corpus path that need neither torch
+nor the store: the job and :func:`pyhook.stream` check ``out`` / ``tee`` / ``input`` with them
+before anything runs."""
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 
 
 def _is_url(path: str) -> bool:
@@ -46,3 +48,33 @@ def _existing_dir(path: str) -> str:
             break
         path = parent
     return path
+
+
+def input_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a corpus (None: it can): a corpus is a regular file or a folder.
+    Anything else (``/dev/zero``, a FIFO, a socket) is refused before it is opened: reading
+    one may never end, or grow without bound.
+
+    >>> input_problem("/dev/zero")
+    'not a regular file or a folder (a character device); give a corpus file or folder'
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "No such file or directory"
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    what = (
+        "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
+    return f"not a regular file or a folder ({what}); give a corpus file or folder"

@@ -16,7 +16,7 @@ import re
 import stat
 import struct
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -634,8 +634,8 @@ def _load_part(path: str) -> dict[str, Any]:
     structure the reader and the writer rely on, internal consistency, its own checksum) and
     each journal line by :func:`check_journal_line`."""
     part = _load_json(path)
-    m = re.search(r"index-r(\d+)\.json\Z", path)
-    check_part(path, part, int(m.group(1)) if m else None)
+    m = _INDEX_NAME.match(os.path.basename(path))
+    check_part(path, part, name_number(m.group(1)) if m else None)
     rank = part["rank"]
     # Shards completed after the index was last written: one journal line each.
     journal = _journal_path(path)
@@ -1041,7 +1041,12 @@ def _check_entries(
     for s in shards:
         name = s.get("file") if isinstance(s, dict) else None
         m = _SHARD_NAME.match(name) if isinstance(name, str) else None
-        if m is None or int(m.group(1)) != rank or not isinstance(name, str):
+        if (
+            m is None
+            or len(m.group(2)) > 18  # (no shard number has more digits)
+            or name_number(m.group(1)) != rank
+            or not isinstance(name, str)
+        ):
             raise CaptureDamagedError(
                 f"{path}: {name!r} is not a shard file name of rank {rank} "
                 "(shard-rRRR-NNNNNN.safetensors in the capture directory itself)",
@@ -1095,7 +1100,7 @@ def _check_entries(
             raise _fail(path, f"the entry of {name} records a checksum {checksum!r}, not valid")
         if "rank" in s and s["rank"] != rank:
             raise _fail(path, f"the entry of {name} records rank {s['rank']!r}, not {rank}")
-        number = int(m.group(2))
+        number = name_number(m.group(2))
         if number <= last_number:
             raise CaptureDamagedError(
                 f"{path}: {name} is listed after shard {last_number} (the shard list is out of "
@@ -1138,6 +1143,97 @@ def _part_path(out: str, rank: int) -> str:
     return os.path.join(out, f"index-r{rank:03d}.json")
 
 
+#: A name that claims to be a rank's index file (``index-r000.json`` is rank 0's, the only one).
+_INDEX_NAME = re.compile(r"index-r(\d+)\.json\Z")
+
+
+def name_number(digits: str) -> int:
+    """The number ``digits`` (of a store file's name) spells; past 18 digits, which no rank or
+    shard number has, 10**18 (Python's ``int`` refuses 4,300 digits with a bare ValueError)."""
+    return int(digits) if len(digits) <= 18 else 10**18
+
+
+def rank_indexes(names: Iterable[str], where: str) -> tuple[list[str], list[CaptureDamagedError]]:
+    """The rank index files among the file ``names`` of the store in ``where``, sorted by rank,
+    and one error per name that claims a rank without being that rank's index name.
+
+    Only the exact names the writer gives are read: ``index-r000.json`` is rank 0's index, and
+    copies beside it (``index-r000 (1).json``, ``index-r000.bak.json``) are not part of the
+    store. A name that spells a rank otherwise (``index-r0000.json``: rank 0 again, or a rank
+    past any world size) would be a second index of one rank, so it is refused by name.
+
+    Example::
+
+        >>> from pyhook.store.format import rank_indexes
+        >>> names, errors = rank_indexes(["index-r001.json", "index-r000 (1).json", "index-r000.json"], "out")
+        >>> names, errors
+        (['index-r000.json', 'index-r001.json'], [])
+        >>> print(rank_indexes(["index-r000.json", "index-r0000.json"], "out")[1][0])
+        out/index-r0000.json: claims rank 0, whose index file is index-r000.json (pyhook names it no other way: a copy? remove or rename it)
+    """
+    found: dict[int, str] = {}
+    errors: list[CaptureDamagedError] = []
+    for name in names:
+        m = _INDEX_NAME.match(name)
+        if m is None:
+            continue
+        path = os.path.join(where, name)
+        digits = m.group(1)
+        rank = name_number(digits)
+        if rank >= MAX_WORLD_SIZE:
+            shown = digits if len(digits) <= 12 else f"{digits[:12]}... ({len(digits)} digits)"
+            errors.append(
+                CaptureDamagedError(
+                    f"{path}: claims rank {shown}, past any world size ({MAX_WORLD_SIZE}); not "
+                    "an index file pyhook writes",
+                    path,
+                )
+            )
+        elif name != f"index-r{rank:03d}.json":
+            errors.append(
+                CaptureDamagedError(
+                    f"{path}: claims rank {rank}, whose index file is index-r{rank:03d}.json "
+                    "(pyhook names it no other way: a copy? remove or rename it)",
+                    path,
+                )
+            )
+        else:
+            found[rank] = name
+    return [found[r] for r in sorted(found)], errors
+
+
+def stray_indexes(
+    where: str, listing: Iterable[str], names: list[str], errors: list[CaptureDamagedError]
+) -> list[str]:
+    """Notes naming the files beside a store's index files that look like copies of one
+    (``index-r000 (1).json``): not read, not part of the store."""
+    refused = {os.path.basename(e.path) for e in errors if e.path}
+    return [
+        f"{os.path.join(where, n)}: not a file of the store (only index-rNNN.json is read): "
+        "ignored; a copy of an index file?"
+        for n in sorted(listing)
+        if n.startswith("index-r")
+        and n.endswith(".json")
+        and "/" not in n
+        and n not in names
+        and n not in refused
+    ]
+
+
+def index_files(out: str) -> list[str]:
+    """The paths of the rank index files in directory ``out`` (:func:`rank_indexes`), sorted by
+    rank; :class:`CaptureDamagedError` naming the first file that claims a rank by another
+    name."""
+    try:
+        names = os.listdir(out)
+    except OSError:
+        return []  # not a directory: the caller's own error says so
+    found, errors = rank_indexes(names, out)
+    if errors:
+        raise errors[0]
+    return [os.path.join(out, n) for n in found]
+
+
 def _settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     keys = sorted(set(old) | set(new))
     return [
@@ -1177,7 +1273,7 @@ def check_same_capture(paths: Sequence[str], parts: Sequence[dict[str, Any]]) ->
 def merged_index(out: str) -> dict[str, Any]:
     """Merge the per-rank index files of a capture directory into one index dict (for a URL
     too: :func:`pyhook.store.merged_index` is :func:`.transport.merged_index_of`)."""
-    paths = sorted(_glob(out, "index-r*.json"))
+    paths = index_files(out)
     parts = [_load_part(p) for p in paths]
     if not parts:
         raise FileNotFoundError(f"{out!r} holds no pyhook capture (no index-r*.json files)")

@@ -31,7 +31,7 @@ from ._names import check_model_name
 
 if TYPE_CHECKING:
     from torch import nn
-from ._paths import _existing_dir, _is_url, check_out_dir
+from ._paths import _existing_dir, _is_url, check_out_dir, input_problem
 from .runner import _MAP_WORDS  # the words transformers knows (torch-free)
 
 __all__ = [
@@ -100,6 +100,10 @@ def _spell(text: str, flags: bool = False) -> str:
     return _MARK.sub(one, text)
 
 
+#: The longest message a :class:`JobError` carries (a job file's value may be any size).
+_MAX_MESSAGE = 2000
+
+
 class JobError(ValueError):
     """A job that cannot run as configured: one line naming the option and what was expected.
 
@@ -116,6 +120,8 @@ class JobError(ValueError):
     """
 
     def __init__(self, template: str) -> None:
+        if len(template) > _MAX_MESSAGE:  # (values are shown by _got; a name may be long)
+            template = template[: _MAX_MESSAGE - 20] + " ... (message cut)"
         self.template = template
         super().__init__(_spell(template))
 
@@ -263,7 +269,7 @@ def default_layers(model: Any) -> str:
 def _check_models(v: dict[Any, Any]) -> None:
     """``model`` as a mapping of names to models (a paired capture), checked."""
     if len(v) < 2:
-        only = f" ({next(iter(v))!r})" if v else ""
+        only = f" ({_got(next(iter(v)))})" if v else ""
         raise JobError(
             f"`model` names {len(v)} model(s){only}: several named models make one paired "
             "store (`model` {'base': DIR, 'chat': DIR2}; --model base=DIR --model chat=DIR2); "
@@ -527,7 +533,7 @@ class CaptureJob:
                 if key not in _DTYPE_NAMES and key not in _DTYPE_ALIASES:
                     raise JobError(
                         f"`{name}` must be one of {', '.join(_DTYPE_NAMES)} (a name such as "
-                        f"'bf16'), got {v!r}"
+                        f"'bf16'), got {_got(v)}"
                     )
         for name, choices in (("quantize", ("fp8", "int8")), ("compress", ("zstd",))):
             v = getattr(self, name)
@@ -581,11 +587,6 @@ class CaptureJob:
             raise JobError("`gradients` are of plain forwards: not with `generate`")
         if isinstance(self.model, dict):
             raise JobError("`gradients` are of one model, not several (`model` is a mapping)")
-        if self.tp_size != 1:
-            raise JobError(
-                "`gradients` are not taken through a tensor-parallel model (`tp_size` "
-                f"{self.tp_size}): its layers' outputs are shards; capture them with tp_size 1"
-            )
 
     def _check_loading(self) -> None:
         """The loading options: for one checkpoint the job loads (not a model object, not a
@@ -674,8 +675,11 @@ class CaptureJob:
         ...
         pyhook.pipeline.job.JobError: cannot read input 'no-such-corpus.txt': No such file or directory
         """
-        if self.input is not None and not os.path.exists(self.input):
-            raise JobError(f"cannot read `input` {self.input!r}: No such file or directory")
+        if self.input is not None:
+            problem = input_problem(self.input)
+            if problem:
+                shown = repr(self.input) if len(self.input) <= 500 else _got(self.input)
+                raise JobError(f"cannot read `input` {shown}: {problem}")
 
     # -- files ----------------------------------------------------------------------------------
     @classmethod
@@ -718,7 +722,7 @@ class CaptureJob:
                     f"reading {name} needs PyYAML (pip install pyyaml); or write the job as JSON"
                 ) from None
             try:
-                data = yaml.safe_load(text)
+                data = yaml.load(text, Loader=_job_yaml_loader(yaml))  # a safe loader, below
             except RecursionError:
                 raise JobError(f"{name} is nested too deeply to be a job") from None
             except yaml.YAMLError as e:
@@ -729,7 +733,7 @@ class CaptureJob:
                 ) from None
         else:
             try:
-                data = json.loads(text)
+                data = json.loads(text, parse_int=_file_int)
             except RecursionError:
                 raise JobError(f"{name} is nested too deeply to be a job") from None
             except json.JSONDecodeError as e:
@@ -999,6 +1003,8 @@ class CaptureJob:
         )
         got = self._source(rank=rank, world=world)
         prepared, src, context_size = got["prepared"], got["source"], got["context_size"]
+        if self.tp_size > 1:
+            _check_tp_heads(prepared.config, self.tp_size)
         unit = f"contexts of {context_size} tokens" if context_size else "examples"
         settings = self._store_settings(got, model_dtype)
         if self.generate is not None:  # absent otherwise: stores made before compare equal
@@ -1077,7 +1083,7 @@ class CaptureJob:
         )
         keep = runner._Keep()
         meta = {
-            "model": type(model).__name__,
+            "model": model_class_name(model),
             "model_path": prepared.path,
             "command": "pyhook capture",
         }
@@ -1184,7 +1190,7 @@ class CaptureJob:
         plan.bytes = sum(layer.bytes for layer in plan.layers) + extra
         plan.shards = max(1, min(batches, math.ceil(plan.bytes / limit))) if plan.bytes else 0
         plan.free = None if _is_url(out) else shutil.disk_usage(_existing_dir(out)).free
-        plan.model_class = model.describe() if paired else type(model).__name__
+        plan.model_class = model.describe() if paired else model_class_name(model)
         plan.device = device
         plan.ranks = _ranks_table(lay, model, plan.examples, plan.rows, plan.bytes)
         if self.device_map is not None:  # where transformers put each module
@@ -1406,6 +1412,51 @@ class CaptureJob:
                 compress=self.compress,
             )
         return stream(model, got["source"], layers, **{**kw, **options})
+
+
+#: The most digits an integer of a job file has (every option is far below; Python refuses
+#: 4,300 with a bare ValueError).
+_MAX_DIGITS = 64
+
+
+class _LongNumber:
+    """An integer of a job file too long to be any option's value: refused by the option's
+    check, which names the key (as ``a number of N digits``)."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a number of {self.digits} digits"
+
+
+def _file_int(text: str) -> Any:
+    return int(text) if len(text) <= _MAX_DIGITS else _LongNumber(len(text))
+
+
+def _job_yaml_loader(yaml: Any) -> Any:
+    """PyYAML's safe loader, refusing aliases (``*name``: a 1 KB file of aliases nested ten
+    deep holds 9**10 values) and reading an over-long integer as :class:`_LongNumber`."""
+
+    class JobLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    "an alias (*name): a job file writes each value out (aliases are not read)",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+
+        def construct_yaml_int(self, node: Any) -> Any:
+            text = self.construct_scalar(node)
+            if len(text) > _MAX_DIGITS:
+                return _LongNumber(len(text))
+            return super().construct_yaml_int(node)
+
+    JobLoader.add_constructor("tag:yaml.org,2002:int", JobLoader.construct_yaml_int)
+    return JobLoader
 
 
 def _closest(key: str, known: list[str]) -> str:
@@ -1925,6 +1976,37 @@ def _refuse_different(out: str, stored: Any, now: dict[str, Any], world: int) ->
             + "; ".join(diff)
             + ". Use another `out`, or add `overwrite=True` to replace it."
         )
+
+
+def _check_tp_heads(config: Any, tp_size: int) -> None:
+    """Tensor parallelism gives each rank whole attention heads: a ``tp_size`` that does not
+    divide the model's head counts is refused here, from the config, before the weights load
+    (transformers would fail on every rank while loading them)."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    for key, what in (
+        ("num_attention_heads", "attention heads"),
+        ("num_key_value_heads", "key/value heads"),
+    ):
+        n = getattr(config, key, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % tp_size:
+            raise JobError(
+                f"`tp_size` {tp_size} does not divide the model's {n} {what} ({key} in its "
+                "config): each tensor-parallel rank computes whole heads; give a `tp_size` "
+                "that divides it"
+            )
+
+
+def model_class_name(model: Any) -> str:
+    """The class name a store records for ``model``: the model's own class, not the one FSDP2's
+    ``fully_shard`` makes for it (``FSDPLlamaForCausalLM``), so that a resume with another
+    layout (tensor-parallel with data-parallel replicas, or none) is the same model."""
+    import torch
+
+    cls = type(model)
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    while fsdp is not None and fsdp in cls.__bases__:
+        cls = next(b for b in cls.__bases__ if b is not fsdp)
+    return cls.__name__
 
 
 def _metric_name(metric: Any) -> str:

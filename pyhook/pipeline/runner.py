@@ -190,7 +190,10 @@ def max_positions(config: Any) -> int | None:
 def _model_class(transformers: Any, config: Any, name: str | None) -> Any:
     if name:
         cls = getattr(transformers, name, None)
-        if cls is None or not hasattr(cls, "from_pretrained"):
+        model = isinstance(cls, type) and (
+            issubclass(cls, transformers.PreTrainedModel) or hasattr(cls, "_model_mapping")
+        )  # a model class, or an Auto class of models (not AutoTokenizer, GenerationConfig)
+        if not model:
             raise RunnerError(
                 f"--model-class {name!r} is not a transformers model class "
                 "(e.g. AutoModel, AutoModelForCausalLM, GPT2LMHeadModel)"

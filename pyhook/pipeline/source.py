@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from .._queues import put_unless_stopped
+from ._paths import input_problem
 
 __all__ = ["Batch", "CorpusSource", "SourceError", "open_source"]
 
@@ -223,8 +224,9 @@ class CorpusSource:
                 raise SourceError(f"{name} must be an int >= {low}, got {value!r}")
         if not rank < world_size:
             raise SourceError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if not os.path.exists(self.path):
-            raise SourceError(f"cannot read --input {os.fspath(path)!r}: No such file or directory")
+        problem = input_problem(self.path)
+        if problem:
+            raise SourceError(f"cannot read --input {os.fspath(path)!r}: {problem}")
         self.kind = _kind(self.path)
         self.tokenizer = tokenizer
         self.context_size = context_size

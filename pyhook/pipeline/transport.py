@@ -33,11 +33,15 @@ from typing import Any
 from .format import (
     _CHECKSUM_FUNCS,
     MAX_INDEX_BYTES,
+    MAX_WORLD_SIZE,
     CaptureDamagedError,
     _check_shard,
     _fault,
     _journal_path,
     merged_index,
+    name_number,
+    rank_indexes,
+    stray_indexes,
 )
 
 __all__ = ["RemoteStorageError", "is_url"]
@@ -389,11 +393,23 @@ class Remote:
         compare settings; one that vanished meanwhile is skipped.
         """
         _fault("pull.listed")
-        names: dict[int, list[str]] = {}
+        # Only each rank's exact index name is read; another name claiming a rank is refused.
+        files, errors = rank_indexes([n for n in listing if "/" not in n], self.url)
+        if errors:
+            raise errors[0]
+        names: dict[int, list[str]] = {name_number(n[7:-5]): [n] for n in files}
         for name in listing:
             m = _INDEX_OBJECT.match(name)
-            if m:
-                names.setdefault(int(m.group(1)), []).append(name)
+            if m and "/" in name:
+                rank = name_number(m.group(1))
+                if not name.startswith(f"index-r{rank:03d}.d/") or rank >= MAX_WORLD_SIZE:
+                    url = self.url_of(name)
+                    raise CaptureDamagedError(
+                        f"{url}: not an entry object of a rank's index (pyhook writes "
+                        "index-rNNN.d/<shard>.json, NNN the rank as its index file spells it)",
+                        url,
+                    )
+                names.setdefault(rank, []).append(name)
             if (m or name == "index.json") and listing[name] > MAX_INDEX_BYTES:
                 url = self.url_of(name)  # refused before it is downloaded
                 raise CaptureDamagedError(
@@ -807,10 +823,11 @@ def verify_remote(
         return msg.replace(local, remote.url)
 
     try:
-        parts = sorted(n for n in listing if n.startswith("index-r") and n.endswith(".json"))
-        parts = [n for n in parts if "/" not in n]
+        top = [n for n in listing if "/" not in n]
+        parts = rank_indexes(top, remote.url)[0]  # (names claiming a rank otherwise: refused)
         if not parts:
             return [f"{remote.url}: holds no pyhook capture (no index-r*.json files)"], []
+        notes += stray_indexes(remote.url, top, parts, [])
         seen: set[str] = set()
         loaded: list[tuple[str, dict]] = []
         for name in parts:

@@ -19,7 +19,10 @@ from .format import (
     _load_part,
     check_merged,
     check_same_capture,
+    name_number,
+    rank_indexes,
     store_links,
+    stray_indexes,
 )
 from .transport import is_url
 
@@ -69,9 +72,12 @@ def verify_capture(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     # A link in place of a store's file: never followed (named, whether or not it is read).
     problems += [f"{p}: is a symbolic link; {_LINK_ADVICE}" for p in store_links(out)]
-    parts = sorted(_glob(out, "index-r*.json"))
-    if not parts:
+    names, errors = rank_indexes(os.listdir(out), out)
+    problems += [str(e) for e in errors]
+    parts = [os.path.join(out, n) for n in names]
+    if not parts and not errors:
         return [f"{out}: holds no pyhook capture (no index-r*.json files)"], []
+    notes += stray_indexes(out, os.listdir(out), names, errors)
     seen: set[str] = set()
     loaded: list[tuple[str, dict]] = []
     for p in parts:
@@ -119,7 +125,7 @@ def _across_ranks(
     for p in names:
         m = re.fullmatch(r"index-r(\d+)\.json", os.path.basename(p))
         if m:
-            ranks.add(int(m.group(1)))
+            ranks.add(name_number(m.group(1)))
     world = max((part["world_size"] for _, part in loaded), default=0)
     missing = sorted(set(range(world)) - ranks)  # ranks whose rows the reader would not read
     for r in missing[:_SHOWN]:
@@ -246,7 +252,7 @@ def duplicate_rows(
     """
     if parts is None:
         parts = []
-        for p in sorted(_glob(out, "index-r*.json")):
+        for p in (os.path.join(out, n) for n in rank_indexes(os.listdir(out), out)[0]):
             try:
                 parts.append((p, _load_part(p)))
             except CaptureDamagedError:

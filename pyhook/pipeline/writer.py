@@ -23,6 +23,7 @@ from .encoding import ENCODED_FORMAT_VERSION
 from .format import (
     _DTYPE_TO_ST,
     _NOFOLLOW,
+    _SHARD_NAME,
     _STORABLE,
     FORMAT_VERSION,
     CaptureDamagedError,
@@ -45,13 +46,24 @@ from .format import (
     _write_file,
     check_merged,
     dtype_name,
+    index_files,
     journal_line,
     json_depth_error,
     merged_index,
+    name_number,
     refuse_links,
 )
 from .transport import Remote, Uploader, is_url
 from .verify import _check_shard
+
+
+def _model_name(name: Any) -> Any:
+    """The model class an index's ``meta.model`` names, without a wrapper's class: FSDP2's
+    ``fully_shard`` gives a module the class ``FSDP<its class>`` (transformers does it under
+    ``tp_size`` with data-parallel replicas), the same model as ``<its class>`` unwrapped."""
+    if isinstance(name, str) and name.startswith("FSDP") and len(name) > 4:
+        return name[4:]
+    return name
 
 
 def _json_arg(name: str, value: Any) -> Any:
@@ -303,6 +315,7 @@ class ShardWriter:
         own = f"r{self.rank:03d}"
         merged = os.path.join(self.out, "index.json")
         self._check_foreign_index(merged)
+        index_files(self.out)  # a second index claiming a rank: refused before anything changes
         doomed: list[str] = []
         if overwrite:
             # Each rank deletes only its own files (another rank may already be writing its
@@ -313,7 +326,7 @@ class ShardWriter:
                 doomed.append("index.json*")
                 for p in _glob(self.out, "index-r*.j*") + _glob(self.out, "shard-r*.safetensors*"):
                     m = re.match(r"(?:index|shard)-r(\d+)", os.path.basename(p))
-                    if m and int(m.group(1)) >= self.world_size:
+                    if m and name_number(m.group(1)) >= self.world_size:
                         doomed.append(os.path.basename(p))
         # Debris of a crash in the middle of a shard or index write: never listed, removable.
         doomed += [f"shard-{own}-*.tmp*", f"index-{own}.json.tmp*"]
@@ -329,7 +342,7 @@ class ShardWriter:
         part = _load_part(self._part) if os.path.exists(self._part) else None
         existing: dict[str, Any] | None = part
         if existing is None and not overwrite:
-            for p in sorted(_glob(self.out, "index-r*.json")):
+            for p in index_files(self.out):
                 existing = _load_part(p)
                 break
         if existing is None and not overwrite and os.path.exists(merged):
@@ -353,7 +366,11 @@ class ShardWriter:
             # its rows to this one's silently.
             old_model = (existing.get("meta") or {}).get("model")
             new_model = self.meta.get("model")
-            if old_model is not None and new_model is not None and old_model != new_model:
+            if (
+                old_model is not None
+                and new_model is not None
+                and _model_name(old_model) != _model_name(new_model)
+            ):
                 diff.append(f"model: {old_model!r} (stored) != {new_model!r} (now)")
             if diff:
                 raise CaptureExistsError(
@@ -380,7 +397,8 @@ class ShardWriter:
             self.layers = part["layers"]
         listed = {s["file"] for s in self.shards}
         for p in _glob(self.out, f"shard-r{self.rank:03d}-*.safetensors"):
-            if os.path.basename(p) not in listed:  # renamed but not yet indexed when it crashed
+            name = os.path.basename(p)  # (a copy, "shard-r000-000000 (1).safetensors": kept)
+            if name not in listed and _SHARD_NAME.match(name):  # renamed, not yet indexed
                 os.remove(p)
         self._next_index = 1 + max(
             (int(s["file"].split("-")[-1].split(".")[0]) for s in self.shards), default=-1
@@ -423,10 +441,12 @@ class ShardWriter:
             if overwrite and (
                 mine
                 or (self.rank == 0 and name == "index.json")
-                or (self.rank == 0 and m is not None and int(m.group(1)) >= self.world_size)
+                or (self.rank == 0 and m is not None and name_number(m.group(1)) >= self.world_size)
             ):
                 doomed.append(name)
-            elif name.startswith(f"shard-{own}-") and name not in listed:
+            elif (
+                name.startswith(f"shard-{own}-") and name not in listed and _SHARD_NAME.match(name)
+            ):
                 doomed.append(name)  # uploaded, never listed (killed in between)
         self._remote.rm(sorted(doomed))
         self._uploader = Uploader(self._remote, self.rank)
