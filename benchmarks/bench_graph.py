@@ -128,7 +128,9 @@ def main() -> None:
             active = args.layers * args.k * T
             dense_gib = (active + args.logits) * (active + (args.layers + 1) * T) * 4 / 2**30
             if mode in slow:
-                print(f"| {T} | {mode} | | | skipped: the previous length took > {args.budget:.0f} s | | |")
+                print(
+                    f"| {T} | {mode} | | | skipped: the previous length took > {args.budget:.0f} s | | |"
+                )
                 continue
             if mode == "dense" and dense_gib > args.dense_cap:
                 print(
@@ -136,7 +138,7 @@ def main() -> None:
                     f"{dense_gib:.1f} GiB (> --dense-cap) | | {dense_gib:.1f} |"
                 )
                 continue
-            out = subprocess.run(base + ["--one", f"{T}:{mode}"], capture_output=True, text=True)
+            out = subprocess.run([*base, "--one", f"{T}:{mode}"], capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"| {T} | {mode} | failed: {out.stderr.strip().splitlines()[-1]} | | | | |")
                 continue

@@ -120,38 +120,39 @@ class AttributionGraph:
         weights[self.targets[self.n_features :]] = self.logit_probabilities.double()
         return _influence(self.adjacency, self.targets, weights, n_src)
 
-    def strongest_paths(self, k: int = 5) -> list[tuple[list[GraphNode], float]]:
-        """The ``k`` paths from a source to the top logit with the largest product of edge
-        weights in absolute value (a widest-path search over the graph's layers), each with that
-        product."""
+    def strongest_paths(
+        self, k: int = 5, start: Sequence[str] = ("token",)
+    ) -> list[tuple[list[GraphNode], float]]:
+        """The ``k`` paths to the top logit with the largest product of edge weights in absolute
+        value, each from a node of a kind in ``start`` (a widest-path search over the graph's
+        layers), each with that product: one path per start node, the strongest first."""
         n_src = self.adjacency.shape[1]
-        row_of = {int(n): i for i, n in enumerate(self.targets)}
-        adj = self.adjacency.double()
-        # best[j]: the best |product| from node j to the top logit, and the next node on it
-        top = int(self.targets[self.n_features]) if len(self.targets) > self.n_features else None
-        if top is None:
+        n_feat = self.n_features
+        if len(self.targets) <= n_feat:
             return []
-        best: dict[int, tuple[float, int]] = {top: (1.0, -1)}
-        order = sorted(range(self.n_features), key=lambda i: -self.nodes[i].layer)
-        order = [top] + [i for i in order]
-        paths: list[tuple[list[GraphNode], float]] = []
-        for tgt in order:
-            if tgt not in best:
+        top = int(self.targets[n_feat])
+        best = torch.zeros(len(self.nodes), dtype=torch.float64)  # best |product| to the logit
+        nxt = torch.full((len(self.nodes),), -1, dtype=torch.long)  # the next node on it
+        best[top] = 1.0
+        # sources always sit in earlier layers than their targets: visit targets top down
+        rows = [n_feat, *sorted(range(n_feat), key=lambda r: -self.nodes[r].layer)]
+        for r in rows:
+            t = int(self.targets[r])
+            if best[t] == 0:
                 continue
-            w_t = best[tgt][0]
-            for j in range(n_src):
-                e = abs(float(adj[row_of[tgt], j])) * w_t
-                if e > best.get(j, (0.0, -1))[0]:
-                    best[j] = (e, tgt)
-        starts = [j for j in range(n_src) if j in best and self.nodes[j].kind in ("token", "error")]
-        starts += [j for j in range(self.n_features) if j in best]
-        starts.sort(key=lambda j: -best[j][0])
+            cand = self.adjacency[r].double().abs() * best[t]
+            better = cand > best[:n_src]
+            best[:n_src] = torch.where(better, cand, best[:n_src])
+            nxt[:n_src] = torch.where(better, torch.full_like(nxt[:n_src], t), nxt[:n_src])
+        starts = [j for j in range(n_src) if best[j] > 0 and self.nodes[j].kind in start]
+        starts.sort(key=lambda j: -float(best[j]))
+        paths: list[tuple[list[GraphNode], float]] = []
         for j in starts[:k]:
             path, cur = [self.nodes[j]], j
-            while best[cur][1] != -1:
-                cur = best[cur][1]
+            while int(nxt[cur]) != -1:
+                cur = int(nxt[cur])
                 path.append(self.nodes[cur])
-            paths.append((path, best[j][0]))
+            paths.append((path, float(best[j])))
         return paths
 
     def to_json(
