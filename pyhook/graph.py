@@ -25,7 +25,7 @@ import inspect
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
 
@@ -42,7 +42,8 @@ __all__ = ["AttributionGraph", "GraphNode", "attribution_graph"]
 KINDS = ("feature", "error", "token", "logit")
 
 
-class GraphNode(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class GraphNode:
     """One node of an :class:`AttributionGraph`.
 
     ``kind`` is ``"feature"`` (``index``: the feature of the transcoder at ``layer``),
@@ -229,7 +230,12 @@ class AttributionGraph:
 
     def _json_node(self, i: int, influence: float) -> dict[str, Any]:
         n = self.nodes[i]
-        base = {"ctx_idx": n.position, "token_prob": 0.0, "is_target_logit": False, "run_idx": 0}
+        base: dict[str, Any] = {
+            "ctx_idx": n.position,
+            "token_prob": 0.0,
+            "is_target_logit": False,
+            "run_idx": 0,
+        }
         base.update(reverse_ctx_idx=0, clerp="", influence=influence, activation=None)
         if n.kind == "feature":
             x, y = n.layer, n.index
@@ -489,7 +495,9 @@ class _Freeze:
                 return take(self.qk, id(mod), output)
 
             handles.append(m.register_forward_hook(on_qk))
-        fwd = [(name, lambda t, hook: take(self.qk, hook.name, t)) for name in self.qk_points]
+        fwd: list[tuple[str, Callable[..., Any]]] = [
+            (name, lambda t, hook: take(self.qk, hook.name, t)) for name in self.qk_points
+        ]
         try:
             with hooks(self.model, fwd_hooks=fwd) if fwd else _nothing():
                 yield
@@ -598,7 +606,8 @@ def attribution_graph(
         raise RuntimeError("attribution graph: put the model in eval() mode (dropout is active)")
     n_layers = len(expand_points(model, "mlp_out.*"))
     tcs = _transcoders(model, transcoders, n_layers)
-    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_out = getattr(model, "get_output_embeddings", None)
+    lm_head = get_out() if callable(get_out) else None
     if not isinstance(lm_head, nn.Linear):
         raise LayerNotFoundError(
             "lm_head", f"attribution graph: {type(model).__name__} has no linear output embedding"
@@ -693,7 +702,7 @@ def attribution_graph(
     def keep_zero(t: Tensor, hook: Any) -> None:
         zero[hook.name] = t.detach()
 
-    fwd = [("embed", zero_embed)]
+    fwd: list[tuple[str, Callable[..., Any]]] = [("embed", zero_embed)]
     fwd += [(f"mlp_out.{i}", zero_mlp) for i in range(n_layers)]
     fwd += [(f"mlp_in.{i}", keep_zero) for i in range(n_layers)]
     h = lm_head.register_forward_hook(on_lm)
@@ -758,7 +767,7 @@ def attribution_graph(
         """Edge rows of targets: ``kinds[b] = (layer, position)`` (layer ``n_layers``: the
         logits), each with the gradient ``vecs[b]`` injected there."""
         nb = len(kinds)
-        grads_out = {}
+        grads_out: dict[str, Tensor] = {}
         for b, (layer, pos) in enumerate(kinds):
             name = "final" if layer == n_layers else f"mlp_in.{layer}"
             g = grads_out.get(name)
@@ -780,15 +789,15 @@ def attribution_graph(
         with torch.no_grad():
             for j in range(n_layers):
                 s = starts[j]
-                for o, vec, pos in writes[j]:
+                for o, vec, at in writes[j]:
                     gm = g_mlp[o]
                     if gm is None:
                         continue
                     gm = gm[:nb].to(buf_dtype)
-                    for c in range(0, len(pos), feature_chunk):
+                    for c in range(0, len(at), feature_chunk):
                         sl = slice(c, c + feature_chunk)
-                        rows[:, s + c : s + c + len(pos[sl])] += torch.einsum(
-                            "bnd,nd->bn", gm[:, pos[sl]], vec[sl]
+                        rows[:, s + c : s + c + len(at[sl])] += torch.einsum(
+                            "bnd,nd->bn", gm[:, at[sl]], vec[sl]
                         )
             for o in range(n_layers):
                 gm = g_mlp[o]
