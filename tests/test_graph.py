@@ -468,3 +468,28 @@ def test_strongest_paths_end_at_the_top_logit():
             )
         assert prod == pytest.approx(w)
     assert [w for _, w in paths] == sorted((w for _, w in paths), reverse=True)
+
+
+def test_streamed_buffer_grows_with_kept_nodes_not_active_features(monkeypatch):
+    """With max_feature_nodes=K the edge buffer has K + logits rows (one per computed target),
+    however many features are active; without, one row per active feature."""
+    import pyhook.graph as G
+
+    shapes = []
+    real = G._alloc
+
+    def spy(shape, *a, **k):
+        shapes.append(tuple(shape))
+        return real(shape, *a, **k)
+
+    monkeypatch.setattr(G, "_alloc", spy)
+    model, tcs = make("gpt2"), transcoders()
+    g = attribution_graph(
+        model, tcs, IDS, max_feature_nodes=5, max_n_logits=2, desired_logit_prob=1.0
+    )
+    n_cols = g.n_active_features + (g.n_layers + 1) * len(IDS)
+    assert shapes[0] == (5 + 2, n_cols)  # the edge buffer
+    assert tuple(g.adjacency.shape) == (5 + 2, 5 + (g.n_layers + 1) * len(IDS))
+    shapes.clear()
+    g = attribution_graph(model, tcs, IDS, max_n_logits=2, desired_logit_prob=1.0)
+    assert shapes[0] == (g.n_active_features + 2, n_cols)
