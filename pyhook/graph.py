@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .dictionaries import LinearParts, linear_parts, parse_key
+from .distributed import LayoutError
 from .lens import hooks
 from .modules import LayerNotFoundError
 from .points import PointUnavailableError, _norm_rule, architecture_of, expand_points, resolve_point
@@ -602,6 +603,17 @@ def attribution_graph(
             f"attribution graph: {arch.key!r} has a mixture of experts MLP; transcoders that "
             "replace a routed MLP are not supported",
         )
+    for pname, prm in model.named_parameters():
+        if (
+            prm.device.type == "meta"
+            or type(prm).__name__ == "DTensor"
+            or type(prm.data).__name__ == "DTensor"
+        ):
+            raise LayoutError(
+                f"attribution graph: {pname!r} is offloaded or sharded ({prm.device.type}, "
+                f"{type(prm.data).__name__}); the graph reads norm, decoder and unembedding "
+                "weights in hooks, so it needs a model whose weights are all in memory"
+            )
     if model.training:
         raise RuntimeError("attribution graph: put the model in eval() mode (dropout is active)")
     n_layers = len(expand_points(model, "mlp_out.*"))

@@ -493,3 +493,28 @@ def test_streamed_buffer_grows_with_kept_nodes_not_active_features(monkeypatch):
     shapes.clear()
     g = attribution_graph(model, tcs, IDS, max_n_logits=2, desired_logit_prob=1.0)
     assert shapes[0] == (g.n_active_features + 2, n_cols)
+
+
+def test_a_disk_offloaded_model_is_refused_by_name(tmp_path):
+    from pyhook.distributed import LayoutError
+
+    model = make("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    off = T.LlamaForCausalLM.from_pretrained(
+        tmp_path / "ckpt",
+        device_map=device_map,
+        offload_folder=tmp_path / "off",
+        dtype=torch.float64,
+    ).eval()
+    before = all_hooks(off)
+    with pytest.raises(LayoutError, match=r"'model\.layers\.1\..*' is offloaded or sharded"):
+        attribution_graph(off, transcoders(), IDS)
+    assert all_hooks(off) == before
