@@ -555,8 +555,8 @@ def attribution_graph(
     """The attribution graph of the next token after ``input_ids`` (one prompt, ``[T]`` or
     ``[1, T]``) through the replacement model of ``model`` with ``transcoders``
     (``{("mlp_in.L", "mlp_out.L"): transcoder}`` at every layer, or cross-layer transcoders
-    ``("mlp_in.L", ["mlp_out.L", "mlp_out.L+1", ...])``; anything :func:`pyhook.dictionaries.
-    linear_parts` reads). Norm scales and attention patterns are held at their values on the
+    ``("mlp_in.L", ["mlp_out.L", "mlp_out.L+1", ...])``; anything :func:`~pyhook.dictionaries.linear_parts`
+    reads). Norm scales and attention patterns are held at their values on the
     prompt; see :class:`AttributionGraph` for what the graph holds.
 
     The logit nodes are the most likely next tokens until their probabilities add up to
