@@ -566,7 +566,8 @@ def attribution_graph(
     re-estimated from the rows computed so far every ``rerank_every`` features (so the graph
     does not depend on ``batch_size``); the buffer of edges then has ``max_feature_nodes +
     logits`` rows, and lives on the model's device, in host memory (``offload="cpu"``) or in a
-    temporary file mapped into memory (``offload="disk"``).
+    temporary file mapped into memory (``offload="disk"``). The graph is returned in host
+    memory (its adjacency in such a file with ``offload="disk"``).
 
     >>> import torch, transformers, pyhook
     >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32)
@@ -871,7 +872,7 @@ def attribution_graph(
     col_keep = torch.cat([selected, torch.arange(n_active, n_cols)])
     dropped = torch.ones(n_active, dtype=torch.bool)
     dropped[selected] = False
-    adjacency = _alloc((n_kept + n_logits, n_src), buf_dtype, "cpu" if offload else device, offload)
+    adjacency = _alloc((n_kept + n_logits, n_src), buf_dtype, "cpu", offload)  # host or file
     pruned_rows = torch.zeros(n_kept + n_logits, dtype=torch.float64)
     col_keep_d = col_keep.to(buf.device)
     drop_d = torch.nonzero(dropped).flatten().to(buf.device)
