@@ -518,3 +518,46 @@ def test_a_disk_offloaded_model_is_refused_by_name(tmp_path):
     with pytest.raises(LayoutError, match=r"'model\.layers\.1\..*' is offloaded or sharded"):
         attribution_graph(off, transcoders(), IDS)
     assert all_hooks(off) == before
+
+
+def _tp_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import os
+    import traceback
+
+    import _layout_workers as W
+
+    results: dict = {}
+    try:
+        W._init(rank, world, port)
+        llama = T.AutoModelForCausalLM.from_pretrained(
+            os.path.join(outdir, "llama"), tp_plan="auto"
+        ).eval()
+        before = all_hooks(llama)
+        tcs = {(f"mlp_in.{i}", f"mlp_out.{i}"): Transcoder(10 + i, d=32) for i in range(2)}
+        try:
+            attribution_graph(llama, tcs, IDS)
+            results["refused"] = None
+        except Exception as e:
+            results["refused"] = (type(e).__name__, str(e))
+        results["hooks_left"] = all_hooks(llama) - before
+        torch.distributed.barrier()
+    except BaseException:
+        results["exception"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_model_is_refused_by_name(tmp_path):
+    import _layout_workers as W
+    from test_distributed import _spawn
+
+    W.save_llama(str(tmp_path / "llama"))
+    results = _spawn(_tp_worker, 2, str(tmp_path))
+    for r, res in enumerate(results):
+        assert "exception" not in res, res.get("exception")
+        name, msg = res["refused"]
+        assert name == "LayoutError" and "offloaded or sharded" in msg, (r, res["refused"])
+        assert res["hooks_left"] == 0
