@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import tempfile
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
@@ -484,7 +485,7 @@ class _Freeze:
                 scale = take(self.scales, id(mod), scale)
                 if mode == "record":  # the model's own output (its own rounding)
                     return None
-                out = rule.affine(mod, centred / scale, x.dtype)
+                out = rule.affine(_in_memory(mod, x.device), centred / scale, x.dtype)
                 if isinstance(output, tuple):
                     return (out, *output[1:])
                 return out
@@ -505,6 +506,30 @@ class _Freeze:
         finally:
             for h in handles:
                 h.remove()
+
+
+def _offload_map(mod: nn.Module) -> Any:
+    """accelerate's map of an offloaded module's weights (None when it has none)."""
+    return getattr(getattr(mod, "_hf_hook", None), "weights_map", None)
+
+
+def _in_memory(mod: nn.Module, device: Any = None) -> Any:
+    """``mod`` itself, or, when accelerate has offloaded its weights (they are on the meta
+    device outside its forward), an object with its ``weight`` and ``bias`` read from
+    accelerate's map of offloaded weights."""
+    w = getattr(mod, "weight", None)
+    if not (isinstance(w, Tensor) and w.device.type == "meta"):
+        return mod
+    wm = _offload_map(mod)
+    out = {}
+    for name in ("weight", "bias"):
+        p = getattr(mod, name, None)
+        if isinstance(p, Tensor):
+            p = wm[name] if p.device.type == "meta" else p
+            out[name] = p.to(device) if device is not None else p
+        else:
+            out[name] = None
+    return types.SimpleNamespace(**out)
 
 
 @contextmanager
@@ -604,17 +629,16 @@ def attribution_graph(
             f"attribution graph: {arch.key!r} has a mixture of experts MLP; transcoders that "
             "replace a routed MLP are not supported",
         )
-    for pname, prm in model.named_parameters():
-        if (
-            prm.device.type == "meta"
-            or type(prm).__name__ == "DTensor"
-            or type(prm.data).__name__ == "DTensor"
-        ):
-            raise LayoutError(
-                f"attribution graph: {pname!r} is offloaded or sharded ({prm.device.type}, "
-                f"{type(prm.data).__name__}); the graph reads norm, decoder and unembedding "
-                "weights in hooks, so it needs a model whose weights are all in memory"
-            )
+    for mname, mod in model.named_modules():
+        for pname, prm in mod.named_parameters(recurse=False):
+            offloaded = prm.device.type == "meta" and _offload_map(mod) is None
+            if offloaded or "DTensor" in (type(prm).__name__, type(prm.data).__name__):
+                raise LayoutError(
+                    f"attribution graph: '{mname}.{pname}' is offloaded or sharded "
+                    f"({prm.device.type}, {type(prm.data).__name__}) in a way the graph cannot "
+                    "read (it reads norm and unembedding weights in hooks): accelerate's "
+                    "offloading and unsharded models are supported"
+                )
     if model.training:
         raise RuntimeError("attribution graph: put the model in eval() mode (dropout is active)")
     n_layers = len(expand_points(model, "mlp_out.*"))
@@ -626,8 +650,9 @@ def attribution_graph(
             "lm_head", f"attribution graph: {type(model).__name__} has no linear output embedding"
         )
     freeze = _Freeze(model, n_layers)
-    device = lm_head.weight.device
-    dtype = lm_head.weight.dtype
+    W_U = _in_memory(lm_head).weight.detach()
+    device = W_U.device
+    dtype = W_U.dtype
     buf_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     ids = ids.to(device).long()
     T = ids.numel()
@@ -665,7 +690,6 @@ def attribution_graph(
     n_logits = int((top_p.cumsum(0) < desired_logit_prob).sum()) + 1
     n_logits = max(1, min(n_logits, max_n_logits, top_p.numel()))
     logit_tokens, logit_probs = top_i[:n_logits], top_p[:n_logits]
-    W_U = lm_head.weight.detach()
     logit_vecs = (W_U[logit_tokens] - W_U.mean(0)).to(buf_dtype)
     lm_real = lm_out["x"][0].double()
     logit_values = lm_real[logit_tokens] - lm_real.mean()

@@ -495,10 +495,12 @@ def test_streamed_buffer_grows_with_kept_nodes_not_active_features(monkeypatch):
     assert shapes[0] == (g.n_active_features + 2, n_cols)
 
 
-def test_a_disk_offloaded_model_is_refused_by_name(tmp_path):
-    from pyhook.distributed import LayoutError
-
-    model = make("llama")
+def test_a_cpu_and_disk_offloaded_model_gives_the_same_graph(tmp_path):
+    """accelerate's device_map with a block and the unembedding on disk: the same graph, bitwise
+    (the frozen norms and the logit directions read the offloaded weights from accelerate's map)."""
+    pytest.importorskip("accelerate")
+    model, tcs = make("llama"), transcoders()
+    want = attribution_graph(model, tcs, IDS, batch_size=8, max_feature_nodes=20)
     model.save_pretrained(tmp_path / "ckpt")
     device_map = {
         "model.embed_tokens": "cpu",
@@ -506,7 +508,7 @@ def test_a_disk_offloaded_model_is_refused_by_name(tmp_path):
         "model.layers.0": "cpu",
         "model.layers.1": "disk",
         "model.norm": "cpu",
-        "lm_head": "cpu",
+        "lm_head": "disk",
     }
     off = T.LlamaForCausalLM.from_pretrained(
         tmp_path / "ckpt",
@@ -514,10 +516,14 @@ def test_a_disk_offloaded_model_is_refused_by_name(tmp_path):
         offload_folder=tmp_path / "off",
         dtype=torch.float64,
     ).eval()
+    assert off.model.layers[1].input_layernorm.weight.device.type == "meta"
+    assert off.lm_head.weight.device.type == "meta"
     before = all_hooks(off)
-    with pytest.raises(LayoutError, match=r"'model\.layers\.1\..*' is offloaded or sharded"):
-        attribution_graph(off, transcoders(), IDS)
+    got = attribution_graph(off, tcs, IDS, batch_size=8, max_feature_nodes=20)
     assert all_hooks(off) == before
+    assert got.nodes == want.nodes
+    for field in ("adjacency", "values", "constant", "pruned"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 def _tp_worker(rank: int, world: int, port: int, outdir: str) -> None:
