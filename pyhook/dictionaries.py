@@ -119,9 +119,9 @@ class _TopKCoder(nn.Module):
     """sparsify's ``SparseCoder`` under the protocol: ``encode`` gives :class:`SparseFeatures`
     (its ``EncoderOutput`` without the dense pre-activations), ``decode`` takes them back."""
 
-    def __init__(self, coder: nn.Module) -> None:
+    def __init__(self, coder: Any) -> None:
         super().__init__()
-        self.coder = coder
+        self.coder: Any = coder
 
     def encode(self, x: Tensor) -> SparseFeatures:
         lead = x.shape[:-1]
@@ -135,11 +135,10 @@ class _TopKCoder(nn.Module):
         )
 
     def decode(self, f: Any) -> Tensor:
-        if not isinstance(f, SparseFeatures):
+        if not isinstance(f, SparseFeatures):  # dense features (an edit may switch on any)
             dense = dense_features(f)
-            k = int(_cfg(self.coder, "k"))
-            values, indices = dense.topk(k, dim=-1)
-            f = SparseFeatures(values, indices, dense.shape[-1])
+            y: Tensor = dense.to(self.coder.W_dec.dtype) @ self.coder.W_dec + self.coder.b_dec
+            return y
         lead = f.values.shape[:-1]
         k = f.values.shape[-1]
         y = self.coder.decode(f.values.reshape(-1, k), f.indices.reshape(-1, k))
@@ -218,8 +217,9 @@ class LinearParts:
     def decode(self, f: Tensor) -> Tensor | list[Tensor]:
         """The reconstruction(s) of dense features ``f``."""
         if isinstance(self.W_dec, list):
-            return [f @ w + b for w, b in zip(self.W_dec, self.b_dec)]  # type: ignore[arg-type]
-        return f @ self.W_dec + self.b_dec
+            return [f @ w + b for w, b in zip(self.W_dec, self.b_dec)]
+        b_dec: Any = self.b_dec
+        return f @ self.W_dec + b_dec
 
 
 def _relu(pre: Tensor) -> Tensor:
@@ -325,7 +325,7 @@ def _gather_parts(m: Any, who: str) -> LinearParts:
         raise DictionaryError(f"{who}: no decoder weight (W_dec, or an nn.Linear 'decoder')")
     elif b_dec is None:
         b_dec = W_dec.new_zeros(W_dec.shape[-1])
-    return LinearParts(W_enc, b_enc, W_dec, b_dec, _relu, input_bias)  # type: ignore[arg-type]
+    return LinearParts(W_enc, b_enc, W_dec, b_dec, _relu, input_bias)
 
 
 def _probe(parts: LinearParts, n_random: int = 4, n_aligned: int = 8) -> Tensor:

@@ -136,3 +136,14 @@ def test_parse_key():
     )
     with pytest.raises(DictionaryError, match="dictionary key 3"):
         parse_key(3)
+
+
+def test_sparsify_adapter_decodes_dense_features_with_any_feature_on():
+    torch.manual_seed(0)
+    sc = SparsifyCoder(D, N, 4).double()
+    dic = as_dictionary(sc)
+    f = dic.encode(_x(3, D))
+    torch.testing.assert_close(dic.decode(f.dense()), dic.decode(f), rtol=1e-12, atol=1e-12)
+    dense = f.dense()
+    dense[..., :] = 0.5  # every feature on: more than k, as an edit may do
+    torch.testing.assert_close(dic.decode(dense), dense @ sc.W_dec + sc.b_dec)
