@@ -37,6 +37,8 @@ Index of the public API (``import pyhook as nethook`` runs nethook code unchange
 * steering (:mod:`pyhook.steering`): ``with steering(model, specs):`` adds, ablates, caps or
   sets a direction (:class:`Steer`) at chosen positions of each batch row, under ``generate``
   with the KV cache and left padding, optionally on a per-row condition (:class:`Probe`);
+* attribution graphs (:mod:`pyhook.graph`): :func:`attribution_graph` builds circuit-tracer's
+  graph of features, errors, tokens and logits through transcoders, :class:`AttributionGraph`;
 * compiled models: every tool works on ``torch.compile(model)`` / ``model.compile()`` with
   dynamo's default settings (through persistent dispatcher hooks, see :mod:`pyhook._compiled`);
   :func:`release_compiled` removes those dispatchers; :func:`prepare_compiled` installs them
@@ -81,6 +83,7 @@ from .extend import (
     output_sizes,
 )
 from .flex import DummyModule, FlexModel, HookFunction, default_editing_function
+from .graph import AttributionGraph, GraphNode, attribution_graph
 from .lens import LensHook, hooks, run_with_cache, run_with_hooks
 from .modules import (
     LayerNotFoundError,
@@ -165,6 +168,10 @@ __all__ = [
     "run_with_hooks",
     "hooks",
     "LensHook",
+    # attribution graphs (circuit tracing) through transcoders
+    "attribution_graph",
+    "AttributionGraph",
+    "GraphNode",
     # high-throughput capture
     "capture",
     "CaptureJob",
