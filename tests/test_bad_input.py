@@ -543,6 +543,31 @@ CASES: list[Case] = [
         "spliced names '1'",
     ),
     ("linear_parts", lambda: pyhook.linear_parts(nn.ReLU()), (pyhook.DictionaryError,), "ReLU"),
+    # --- attribution graphs (pyhook.attribution_graph)
+    (
+        "attribution_graph",
+        lambda: pyhook.attribution_graph(M, {}, torch.tensor([1, 2, 3])),
+        (LookupError, ValueError),
+        "no standard hook points for Sequential",
+    ),
+    (
+        "attribution_graph",
+        lambda: pyhook.attribution_graph(M, {}, torch.tensor([1, 2, 3]), offload="gpu"),
+        (ValueError,),
+        "offload must be None, 'cpu' or 'disk'",
+    ),
+    (
+        "attribution_graph",
+        lambda: pyhook.attribution_graph(M, {}, torch.tensor([1, 2, 3]), batch_size=0),
+        (ValueError,),
+        "batch_size must be a positive int",
+    ),
+    (
+        "attribution_graph",
+        lambda: pyhook.attribution_graph(M, {}, torch.zeros(2, 3, dtype=torch.long)),
+        (ValueError,),
+        r"input_ids must be one prompt of token ids, \[T\] or \[1, T\], got \(2, 3\)",
+    ),
 ]
 
 
@@ -619,6 +644,8 @@ def test_every_public_entry_point_has_bad_input_cases():
         "LinearParts",  # plain containers of tensors (linear_parts and encode make them)
         "SparseFeatures",
         "DictionaryEval",
+        "AttributionGraph",  # attribution_graph's result and its nodes
+        "GraphNode",
     }
     missing = [n for n in pyhook.__all__ if n not in covered and n not in no_arguments]
     assert not missing, f"public names without bad-input cases: {missing}"
