@@ -57,7 +57,7 @@ def _metric(out) -> torch.Tensor:
     return (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum()
 
 
-def _plain_input_grad(model, name: str, own: bool) -> torch.Tensor:
+def _plain_input_grad(model, name: str, own: bool, ids=IDS, metric=_metric) -> torch.Tensor:
     """The gradient at a module's first input, with a plain pre-hook: through the module's
     argument alone (``own``: the module is given a node of its own) or the tensor's total."""
     (point,) = [p for _, p in resolve_targets(model, name)]
@@ -76,7 +76,7 @@ def _plain_input_grad(model, name: str, own: bool) -> torch.Tensor:
 
     handle = point.module.register_forward_pre_hook(pre, with_kwargs=True)
     try:
-        _metric(model(IDS)).backward()
+        metric(model(ids)).backward()
     finally:
         handle.remove()
     model.zero_grad()
