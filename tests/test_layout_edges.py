@@ -62,7 +62,7 @@ def test_distribute_module_with_user_functions_is_refused_by_name(ranks):
         for what in ("trace", "capture", "input point", "backward"):
             msg = got[what]
             assert msg is not None, f"rank {r}: {what} handed out the local shard"
-            assert "'0'" in msg and "distribute_module(" in msg, msg
+            assert "'0" in msg and "distribute_module(" in msg, msg
         assert "local_out" in got["trace"] and "replicate_in" in got["input point"]
         assert got["left"] == 0
         assert got["ranks"] is not None and "tp_size=" in got["ranks"], got["ranks"]
