@@ -1283,7 +1283,7 @@ def layout_hook(
         )
         import torch._dynamo
 
-        return torch._dynamo.disable(wrapped, recursive=True)  # type: ignore[no-any-return]
+        return torch._dynamo.disable(wrapped, recursive=True)
 
     if backward:
         if post:
