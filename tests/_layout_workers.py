@@ -795,6 +795,11 @@ def edges_worker(rank: int, world: int, port: int, outdir: str, compiled: bool) 
             ).eval()
             llama2.compile(backend="eager")
             results["module_compile"] = compiled_scenarios(llama2, short=True)
+            llama3 = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(outdir, "llama"), tp_plan="auto"
+            ).eval()
+            inductor = torch.compile(llama3, backend="inductor")
+            results["inductor"] = compiled_scenarios(inductor, short=True)
         dist.barrier()
     except BaseException:
         results["exception"] = traceback.format_exc()

@@ -40,8 +40,8 @@ def compiled_ranks(tmp_path_factory):
 
 def test_compiled_tensor_parallel_model_gives_whole_tensors(compiled_ranks):
     """Trace, TraceDict, an edit, run_with_cache and capture on a compiled 2-rank transformers
-    TP Llama (eager backend; torch.compile(model) and model.compile()) equal the unsharded
-    model's: no local shard is handed out as the whole tensor."""
+    TP Llama (eager backend: torch.compile(model) and model.compile(); one TraceDict under
+    inductor) equal the unsharded model's: no local shard is handed out as the whole tensor."""
     results, outdir = compiled_ranks
     llama = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(outdir, "llama")).eval()
     want = W.compiled_scenarios(llama)
@@ -50,6 +50,7 @@ def test_compiled_tensor_parallel_model_gives_whole_tensors(compiled_ranks):
     for r, res in enumerate(results):
         _compare(res["compiled_eager"], want, r, "torch.compile(model, backend='eager')")
         _compare(res["module_compile"], short, r, "model.compile(backend='eager')")
+        _compare(res["inductor"], short, r, "torch.compile(model) (inductor)")
 
 
 def test_distribute_module_with_user_functions_is_refused_by_name(ranks):
