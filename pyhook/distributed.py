@@ -958,6 +958,12 @@ def _own_layout(module: torch.nn.Module, what: str) -> ModuleLayout | None:
         if installer is not None:  # a style whose forward does not hold the style itself
             raise _hf_unknown(f"{what} (tensor-parallel style transformers {installer})", installer)
     if module._forward_hooks or module._forward_pre_hooks:
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook in hooks.values():
+                installer = _hf_installer(hook)  # a transformers style's hook (a per-head norm's)
+                if installer is not None and installer not in _HF_WHOLE:
+                    where = f"{what} (tensor-parallel style transformers {installer})"
+                    raise _hf_unknown(where, installer)
         found = _torch_style_hooks(module)
         if found:
             return _torch_layout(module, found, what)

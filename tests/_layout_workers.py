@@ -496,6 +496,13 @@ def _backward_refusals(rank: int) -> dict:
     net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16))
     hf_tp.ReplicatedWithGradAllReduce().install_forward(net[0], mesh)
     hf_tp.ColwiseParallel(input_layouts=Shard(1)).install_forward(net[1], mesh)
+
+    def styled_hooks() -> int:
+        return sum(
+            len(m._backward_hooks) + len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net
+        )
+
+    styled_before = styled_hooks()  # transformers' own (the per-head norm style's pre-hook)
     for n in ("0", "1"):
         for how, make in (
             ("trace", lambda n=n: pyhook.Trace(net, n)),
@@ -506,9 +513,7 @@ def _backward_refusals(rank: int) -> dict:
                 out[f"{how} {n}"] = None
             except pyhook.distributed.LayoutError as e:
                 out[f"{how} {n}"] = str(e)
-    out["styled left"] = sum(
-        len(m._backward_hooks) + len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net
-    )
+    out["styled left"] = styled_hooks() - styled_before
     return out
 
 
