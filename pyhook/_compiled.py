@@ -27,6 +27,7 @@ This module also holds the traceable helpers the tools use on this path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -226,8 +227,18 @@ class Dispatcher:
         # this one and run without its hooks. The module's own forward, bound in its __dict__,
         # fails that guard (dynamo guards this one's function instead).
         func = getattr(type(module), "forward", None)
-        if isinstance(func, types.FunctionType) and "forward" not in module.__dict__:
+        own = module.__dict__.get("forward")
+        self._own_forward: tuple[Any, Any] | None = None
+        if isinstance(func, types.FunctionType) and own is None:
             module.__dict__["forward"] = types.MethodType(func, module)
+        elif type(own) is types.FunctionType and own.__closure__:
+            # A forward patched in as a closure (transformers' tensor-parallel styles,
+            # accelerate's hooks) is guarded by its code, which the same module of every other
+            # layer shares: code compiled for one without a dispatcher would serve this one.
+            # A partial of it is guarded by identity.
+            wrapped = functools.partial(own)
+            module.__dict__["forward"] = wrapped
+            self._own_forward = (wrapped, own)
 
     def table(self, any_thread: bool) -> _Table:
         """The calling thread's table (created on first use), or the any-thread one."""
@@ -263,7 +274,9 @@ class Dispatcher:
         for h in self._handles:
             h.remove()
         bound = module.__dict__.get("forward")
-        if (
+        if self._own_forward is not None and bound is self._own_forward[0]:
+            module.__dict__["forward"] = self._own_forward[1]
+        elif (
             isinstance(bound, types.MethodType)
             and bound.__self__ is module
             and bound.__func__ is getattr(type(module), "forward", None)
@@ -287,6 +300,7 @@ class Dispatcher:
         self._local = threading.local()
         self.shared = _Table()
         self._handles = ()
+        self._own_forward = None
         _dispatchers.add(self)
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:

@@ -555,12 +555,26 @@ class HookSet:
         post: bool,
         with_kwargs: bool,
         prepend: bool,
+        inputs: bool = False,
+        name: str | None = None,
     ) -> Any:
         """The hook as an entry of ``module``'s persistent dispatcher when ``module`` belongs to
-        a compiled model (see :mod:`pyhook._compiled`), else None (a plain hook is wanted)."""
+        a compiled model (see :mod:`pyhook._compiled`), else None (a plain hook is wanted).
+        On a sharded model the entry sees whole tensors, as a plain hook does."""
         dispatch = _dispatcher_for(module)
         if dispatch is None:
             return None
+        if _layouts_active():  # a sharded compiled model: the hook sees whole tensors too
+            self._note_model()
+            fn = layout_hook(
+                module,
+                fn,
+                post=post,
+                with_kwargs=with_kwargs,
+                inputs=inputs,
+                name=name,
+                compiled=True,
+            )
         return self._keep(
             dispatch.add(
                 fn, post=post, with_kwargs=with_kwargs, prepend=prepend, any_thread=self.any_thread
@@ -602,7 +616,7 @@ class HookSet:
             )
         md = module.__dict__
         if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
-            handle = self._dispatched(module, fn, True, with_kwargs, prepend)
+            handle = self._dispatched(module, fn, True, with_kwargs, prepend, inputs, name)
             if handle is not None:
                 return handle
         if _layouts_active():  # a sharded model: the hook sees and returns whole tensors
@@ -635,10 +649,10 @@ class HookSet:
             )
         md = module.__dict__
         if "_pyhook_dispatch" in md or not (checked or "torch._dynamo" not in sys.modules):
-            handle = self._dispatched(module, fn, False, with_kwargs, prepend)
+            handle = self._dispatched(module, fn, False, with_kwargs, prepend, name=name)
             if handle is not None:
                 return handle
-        if _layouts_active():  # (compiled models are not laid out: dispatched as they are)
+        if _layouts_active():  # a sharded model: the hook sees and returns whole inputs
             self._note_model()
             fn = layout_hook(module, fn, post=False, with_kwargs=with_kwargs, name=name)
         (handle,) = _add_hooks(((md, self._guard(fn)),), False, with_kwargs, prepend)

@@ -50,6 +50,7 @@ __all__ = [
     "layout_hook",
     "module_layout",
     "parallel_layout",
+    "tensor_parallel_ranks",
 ]
 
 
@@ -727,6 +728,7 @@ def _torch_style_hooks(module: torch.nn.Module) -> list[tuple[str, str, Any, Any
         for hook in hooks.values():
             cells = _cell_values(hook)
             meshes = [c for c in cells if type(c).__name__ == "DeviceMesh"]
+            before = len(found)
             for c in cells:
                 target = c.func if isinstance(c, functools.partial) else c
                 owner = c if isinstance(c, ParallelStyle) else getattr(target, "__self__", None)
@@ -737,7 +739,23 @@ def _torch_style_hooks(module: torch.nn.Module) -> list[tuple[str, str, Any, Any
                 ) and "._prepare_" in getattr(target, "__qualname__", ""):
                     style = target.__qualname__.split(".")[0]
                     found.append((kind, style, c, meshes[0] if meshes else None))
+            if len(found) == before and (meshes or _from_distribute_module(hook)):
+                # distribute_module's hook around a function of the user's (input_fn,
+                # output_fn): what it hands on is unknown, so it is refused by name
+                user = next((c for c in cells if callable(c) and c not in meshes), hook)
+                label = getattr(user, "__name__", None) or type(user).__name__
+                fn_kind = "input_fn" if kind == "input" else "output_fn"
+                mesh = meshes[0] if meshes else None
+                found.append((kind, f"distribute_module({fn_kind}={label})", user, mesh))
     return found
+
+
+def _from_distribute_module(hook: Any) -> bool:
+    """Whether ``hook`` is one of the lambdas ``torch.distributed.tensor.distribute_module``
+    registers for an ``input_fn``/``output_fn``."""
+    code = getattr(hook, "__code__", None)
+    path = (getattr(code, "co_filename", "") or "").replace(os.sep, "/")
+    return path.endswith("torch/distributed/tensor/_api.py")
 
 
 def _torch_layout(
@@ -793,6 +811,58 @@ def module_layout(module: torch.nn.Module, what: str | None = None) -> ModuleLay
     if own is None:
         _check_not_between_shards(module, what)
     return own
+
+
+def tensor_parallel_ranks(model: torch.nn.Module) -> list[int] | None:
+    """The global ranks of this rank's tensor-parallel group, read off the parallel styles of
+    ``model``'s modules (transformers' ``tp_plan``, torch's ``parallelize_module``, whatever
+    set them up), or None when no module is tensor-parallel (an unsharded model, FSDP2,
+    accelerate's offloading, or no ``torch.distributed``).
+
+    The ranks of a group hold the same rows (each runs the whole batch), so a capture stores
+    them once: :mod:`pyhook.pipeline.ranks` asks this when the model does not record its
+    ``tp_size``. A module whose distributed hooks pyhook does not know
+    (``distribute_module`` with functions of the user's) says nothing of which ranks hold the
+    same rows: :class:`LayoutError` names it and asks for ``tp_size=``, as do styles over
+    several different groups.
+
+    Example::
+
+        >>> import torch
+        >>> from pyhook.distributed import tensor_parallel_ranks
+        >>> tensor_parallel_ranks(torch.nn.Linear(2, 2)) is None  # no process group
+        True
+    """
+    if not _layouts_active() or not isinstance(model, torch.nn.Module):
+        return None
+    groups: dict[tuple[int, ...], str] = {}
+    ask = "give the capture tp_size= (ranks per tensor-parallel group)"
+    for name, m in model.named_modules():
+        meshes = []
+        fwd = _own_forward(m)
+        if fwd is not None and getattr(fwd, "__closure__", None):
+            cells = _cell_values(fwd)
+            if any(_is_hf_style(c) for c in cells):
+                meshes += [c for c in cells if type(c).__name__ == "DeviceMesh"]
+        if m._forward_hooks or m._forward_pre_hooks:
+            for _kind, style, _fn, mesh in _torch_style_hooks(m):
+                if style.startswith("distribute_module(") or mesh is None:
+                    raise LayoutError(
+                        f"{name!r} (parallel style torch {style}): pyhook cannot tell from its "
+                        f"hooks which ranks hold the same rows; {ask}"
+                    )
+                meshes.append(mesh)
+        for mesh in meshes:
+            axis = _mesh_axis(mesh, f"{name!r}")
+            groups.setdefault(tuple(axis.ranks), name)
+    if not groups:
+        return None
+    if len(groups) > 1:
+        seen = "; ".join(f"{n!r}: ranks {list(g)}" for g, n in groups.items())
+        raise LayoutError(
+            f"the model's parallel styles use several tensor-parallel groups ({seen}); {ask}"
+        )
+    return list(next(iter(groups)))
 
 
 # module -> the module that holds it, for every model a tracer resolved names in while
@@ -875,7 +945,7 @@ def _torch_split_input(module: torch.nn.Module) -> bool:
 
 def _own_layout(module: torch.nn.Module, what: str) -> ModuleLayout | None:
     """module_layout from what the module itself holds (its forward, its hooks)."""
-    fwd = module.__dict__.get("forward")
+    fwd = _own_forward(module)
     if fwd is not None and getattr(fwd, "__closure__", None):
         cells = _cell_values(fwd)
         styles = [c for c in cells if _is_hf_style(c)]
@@ -888,10 +958,23 @@ def _own_layout(module: torch.nn.Module, what: str) -> ModuleLayout | None:
         if installer is not None:  # a style whose forward does not hold the style itself
             raise _hf_unknown(f"{what} (tensor-parallel style transformers {installer})", installer)
     if module._forward_hooks or module._forward_pre_hooks:
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook in hooks.values():
+                installer = _hf_installer(hook)  # a transformers style's hook (a per-head norm's)
+                if installer is not None and installer not in _HF_WHOLE:
+                    where = f"{what} (tensor-parallel style transformers {installer})"
+                    raise _hf_unknown(where, installer)
         found = _torch_style_hooks(module)
         if found:
             return _torch_layout(module, found, what)
     return None
+
+
+def _own_forward(module: torch.nn.Module) -> Any:
+    """The forward patched into ``module``'s ``__dict__`` (a style's closure), seen through the
+    ``functools.partial`` a compiled model's dispatcher wraps it in (pyhook._compiled)."""
+    fwd = module.__dict__.get("forward")
+    return fwd.func if type(fwd) is functools.partial else fwd
 
 
 def _is_hf_style(obj: Any) -> bool:
@@ -1147,6 +1230,7 @@ def layout_hook(
     inputs: bool = False,
     name: str | None = None,
     backward: bool = False,
+    compiled: bool = False,
 ) -> Callable[..., Any]:
     """``fn`` as the forward hook (``post``) or pre-hook to register on ``module``, seeing and
     returning whole tensors whatever the model's layout; with ``backward=True``, as the full
@@ -1170,6 +1254,11 @@ def layout_hook(
     is; DTensor gradients (torch's styles) are gathered, ``Partial`` ones summed. Gradients a
     backward hook returns, or edits in place, are re-sharded into this rank's layout.
 
+    ``compiled=True``: the hook is an entry of a compiled model's dispatcher
+    (:mod:`pyhook._compiled`). Where the module's tensors are sharded, the wrapper runs in
+    eager Python (``torch._dynamo.disable``: one graph break there, exact collectives); where
+    they are whole, ``fn`` itself is returned and compiled code inlines it as usual.
+
     Every pyhook tracer registers through :class:`pyhook._hooks.HookSet`, which calls this.
 
     Example::
@@ -1191,6 +1280,16 @@ def layout_hook(
     out_side = layout.output if layout is not None else None
     in_side = layout.input if layout is not None else None
     label = f"layer {what!r}" if name is not None else what
+    if compiled:
+        sharded = (out_side or (in_side if inputs else None)) if post else in_side
+        if sharded is None:
+            return fn  # whole on both sides: compiled code inlines the hook itself
+        wrapped = layout_hook(
+            module, fn, post=post, with_kwargs=with_kwargs, inputs=inputs, name=name
+        )
+        import torch._dynamo
+
+        return torch._dynamo.disable(wrapped, recursive=True)
 
     if backward:
         if post:

@@ -624,10 +624,21 @@ class Point:
                     f"{point.module_name!r} was called without a tensor as its first argument "
                     "(or hidden_states= keyword)"
                 )
-            handed = value if heads is None else _split_heads(point, value, heads)
+            # With grad, the hook gets a node of its own that the module alone reads, so its
+            # gradient is the one through this module's argument (what an edit here changes),
+            # not the tensor's total when other modules read it too (OLMo 2's attn_in, a
+            # q_proj:in): one gradient meaning for every tool. An inplace point's edit reaches
+            # every reader, so its tensor (and total gradient) is handed as it is.
+            own = not inplace and value.requires_grad and torch.is_grad_enabled()
+            if heads is not None:
+                handed = _split_heads(point, value, heads)
+            else:
+                handed = value.view_as(value) if own else value
             new = fn(module, args, kwargs, handed) if with_kwargs else fn(module, args, handed)
             if new is None or new is handed:
-                return None
+                if not own:
+                    return None
+                new = handed  # the module goes on with the node the hook was given
             if heads is not None:
                 new = _merge_heads(point, new, handed)
             if inplace:

@@ -496,6 +496,13 @@ def _backward_refusals(rank: int) -> dict:
     net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16))
     hf_tp.ReplicatedWithGradAllReduce().install_forward(net[0], mesh)
     hf_tp.ColwiseParallel(input_layouts=Shard(1)).install_forward(net[1], mesh)
+
+    def styled_hooks() -> int:
+        return sum(
+            len(m._backward_hooks) + len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net
+        )
+
+    styled_before = styled_hooks()  # transformers' own (the per-head norm style's pre-hook)
     for n in ("0", "1"):
         for how, make in (
             ("trace", lambda n=n: pyhook.Trace(net, n)),
@@ -506,9 +513,7 @@ def _backward_refusals(rank: int) -> dict:
                 out[f"{how} {n}"] = None
             except pyhook.distributed.LayoutError as e:
                 out[f"{how} {n}"] = str(e)
-    out["styled left"] = sum(
-        len(m._backward_hooks) + len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net
-    )
+    out["styled left"] = styled_hooks() - styled_before
     return out
 
 
@@ -610,6 +615,196 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 
         results["refused"] = _refusals(rank)
         results["refused_backward"] = _backward_refusals(rank)
+        dist.barrier()
+    except BaseException:
+        results["exception"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -- compiled tensor-parallel models, distribute_module, writers, gradient meaning -------------
+def save_olmo2(path: str) -> None:
+    torch.manual_seed(0)
+    cfg = transformers.Olmo2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        max_position_embeddings=32,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    _perturb_norms(transformers.Olmo2ForCausalLM(cfg)).save_pretrained(path)
+
+
+COMPILED_NAMES = [
+    "resid_post.0",
+    "attn_z.0",
+    "mlp_hidden.0",
+    "model.layers.0.self_attn.q_proj",  # colwise: a local shard of the features
+    "model.layers.1.mlp.up_proj",
+    "model.layers.1.self_attn.o_proj",  # rowwise: whole output, sharded input
+]
+
+
+def compiled_scenarios(model: nn.Module, short: bool = False) -> dict:
+    """Trace, TraceDict, run_with_cache and capture on a (compiled) Llama: whole tensors."""
+    res: dict = {}
+    with torch.no_grad():
+        with pyhook.TraceDict(model, COMPILED_NAMES, retain_input=True) as tr:
+            res["logits"] = model(IDS).logits
+        for n in COMPILED_NAMES:
+            res[f"out/{n}"] = tr[n].output
+        res["in/o_proj.1"] = tr["model.layers.1.self_attn.o_proj"].input
+        if short:
+            return res
+
+        def zero_head(output):
+            output = output.clone()
+            output[..., 1, :] = 0
+            return output
+
+        with pyhook.Trace(model, "attn_z.0", edit_output=zero_head):
+            res["edit/attn_z.0"] = model(IDS).logits
+        with pyhook.Trace(model, "mlp_hidden.1") as t:
+            model(IDS)
+        res["trace/mlp_hidden.1"] = t.output
+        _, cache = pyhook.run_with_cache(model, IDS, names_filter=["attn_z.1", "mlp_hidden.1"])
+        for n, v in cache.items():
+            res[f"cache/{n}"] = v
+        with capture(model, ["attn_z.1", "model.layers.0.self_attn.k_proj"], to="host") as rec:
+            model(IDS)
+        for n, t in rec.results().items():
+            res[f"capture/{n}"] = t
+    return res
+
+
+def _distribute_module_refusal(mesh: Any) -> dict:
+    """distribute_module with output_fn/input_fn of the user's: refused by name, no hook left;
+    the writer count cannot be read off it either (tp_size= asked for)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor import distribute_tensor as dt
+
+    from pyhook._hooks import HookSet
+
+    def shard_rows(name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(dt(p.detach(), mesh, [Shard(0)])))
+
+    def replicate_in(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()]) for x in inputs)
+
+    def local_out(mod, out, mesh):
+        return out.to_local()
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16))
+    distribute_module(net[0], mesh, shard_rows, replicate_in, local_out)
+    out: dict = {"local width": net(MLP_X).shape[-1]}
+    before = len(net[0]._forward_hooks) + len(net[0]._forward_pre_hooks)
+    attempts = {
+        "trace": lambda: pyhook.Trace(net, "0"),
+        "capture": lambda: capture(net, ["0"], to="host").__enter__(),
+        "input point": lambda: pyhook.Trace(net, "0:in"),
+        "backward": lambda: HookSet().full_backward(net[0], print, name="0"),
+    }
+    for what, make in attempts.items():
+        try:
+            with make():
+                net(MLP_X)
+            out[what] = None
+        except pyhook.distributed.LayoutError as e:
+            out[what] = str(e)
+    out["left"] = len(net[0]._forward_hooks) + len(net[0]._forward_pre_hooks) - before
+    try:
+        pyhook.distributed.tensor_parallel_ranks(net)
+        out["ranks"] = None
+    except pyhook.distributed.LayoutError as e:
+        out["ranks"] = str(e)
+    return out
+
+
+def _parallelize_module_writers(mesh: Any, outdir: str) -> dict:
+    """A raw capture of a parallelize_module model (no model.tp_size): one writer per group."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from pyhook.pipeline.ranks import rank_layout
+
+    mlp = make_mlp()
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    lay = rank_layout(model=mlp)
+    with torch.no_grad(), capture(mlp, ["0", "2"], out=os.path.join(outdir, "mlp_store")):
+        mlp(MLP_X)
+    return {"tp_size": lay.tp_size, "writer": lay.writer}
+
+
+GRAD_POINTS = [
+    "attn_in.0",
+    "mlp_in.1",
+    "model.layers.0.self_attn.q_proj:in",
+    "model.layers.1.mlp.up_proj:in",
+    "model.layers.1.self_attn.o_proj:in",
+]
+
+
+def olmo2_grads(model: nn.Module) -> dict:
+    """retain_grad (Trace, TraceDict) and run_with_cache's gradients at input points that other
+    modules read too."""
+    res: dict = {}
+    for n in GRAD_POINTS:
+        with pyhook.Trace(model, n, retain_grad=True) as t:
+            _loss(model(IDS)).backward()
+        model.zero_grad()
+        res[f"trace/{n}"] = t.output.grad
+    _, cache = pyhook.run_with_cache(
+        model, IDS, names_filter=GRAD_POINTS, incl_bwd=True, metric=_loss
+    )
+    model.zero_grad()
+    for n in GRAD_POINTS:
+        res[f"cache/{n}"] = cache[f"{n}_grad"]
+    return res
+
+
+def edges_worker(rank: int, world: int, port: int, outdir: str, compiled: bool) -> None:
+    """The scenarios of test_layout_edges: the compiled ones alone (``compiled``: slow to
+    compile), or the others."""
+    results: dict = {}
+    try:
+        _init(rank, world, port)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not compiled:
+            mesh = init_device_mesh("cpu", (world,))
+            results["distribute_module"] = _distribute_module_refusal(mesh)
+            results["writers"] = _parallelize_module_writers(mesh, outdir)
+            olmo = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(outdir, "olmo2"), tp_plan="auto", dtype=torch.float64
+            ).eval()
+            results["olmo2_tp"] = olmo2_grads(olmo)
+        else:
+            llama = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(outdir, "llama"), tp_plan="auto"
+            ).eval()
+            results["compiled_eager"] = compiled_scenarios(torch.compile(llama, backend="eager"))
+            llama2 = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(outdir, "llama"), tp_plan="auto"
+            ).eval()
+            llama2.compile(backend="eager")
+            results["module_compile"] = compiled_scenarios(llama2, short=True)
+            llama3 = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(outdir, "llama"), tp_plan="auto"
+            ).eval()
+            inductor = torch.compile(llama3, backend="inductor")
+            results["inductor"] = compiled_scenarios(inductor, short=True)
         dist.barrier()
     except BaseException:
         results["exception"] = traceback.format_exc()

@@ -15,7 +15,9 @@ One function, :func:`rank_layout`, answers for the job, the recorder and the str
 
 ``tp_size`` is given (a job's ``tp_size``) or read off the model: transformers records it when
 it shards a model (``tp_plan="auto"``, ``DistributedConfig``) as ``model.tp_size`` with its
-device mesh's ``"tp"`` dimension. FSDP (``fully_shard``) shards weights, not the batch: its
+device mesh's ``"tp"`` dimension; otherwise (torch's ``parallelize_module``) the layout layer
+reads it off the modules' parallel styles (:func:`pyhook.distributed.tensor_parallel_ranks`),
+and refuses, asking for ``tp_size``, styles it cannot read. FSDP (``fully_shard``) shards weights, not the batch: its
 ranks are data-parallel and each writes its own rows.
 
 Importing this module does not import torch.
@@ -132,7 +134,8 @@ def model_tp_size(model: Any) -> int:
 
     transformers records it when it shards a model (``tp_plan="auto"``,
     ``DistributedConfig(tp_size=N)``): ``model.tp_size`` and the device mesh's ``"tp"``
-    dimension. The mesh's groups must be ``tp_size`` ranks in a row (transformers' own layout);
+    dimension; a model that does not record it (torch's ``parallelize_module``) is read by the
+    layout layer (:func:`pyhook.distributed.tensor_parallel_ranks`). The groups must be ``tp_size`` ranks in a row (transformers' own layout);
     another layout is refused, naming it.
 
     >>> import torch
@@ -142,12 +145,22 @@ def model_tp_size(model: Any) -> int:
     if model is None:
         return 1
     size = getattr(model, "_tp_size", None)
+    ranks: list[int] | None = None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 1:
-        return 1
+        if _dist() is None:
+            return 1
+        # not recorded (torch's parallelize_module): the layout layer reads the styles
+        from ..distributed import tensor_parallel_ranks
+
+        ranks = tensor_parallel_ranks(model)
+        if ranks is None or len(ranks) == 1:
+            return 1
+        size = len(ranks)
     mesh = getattr(model, "_device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    if mesh is not None and "tp" in names:
+    if ranks is None and mesh is not None and "tp" in names:
         ranks = [int(r) for r in mesh["tp"].mesh.flatten().tolist()]
+    if ranks is not None:
         first = ranks[0]
         if len(ranks) != size or first % size or ranks != list(range(first, first + size)):
             raise ValueError(
@@ -193,7 +206,14 @@ def rank_layout(
         source = "environment"
     else:
         r, world, source = 0, 1, "one process"
-    model_tp = model_tp_size(model)
+    try:
+        model_tp = model_tp_size(model)
+    except ValueError as e:
+        from ..distributed import LayoutError
+
+        if tp_size is None or not isinstance(e, LayoutError):
+            raise
+        model_tp = 1  # the layout layer cannot tell; the tp_size given decides
     if tp_size is None:
         tp = model_tp
     else:
