@@ -46,7 +46,7 @@ from .modules import LayerNotFoundError, get_module, module_name_of
 from .points import Point, resolve_targets
 from .positions import PositionTracker, Where
 
-__all__ = ["OPS", "Probe", "Steer", "SteeringError", "Steering", "steering"]
+__all__ = ["OPS", "Probe", "Steer", "SteeringError", "Steering", "match_norm", "steering"]
 
 #: The operations of a :class:`Steer`.
 OPS = ("add", "ablate", "cap", "replace")
@@ -224,6 +224,29 @@ class Steer:
         }
 
 
+def match_norm(vector: Any, rows: Any) -> torch.Tensor:
+    """``vector`` rescaled to the mean norm of ``rows`` (``[n, *vector.shape]`` activations,
+    e.g. the target point's rows from a store): the norm matching of activation injection
+    (activation oracles, patchscopes), where a vector read from one model or layer is added to
+    another whose activations have another scale.
+
+    >>> match_norm(torch.tensor([3.0, 4.0]), torch.tensor([[0.0, 10.0], [6.0, 8.0]])).tolist()
+    [6.0, 8.0]
+    """
+    v = _vector(vector, "match_norm")
+    r = torch.as_tensor(rows).detach()
+    if r.dim() < 1 or tuple(r.shape[1:]) != tuple(v.shape):
+        raise SteeringError(
+            f"match_norm: rows must be [n, {', '.join(map(str, v.shape))}], got "
+            f"{list(r.shape)}"
+        )
+    target = r.double().reshape(r.shape[0], -1).norm(dim=1).mean()
+    norm = v.double().norm()
+    if float(norm) == 0.0:
+        raise SteeringError("match_norm: the vector is zero (no direction to rescale)")
+    return (v.double() * (target / norm)).to(v.dtype)
+
+
 # -- the machinery ------------------------------------------------------------------------------
 
 
@@ -387,7 +410,8 @@ class Steering:
 
     def __init__(self, model: nn.Module, specs: Any) -> None:
         self.model = model
-        self.per_row = isinstance(specs, (list, tuple))
+        # a list: one entry per batch row; a tuple: several specs for every row
+        self.per_row = isinstance(specs, list)
         self._specs = specs
         self.hooks = HookSet(model=model)
         self._targets: dict[Any, _Target] = {}
@@ -404,10 +428,13 @@ class Steering:
         if not self.per_row:
             if specs is None:
                 return [[]]
+            if isinstance(specs, tuple) and all(isinstance(s, Steer) for s in specs):
+                return [list(specs)]
             if not isinstance(specs, Steer):
                 raise SteeringError(
-                    "steering: specs must be a pyhook.Steer, None, or a list with one entry "
-                    f"per batch row, got {type(specs).__name__}"
+                    "steering: specs must be a pyhook.Steer, None, a tuple of specs (each row "
+                    "all of them) or a list with one entry per batch row, got "
+                    f"{type(specs).__name__}"
                 )
             return [[specs]]
         rows = []
@@ -664,9 +691,9 @@ class Steering:
 def steering(model: nn.Module, specs: Any) -> Iterator[Steering]:
     """Steer every forward of ``model`` (and every ``model.generate``) inside the block.
 
-    ``specs``: one :class:`Steer` for every row (or ``None``), or a list with one entry per
-    batch row: a :class:`Steer`, a list of them (applied in order), or ``None`` (that row is
-    not steered). Positions are each row's own (left padding and the KV cache accounted for,
+    ``specs``: one :class:`Steer` for every row (or ``None``; a tuple of specs: all of them on
+    every row, in order), or a list with one entry per batch row: a :class:`Steer`, a list of
+    them (applied in order), or ``None`` (that row is not steered). Positions are each row's own (left padding and the KV cache accounted for,
     see :mod:`pyhook.positions`). Bad specs raise :class:`SteeringError` before any token is
     generated; nothing stays registered after the block, whatever happened in it.
 
