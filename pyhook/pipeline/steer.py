@@ -228,7 +228,7 @@ def specs_of_batch(steer: Any, examples: Sequence[int]) -> Any:
     ``steer`` is one spec (or a list of specs, as a tuple) for every row, or a list with one
     entry per prompt (indexed by example number)."""
     if steer is None or isinstance(steer, (Steer, tuple)):
-        return list(steer) if isinstance(steer, tuple) else steer
+        return steer  # every row (a tuple: all of its specs)
     out = []
     for e in examples:
         if not 0 <= int(e) < len(steer):
