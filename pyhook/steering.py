@@ -237,8 +237,7 @@ def match_norm(vector: Any, rows: Any) -> torch.Tensor:
     r = torch.as_tensor(rows).detach()
     if r.dim() < 1 or tuple(r.shape[1:]) != tuple(v.shape):
         raise SteeringError(
-            f"match_norm: rows must be [n, {', '.join(map(str, v.shape))}], got "
-            f"{list(r.shape)}"
+            f"match_norm: rows must be [n, {', '.join(map(str, v.shape))}], got {list(r.shape)}"
         )
     target = r.double().reshape(r.shape[0], -1).norm(dim=1).mean()
     norm = v.double().norm()
@@ -291,7 +290,12 @@ class _Group:
         self.proj = any(s.op != "add" for s in live)
         self.simple_sel = all(s.prompt == "all" and s.generated == "all" for s in live)
         self.any_idx = any(isinstance(s.prompt, tuple) for s in live)
-        self.conds = [(probes[id(s.when)], i) for i, s in enumerate(specs) if s in live and s.when]
+        conds: dict[int, tuple[_ProbeState, list[int]]] = {}
+        for i, s in enumerate(specs):
+            if s is not None and not s.noop and s.when is not None:
+                conds.setdefault(id(s.when), (probes[id(s.when)], []))[1].append(i)
+        # (probe, its rows in this group), applied as one [batch] mask each
+        self.conds = list(conds.values())
         self.prompt_rows = [i for i in self.on_rows if specs[i].prompt is not None]  # type: ignore[union-attr]
         self._dev: dict[tuple[Any, Any], dict[str, torch.Tensor]] = {}
 
@@ -353,6 +357,10 @@ class _Group:
             "g_lo": g_lo.to(dev),
             "g_hi": g_hi.to(dev),
         }
+        for k, (_, rows) in enumerate(self.conds):
+            flags = torch.zeros(b, dtype=torch.bool)
+            flags[rows] = True
+            got[f"cond{k}"] = flags.to(dev)
         self._dev[key] = got
         return got
 
@@ -376,11 +384,10 @@ class _Group:
                 m = m | (is_p & (pos[:, :, None] == idx[:, None, :]).any(-1))
             m = m | (real & (gen >= t["g_lo"][:, None]) & (gen < t["g_hi"][:, None]))
             m = m & t["on"][:, None]
-        for state, row in self.conds:  # undecided: not steered
-            if state.decision is None:
-                m[row] = False
-            else:
-                m[row] &= state.decision[row].to(dev)
+        for k, (state, _) in enumerate(self.conds):  # on the device: no host read
+            rows = t[f"cond{k}"]
+            keep = ~rows if state.decision is None else state.decision.to(dev) | ~rows
+            m = m & keep[:, None]  # undecided rows are not steered
         return m
 
     def apply(self, x: torch.Tensor, where: Where) -> torch.Tensor:
@@ -634,15 +641,17 @@ class Steering:
         return hook
 
     def _check_order(self, g: _Group, t: _Target) -> None:
-        for st, row in g.conds:
-            s = g.specs[row]
-            assert s is not None
-            if not st.fired and s.prompt is not None:
-                raise SteeringError(
-                    f"{s.label}: its Probe at {st.target.name!r} runs after {t.name!r}, so the "
-                    f"prompt of row {row} cannot be steered on a decision made on it: probe a "
-                    "point that runs earlier, or steer generated tokens only (prompt=None)"
-                )
+        for st, rows in g.conds:
+            for row in rows:
+                s = g.specs[row]
+                assert s is not None
+                if not st.fired and s.prompt is not None:
+                    raise SteeringError(
+                        f"{s.label}: its Probe at {st.target.name!r} runs after {t.name!r}, so "
+                        f"the prompt of row {row} cannot be steered on a decision made on it: "
+                        "probe a point that runs earlier, or steer generated tokens only "
+                        "(prompt=None)"
+                    )
 
     def _probe(self, st: _ProbeState, x: torch.Tensor, where: Where) -> None:
         hit = sorted(set(st.rows) & self._steered_prompt)
