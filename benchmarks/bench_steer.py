@@ -11,6 +11,8 @@ A GPT-2-small-shaped ``GPT2LMHeadModel`` (random weights from a transformers con
 * ``batched``: one ``generate`` of the 8 rows under ``steering(model, [spec_0, ..., spec_7])``;
 * ``loop``: 8 ``generate`` calls of one row each, each under ``steering(model, spec_i)``;
 * ``plain``: ``generate`` of the 8 rows, unsteered;
+* ``loop_plain``: the same loop unsteered (what batching itself gains on this machine: the
+  ceiling of ``loop / batched``);
 * ``conditional``: the batched run with every spec conditional (a :class:`pyhook.Probe` at
   ``resid_post.3`` deciding each row on its prompt) plus a second, windowed spec a row.
 
@@ -109,7 +111,9 @@ def main() -> None:
         ]
         for v in vecs
     ]
-    kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad, eos_token_id=pad)
+    # every row runs all its steps in every configuration (steering changes the tokens: a
+    # steered batch that reached EOS early would do less work than the plain one)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -137,7 +141,20 @@ def main() -> None:
                 model.generate(input_ids=one, attention_mask=torch.ones_like(one), **kw)
         sync()
 
-    fns = {"plain": plain, "batched": batched, "conditional": conditional, "loop": loop}
+    def loop_plain() -> None:
+        for p in prompts:
+            one = torch.tensor([p], device=device)
+            with torch.no_grad():
+                model.generate(input_ids=one, attention_mask=torch.ones_like(one), **kw)
+        sync()
+
+    fns = {
+        "plain": plain,
+        "batched": batched,
+        "conditional": conditional,
+        "loop": loop,
+        "loop_plain": loop_plain,
+    }
     for fn in fns.values():  # warm-up
         fn()
     counts = {}  # host reads by steering in each forward of one generate
@@ -185,6 +202,7 @@ def main() -> None:
     print(f"{'ratio (median of rounds)':44}{'wall':>10}{'CPU':>10}   target")
     for label, a, b, target in (
         ("loop of 8 single-row / batched (speed-up)", "loop", "batched", ">= 3"),
+        ("  the same unsteered (batching's own gain)", "loop_plain", "plain", ""),
         ("batched steered / plain", "batched", "plain", "<= 1.10"),
         ("conditional + windowed / plain", "conditional", "plain", "<= 1.10"),
     ):
