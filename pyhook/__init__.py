@@ -101,9 +101,10 @@ from .pipeline import dataset as _dataset  # noqa: F401  (gives CaptureReader it
 from .pipeline.capture import CaptureModifiedError, Recorder, capture, resolve_layers
 from .pipeline.job import CaptureJob
 from .pipeline.paired import Paired
+from .pipeline.steer import mean_difference
 from .pipeline.stream import Stream, stream
 from .splice import DictionaryEval, Splice, evaluate_dictionaries, splice
-from .steering import Probe, Steer, SteeringError, steering
+from .steering import Probe, Steer, SteeringError, match_norm, steering
 from .store import (
     CaptureDamagedError,
     CaptureExistsError,
@@ -195,6 +196,8 @@ __all__ = [
     "Probe",
     "steering",
     "SteeringError",
+    "mean_difference",
+    "match_norm",
     # backends
     "get_backend",
     "set_backend",

@@ -795,6 +795,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --generate: more generate options, e.g. '{\"temperature\": 0.7}'",
     )
     c.add_argument(
+        "--steer",
+        action="append",
+        metavar="POINT=FILE[:NAME][*SCALE]",
+        help="with --generate: add SCALE times the vector NAME of FILE (.safetensors, .pt or "
+        ".npy) at POINT on every row (repeatable; docs/steering.md)",
+    )
+    c.add_argument(
         "--gradients",
         nargs="*",
         metavar="LAYER",

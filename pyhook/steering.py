@@ -46,7 +46,7 @@ from .modules import LayerNotFoundError, get_module, module_name_of
 from .points import Point, resolve_targets
 from .positions import PositionTracker, Where
 
-__all__ = ["OPS", "Probe", "Steer", "SteeringError", "Steering", "steering"]
+__all__ = ["OPS", "Probe", "Steer", "SteeringError", "Steering", "match_norm", "steering"]
 
 #: The operations of a :class:`Steer`.
 OPS = ("add", "ablate", "cap", "replace")
@@ -224,6 +224,28 @@ class Steer:
         }
 
 
+def match_norm(vector: Any, rows: Any) -> torch.Tensor:
+    """``vector`` rescaled to the mean norm of ``rows`` (``[n, *vector.shape]`` activations,
+    e.g. the target point's rows from a store): the norm matching of activation injection
+    (activation oracles, patchscopes), where a vector read from one model or layer is added to
+    another whose activations have another scale.
+
+    >>> match_norm(torch.tensor([3.0, 4.0]), torch.tensor([[0.0, 10.0], [6.0, 8.0]])).tolist()
+    [6.0, 8.0]
+    """
+    v = _vector(vector, "match_norm")
+    r = torch.as_tensor(rows).detach()
+    if r.dim() < 1 or tuple(r.shape[1:]) != tuple(v.shape):
+        raise SteeringError(
+            f"match_norm: rows must be [n, {', '.join(map(str, v.shape))}], got {list(r.shape)}"
+        )
+    target = r.double().reshape(r.shape[0], -1).norm(dim=1).mean()
+    norm = v.double().norm()
+    if float(norm) == 0.0:
+        raise SteeringError("match_norm: the vector is zero (no direction to rescale)")
+    return (v.double() * (target / norm)).to(v.dtype)
+
+
 # -- the machinery ------------------------------------------------------------------------------
 
 
@@ -268,7 +290,12 @@ class _Group:
         self.proj = any(s.op != "add" for s in live)
         self.simple_sel = all(s.prompt == "all" and s.generated == "all" for s in live)
         self.any_idx = any(isinstance(s.prompt, tuple) for s in live)
-        self.conds = [(probes[id(s.when)], i) for i, s in enumerate(specs) if s in live and s.when]
+        conds: dict[int, tuple[_ProbeState, list[int]]] = {}
+        for i, s in enumerate(specs):
+            if s is not None and not s.noop and s.when is not None:
+                conds.setdefault(id(s.when), (probes[id(s.when)], []))[1].append(i)
+        # (probe, its rows in this group), applied as one [batch] mask each
+        self.conds = list(conds.values())
         self.prompt_rows = [i for i in self.on_rows if specs[i].prompt is not None]  # type: ignore[union-attr]
         self._dev: dict[tuple[Any, Any], dict[str, torch.Tensor]] = {}
 
@@ -330,6 +357,10 @@ class _Group:
             "g_lo": g_lo.to(dev),
             "g_hi": g_hi.to(dev),
         }
+        for k, (_, rows) in enumerate(self.conds):
+            flags = torch.zeros(b, dtype=torch.bool)
+            flags[rows] = True
+            got[f"cond{k}"] = flags.to(dev)
         self._dev[key] = got
         return got
 
@@ -353,11 +384,10 @@ class _Group:
                 m = m | (is_p & (pos[:, :, None] == idx[:, None, :]).any(-1))
             m = m | (real & (gen >= t["g_lo"][:, None]) & (gen < t["g_hi"][:, None]))
             m = m & t["on"][:, None]
-        for state, row in self.conds:  # undecided: not steered
-            if state.decision is None:
-                m[row] = False
-            else:
-                m[row] &= state.decision[row].to(dev)
+        for k, (state, _) in enumerate(self.conds):  # on the device: no host read
+            rows = t[f"cond{k}"]
+            keep = ~rows if state.decision is None else state.decision.to(dev) | ~rows
+            m = m & keep[:, None]  # undecided rows are not steered
         return m
 
     def apply(self, x: torch.Tensor, where: Where) -> torch.Tensor:
@@ -387,7 +417,8 @@ class Steering:
 
     def __init__(self, model: nn.Module, specs: Any) -> None:
         self.model = model
-        self.per_row = isinstance(specs, (list, tuple))
+        # a list: one entry per batch row; a tuple: several specs for every row
+        self.per_row = isinstance(specs, list)
         self._specs = specs
         self.hooks = HookSet(model=model)
         self._targets: dict[Any, _Target] = {}
@@ -404,10 +435,13 @@ class Steering:
         if not self.per_row:
             if specs is None:
                 return [[]]
+            if isinstance(specs, tuple) and all(isinstance(s, Steer) for s in specs):
+                return [list(specs)]
             if not isinstance(specs, Steer):
                 raise SteeringError(
-                    "steering: specs must be a pyhook.Steer, None, or a list with one entry "
-                    f"per batch row, got {type(specs).__name__}"
+                    "steering: specs must be a pyhook.Steer, None, a tuple of specs (each row "
+                    "all of them) or a list with one entry per batch row, got "
+                    f"{type(specs).__name__}"
                 )
             return [[specs]]
         rows = []
@@ -607,15 +641,17 @@ class Steering:
         return hook
 
     def _check_order(self, g: _Group, t: _Target) -> None:
-        for st, row in g.conds:
-            s = g.specs[row]
-            assert s is not None
-            if not st.fired and s.prompt is not None:
-                raise SteeringError(
-                    f"{s.label}: its Probe at {st.target.name!r} runs after {t.name!r}, so the "
-                    f"prompt of row {row} cannot be steered on a decision made on it: probe a "
-                    "point that runs earlier, or steer generated tokens only (prompt=None)"
-                )
+        for st, rows in g.conds:
+            for row in rows:
+                s = g.specs[row]
+                assert s is not None
+                if not st.fired and s.prompt is not None:
+                    raise SteeringError(
+                        f"{s.label}: its Probe at {st.target.name!r} runs after {t.name!r}, so "
+                        f"the prompt of row {row} cannot be steered on a decision made on it: "
+                        "probe a point that runs earlier, or steer generated tokens only "
+                        "(prompt=None)"
+                    )
 
     def _probe(self, st: _ProbeState, x: torch.Tensor, where: Where) -> None:
         hit = sorted(set(st.rows) & self._steered_prompt)
@@ -664,9 +700,9 @@ class Steering:
 def steering(model: nn.Module, specs: Any) -> Iterator[Steering]:
     """Steer every forward of ``model`` (and every ``model.generate``) inside the block.
 
-    ``specs``: one :class:`Steer` for every row (or ``None``), or a list with one entry per
-    batch row: a :class:`Steer`, a list of them (applied in order), or ``None`` (that row is
-    not steered). Positions are each row's own (left padding and the KV cache accounted for,
+    ``specs``: one :class:`Steer` for every row (or ``None``; a tuple of specs: all of them on
+    every row, in order), or a list with one entry per batch row: a :class:`Steer`, a list of
+    them (applied in order), or ``None`` (that row is not steered). Positions are each row's own (left padding and the KV cache accounted for,
     see :mod:`pyhook.positions`). Bad specs raise :class:`SteeringError` before any token is
     generated; nothing stays registered after the block, whatever happened in it.
 

@@ -8,6 +8,8 @@ that edits the absolute positions the spec names (pyhook only names the module o
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from _models import all_hooks, randomise_norms
@@ -275,3 +277,101 @@ def test_user_forward_inside_the_block_is_steered_at_its_positions():
     for row, prompt in enumerate(PROMPTS):
         _, ref = _reference(model, prompt, [spec], new=1)
         torch.testing.assert_close(got[row, -1], ref[0], rtol=1e-10, atol=1e-10)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts calls that read tensor values on the host (a device synchronisation on a GPU)
+    made by pyhook's steering and position code, per forward of the model."""
+
+    NAMES = frozenset(
+        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            frame = sys._getframe(1)
+            for _ in range(4):
+                if frame is None:
+                    break
+                f = frame.f_code.co_filename
+                if "pyhook" in f and f.endswith(("steering.py", "positions.py")):
+                    self.reads += 1
+                    break
+                frame = frame.f_back
+        return func(*args, **(kwargs or {}))
+
+
+def test_conditions_read_nothing_on_the_host_per_step():
+    model = _model("gpt2")
+    probe = pyhook.Probe("resid_post.0", _vec(11), threshold=0.0)
+    specs = [
+        [
+            pyhook.Steer("resid_post.1", _vec(r), scale=2.0, when=probe),
+            pyhook.Steer("resid_post.2", _vec(r + 10), op="cap", scale=0.5, generated=(1, 4)),
+        ]
+        for r in range(len(PROMPTS))
+    ]
+    ids, am = _left_pad(PROMPTS)
+    per_forward = []
+    counter = _HostReads()
+    h = model.get_output_embeddings().register_forward_hook(
+        lambda *_: per_forward.append(counter.reads)
+    )
+    try:
+        with pyhook.steering(model, specs), torch.no_grad(), counter:
+            model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False)
+    finally:
+        h.remove()
+    assert len(per_forward) == NEW
+    assert per_forward == [0] * NEW  # no prompt indices to check: not even in the prefill
+    # with prompt indices, the prefill reads the prompt lengths once; the steps read nothing
+    specs[0][1] = pyhook.Steer("resid_post.2", _vec(3), prompt=[-1])
+    per_forward.clear()
+    counter = _HostReads()
+    h = model.get_output_embeddings().register_forward_hook(
+        lambda *_: per_forward.append(counter.reads)
+    )
+    try:
+        with pyhook.steering(model, specs), torch.no_grad(), counter:
+            model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False)
+    finally:
+        h.remove()
+    assert per_forward == [1] * NEW
+
+
+def test_a_manual_decode_loop_with_the_cache_is_steered_like_generate():
+    """The user's own loop of model(...) calls with past_key_values: positions from the
+    attention mask the model is called with, the prompt from the loop's first call."""
+    model = _model("llama")
+    specs = _row_specs()
+    want, _ = _steered(model, PROMPTS, specs)
+    ids, am = _left_pad(PROMPTS)
+    got = []
+    with pyhook.steering(model, specs), torch.no_grad():
+        out = model(ids, attention_mask=am, use_cache=True)
+        for _ in range(NEW):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            got.append(nxt)
+            am = torch.cat([am, torch.ones_like(nxt)], 1)
+            out = model(nxt, attention_mask=am, past_key_values=out.past_key_values)
+    assert torch.equal(torch.cat(got, 1), want)
+
+
+def test_observers_at_the_steered_point_see_the_steered_value():
+    model = _model("gpt2")
+    v = _vec(5)
+    ids, am = _left_pad(PROMPTS)
+    with torch.no_grad():
+        with pyhook.Trace(model, "resid_post.0") as plain:
+            model(ids, attention_mask=am)
+        with pyhook.Trace(model, "resid_post.0") as tr, pyhook.steering(
+            model, pyhook.Steer("resid_post.0", v, scale=2.0)
+        ):
+            model(ids, attention_mask=am)
+    real = am.bool()
+    torch.testing.assert_close(tr.output[real], plain.output[real] + 2.0 * v)
+    assert torch.equal(tr.output[~real], plain.output[~real])  # padding untouched

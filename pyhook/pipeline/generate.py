@@ -51,9 +51,11 @@ import torch
 
 from .. import _backend
 from ..positions import absolute_positions
+from ..steering import steering
 from . import annotations
 from ._generate_options import _REFUSED  # options that break one row per token
 from ._record import batch_stats, stats_later
+from .steer import describe, specs_of_batch
 
 __all__ = [
     "GENERATED",
@@ -693,6 +695,7 @@ def run_generate(
     on_batch: Callable[[Any, float], None] | None = None,
     on_generated: Callable[[int], None] | None = None,
     exclude_tokens: Any = None,
+    steer: Any = None,
     **generate_kwargs: Any,
 ) -> dict[str, float]:
     """Run ``model.generate`` over the prompt ``batches`` (:class:`pyhook.source.Batch`, e.g.
@@ -717,7 +720,11 @@ def run_generate(
     ``on_generated(new_tokens)`` (the tokens the batch generated, its EOS included).
     ``tokenizer`` decodes the completions into the stored texts. ``exclude_tokens`` (token ids,
     e.g. the special tokens) have no row, prompt or generated (a job's
-    ``exclude_special_tokens``). ``stats`` (default: the
+    ``exclude_special_tokens``). ``steer`` steers the generation (:func:`pyhook.steering`): a
+    :class:`pyhook.Steer` (or a tuple of them) for every prompt, or a list with one entry per
+    prompt (a spec, a list of specs, or None), indexed by example number; the stored rows are
+    the steered ones, and the store's metadata holds the specs (``meta["steering"]``, checked
+    before anything is generated). ``stats`` (default: the
     recorder's) stores the statistics of the kept rows. Returns timings like
     :func:`pyhook.runner.run` (``forward`` seconds, ``wait``, ``tokens`` run through the
     model) plus ``new_tokens``.
@@ -788,6 +795,8 @@ def run_generate(
     )
     if exclude_tokens is not None:
         exclude_tokens = torch.as_tensor(exclude_tokens, dtype=torch.long).reshape(-1).cpu()
+    if steer is not None:
+        _check_steer(model, rec, steer)
     forward = wait = 0.0
     tokens = new_tokens = 0
     it = iter(batches)
@@ -817,10 +826,16 @@ def run_generate(
                 rec.annotate(ids, prefill_keep, b.examples.to("cpu", torch.long))
                 if stops is not None:
                     stops.reset()
+                steered = (
+                    steering(model, specs_of_batch(steer, b.examples.tolist()))
+                    if steer is not None
+                    else contextlib.nullcontext()
+                )
                 try:
-                    seqs = model.generate(
-                        input_ids=ids.to(device), attention_mask=am.to(device), **kw
-                    )
+                    with steered:
+                        seqs = model.generate(
+                            input_ids=ids.to(device), attention_mask=am.to(device), **kw
+                        )
                 except IndexError as e:
                     # an absolute position embedding indexed past its end (GPT-2's wpe)
                     from .runner import max_positions
@@ -876,6 +891,42 @@ def run_generate(
         if close is not None:
             close()
     return {"forward": forward, "wait": wait, "tokens": tokens, "new_tokens": new_tokens}
+
+
+def _check_steer(model: Any, rec: Any, steer: Any) -> None:
+    """Check ``steer`` before generating (every point resolved, every vector's width), and
+    write its specs into the store's metadata (``meta["steering"]``)."""
+    from ..steering import Steer
+
+    def specs(e: Any) -> bool:
+        return isinstance(e, Steer) or (
+            isinstance(e, (list, tuple)) and all(isinstance(s, Steer) for s in e)
+        )
+
+    if isinstance(steer, list):
+        for i, e in enumerate(steer):
+            if e is not None and not specs(e):
+                raise GenerateError(
+                    f"steer: entry {i} (prompt {i}) must be a pyhook.Steer, a list of them or "
+                    f"None, got {e!r}"
+                )
+        every = [s for e in steer if e is not None for s in ([e] if isinstance(e, Steer) else e)]
+        note: dict[str, Any] = {"examples": "each", "specs": [describe(e) for e in steer]}
+    elif isinstance(steer, Steer) or (isinstance(steer, tuple) and specs(steer)):
+        every = [steer] if isinstance(steer, Steer) else list(steer)
+        note = {"examples": "all", "specs": describe(every)}
+    else:
+        raise GenerateError(
+            "steer must be a pyhook.Steer, a tuple of them (every prompt) or a list with one "
+            f"entry per prompt, got {type(steer).__name__}"
+        )
+    distinct = tuple({id(s): s for s in every}.values())
+    with steering(model, distinct):  # resolves and checks every spec, before generating
+        pass
+    rec.meta = {**rec.meta, "steering": note}
+    writer = getattr(rec, "_writer", None)
+    if writer is not None and isinstance(getattr(writer, "meta", None), dict):
+        writer.meta = {**writer.meta, "steering": note}
 
 
 def _join(

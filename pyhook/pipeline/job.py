@@ -181,6 +181,7 @@ _SETTING_WORDS = {
     "sampling": "`sampling`",
     "seed": "`seed`",
     "generate_kwargs": "`generate_kwargs`",
+    "steer": "`steer`",
     "gradients": "`gradients`",
     "metric": "`metric`",
 }
@@ -382,7 +383,10 @@ class CaptureJob:
       :mod:`pyhook.pipeline.generate`); ``generated_only`` (only generated tokens' rows; with
       ``positions="last"``: the last token of each step), ``sampling`` (``"greedy"``,
       ``"sample"``, or ``"model"``: its ``generation_config``), ``seed``, ``generate_kwargs``
-      (more ``generate`` options, e.g. ``{"temperature": 0.7}``).
+      (more ``generate`` options, e.g. ``{"temperature": 0.7}``), ``steer`` (steering specs as
+      data, applied to every prompt: dicts of :class:`pyhook.Steer`'s fields whose vector is
+      ``"FILE[:NAME]"`` of a ``.safetensors``/``.pt``/``.npy`` file, or the command's
+      ``POINT=FILE[:NAME][*SCALE]``; see docs/steering.md).
     * ``gradients`` (``true``, or names/globs among ``layers``) and ``metric``: also store
       ``"<layer>_grad"``, the gradient of each example's metric at that layer (docs/job.md,
       "Gradients"). In a file ``metric`` is a named metric, ``"loss"`` (next-token loss) or
@@ -430,6 +434,7 @@ class CaptureJob:
     sampling: str = "greedy"
     seed: int = 0
     generate_kwargs: dict[str, Any] | None = None
+    steer: list[Any] | None = None
     gradients: bool | list[str] | None = None
     metric: Any = None
 
@@ -453,6 +458,10 @@ class CaptureJob:
             self.positions = int(self.positions)
         if isinstance(self.shard_mb, int) and not isinstance(self.shard_mb, bool):
             self.shard_mb = float(self.shard_mb)
+        if isinstance(self.steer, (str, dict)):
+            self.steer = [self.steer]
+        if isinstance(self.steer, (list, tuple)):  # the command's POINT=FILE[:NAME][*SCALE]
+            self.steer = [_steer_flag(s) if isinstance(s, str) else s for s in self.steer]
         self.check()
 
     # -- checks that need neither torch nor a file --------------------------------------------
@@ -488,6 +497,9 @@ class CaptureJob:
             elif name == "generate_kwargs":
                 if v is not None:
                     _check_generate_kwargs(v)
+            elif name == "steer":
+                if v is not None:
+                    _check_steer(v)
             elif name in ("gradients", "metric"):
                 continue  # _check_gradients, below
             elif name == "shard_mb":
@@ -637,6 +649,7 @@ class CaptureJob:
                 ("sampling", "greedy"),
                 ("seed", 0),
                 ("generate_kwargs", None),
+                ("steer", None),
             ):
                 if getattr(self, name) != default:
                     raise JobError(
@@ -1016,6 +1029,8 @@ class CaptureJob:
                 generate_kwargs=self.generate_kwargs,
                 positions=positions,
             )
+            if self.steer:  # absent otherwise: unsteered stores made before compare equal
+                settings["steer"] = self.steer
         plan = CapturePlan(
             job=self,
             model_path=prepared.path,
@@ -1294,6 +1309,7 @@ class CaptureJob:
                         on_batch=on_batch,
                         on_generated=on_generated,
                         exclude_tokens=src._excluded(),
+                        steer=_steer_specs(self.steer),
                         **(self.generate_kwargs or {}),
                     )
                 else:
@@ -1927,6 +1943,61 @@ def _check_generate_kwargs(v: Any) -> None:
         raise _JobTypeError(str(e)) from None
     except ValueError as e:
         raise JobError(str(e)) from None
+
+
+_STEER_FLAG = re.compile(r"\s*([^=\s]+)\s*=\s*(.+?)(?:\*\s*([-+]?[0-9.]+(?:[eE][-+]?\d+)?))?\s*")
+_STEER_FIELDS = {"point", "vector", "scale", "op", "prompt", "generated", "when"}
+
+
+def _steer_flag(text: str) -> dict[str, Any]:
+    """``--steer POINT=FILE[:NAME][*SCALE]`` as a spec (add SCALE times the vector).
+
+    >>> _steer_flag("resid_post.6=vectors.safetensors:happy*4")
+    {'point': 'resid_post.6', 'vector': 'vectors.safetensors:happy', 'scale': 4.0}
+    """
+    m = _STEER_FLAG.fullmatch(text)
+    if m is None:
+        raise JobError(
+            f"`steer` {text!r}: expected POINT=FILE[:NAME][*SCALE], e.g. "
+            "resid_post.6=vectors.safetensors:happy*4"
+        )
+    spec: dict[str, Any] = {"point": m.group(1), "vector": m.group(2)}
+    if m.group(3) is not None:
+        spec["scale"] = float(m.group(3))
+    return spec
+
+
+def _check_steer(v: Any) -> None:
+    """`steer`: a list of spec dicts (no torch, no file read here)."""
+    if not isinstance(v, list) or not v:
+        raise _JobTypeError(f"`steer` must be a list of steering specs, got {_got(v)}")
+    for i, d in enumerate(v):
+        if not isinstance(d, dict):
+            raise _JobTypeError(f"`steer` entry {i} must be a spec (a mapping), got {_got(d)}")
+        unknown = set(d) - _STEER_FIELDS
+        if unknown:
+            raise JobError(
+                f"`steer` entry {i}: unknown field(s) {sorted(unknown)}; a spec has "
+                f"{sorted(_STEER_FIELDS)}"
+            )
+        if not isinstance(d.get("point"), str) or "vector" not in d:
+            raise JobError(
+                f"`steer` entry {i}: needs 'point' (a point name) and 'vector' "
+                "('FILE[:NAME]' of a .safetensors/.pt/.npy file, or a list of numbers)"
+            )
+
+
+def _steer_specs(v: list[Any] | None) -> Any:
+    """The job's `steer` as the specs run_generate takes (a tuple: every prompt, all of them)."""
+    if not v:
+        return None
+    from ..steering import SteeringError
+    from .steer import specs_from_data
+
+    try:
+        return tuple(specs_from_data(v))
+    except SteeringError as e:
+        raise JobError(f"`steer`: {e}") from None
 
 
 def _check_token_ids(options: dict[str, Any], config: Any, name: str) -> None:
