@@ -53,7 +53,7 @@ Example::
     >>> ids = torch.tensor([[1, 2, 3]])
     >>> with pyhook.TraceDict(model, ["resid_pre.1", "resid_post.0"]) as ret:
     ...     out = model(ids, output_hidden_states=True)
-    >>> ret["resid_pre.1"].output is out.hidden_states[1]
+    >>> torch.equal(ret["resid_pre.1"].output, out.hidden_states[1])
     True
 """
 

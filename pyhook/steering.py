@@ -234,7 +234,13 @@ def match_norm(vector: Any, rows: Any) -> torch.Tensor:
     [6.0, 8.0]
     """
     v = _vector(vector, "match_norm")
-    r = torch.as_tensor(rows).detach()
+    try:
+        r = torch.as_tensor(rows).detach()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SteeringError(
+            f"match_norm: rows must be a tensor of activations [n, *vector.shape], got "
+            f"{type(rows).__name__} ({e})"
+        ) from None
     if r.dim() < 1 or tuple(r.shape[1:]) != tuple(v.shape):
         raise SteeringError(
             f"match_norm: rows must be [n, {', '.join(map(str, v.shape))}], got {list(r.shape)}"

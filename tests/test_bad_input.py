@@ -543,6 +543,55 @@ CASES: list[Case] = [
         "spliced names '1'",
     ),
     ("linear_parts", lambda: pyhook.linear_parts(nn.ReLU()), (pyhook.DictionaryError,), "ReLU"),
+    # --- steering (pyhook.steering)
+    (
+        "Steer",
+        lambda: pyhook.Steer("0", torch.randn(3), op="scale"),
+        (pyhook.SteeringError,),
+        r"Steer\('0', op='scale'\): op must be one of add, ablate, cap, replace",
+    ),
+    (
+        "Steer",
+        lambda: pyhook.Steer("0", torch.randn(3), generated=(3, 1)),
+        (pyhook.SteeringError,),
+        r"generated=\(3, 1\) must have 0 <= start <= stop",
+    ),
+    (
+        "Probe",
+        lambda: pyhook.Probe("0", torch.randn(3), 0.0, reduce="max"),
+        (pyhook.SteeringError,),
+        "reduce must be 'mean' or 'last', got 'max'",
+    ),
+    (
+        "steering",
+        lambda: pyhook.steering(M, pyhook.Steer("nope", torch.randn(3))).__enter__(),
+        (pyhook.SteeringError,),
+        "unknown point: no module named 'nope'",
+    ),
+    (
+        "steering",
+        lambda: pyhook.steering(M, [1, 2]).__enter__(),
+        (pyhook.SteeringError,),
+        "entry 0 of specs must be a pyhook.Steer",
+    ),
+    (
+        "match_norm",
+        lambda: pyhook.match_norm(torch.randn(3), "rows"),
+        (pyhook.SteeringError,),
+        "match_norm: rows must be a tensor of activations",
+    ),
+    (
+        "match_norm",
+        lambda: pyhook.match_norm(torch.randn(3), torch.randn(5, 4)),
+        (pyhook.SteeringError,),
+        r"match_norm: rows must be \[n, 3\], got \[5, 4\]",
+    ),
+    (
+        "mean_difference",
+        lambda: pyhook.mean_difference("/nonexistent/store", "0", [0], [1]),
+        (FileNotFoundError,),
+        "/nonexistent/store",
+    ),
     # --- attribution graphs (pyhook.attribution_graph)
     (
         "attribution_graph",
@@ -646,6 +695,7 @@ def test_every_public_entry_point_has_bad_input_cases():
         "DictionaryEval",
         "AttributionGraph",  # attribution_graph's result and its nodes
         "GraphNode",
+        "SteeringError",
     }
     missing = [n for n in pyhook.__all__ if n not in covered and n not in no_arguments]
     assert not missing, f"public names without bad-input cases: {missing}"
