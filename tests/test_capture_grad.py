@@ -320,8 +320,8 @@ def test_a_job_file_names_its_metric_as_data(tmp_path):
         CaptureJob(gradients=True)
     with pytest.raises(JobError, match=r"give `?gradients`? too"):
         CaptureJob(metric="loss")
-    with pytest.raises(JobError, match=r"tensor-parallel model \(.?tp_size.? 2\)"):
-        CaptureJob(gradients=True, metric="loss", tp_size=2)
+    # gradients on a tensor-parallel model are allowed (exact: tests/test_large_jobs.py)
+    assert CaptureJob(gradients=True, metric="loss", tp_size=2).tp_size == 2
     # a callable only from Python
     assert callable(CaptureJob(gradients=True, metric=bert_metric).metric)
 
