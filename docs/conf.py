@@ -65,9 +65,26 @@ def _real_module_ids(app, doctree):
     whose description lives on the API page as ``pyhook.TraceMultiple``. The extra id makes
     those links land on it.
     """
-    if app.env.docname != "api/pyhook":
-        return
     from sphinx import addnodes
+
+    if app.env.docname != "api/pyhook":
+        # A module some of whose objects pyhook.__all__ exports (pyhook.pipeline.steer:
+        # mean_difference) is first seen by viewcode under the prefix ``pyhook`` when the
+        # top-level page is read before its own page; its other objects are then linked as
+        # ``#pyhook.<name>``. Give each object of a module page that id too (never a name the
+        # top level exports, whose id is the API page's).
+        if app.env.docname.startswith("api/"):
+            for sig in doctree.findall(addnodes.desc_signature):
+                fullname = sig.get("fullname")
+                anchor = f"pyhook.{fullname}"
+                if (
+                    fullname
+                    and sig.get("module") != "pyhook"
+                    and fullname.split(".")[0] not in pyhook.__all__
+                    and anchor not in sig["ids"]
+                ):
+                    sig["ids"].append(anchor)
+        return
 
     for sig in doctree.findall(addnodes.desc_signature):
         module, fullname = sig.get("module"), sig.get("fullname")

@@ -159,3 +159,23 @@ def save_gpt2_lm(folder, tok, *, seed: int = 0):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return model
+
+
+def offloaded_llama(ckpt, offload_folder, *, disk=("model.layers.1",), **kwargs):
+    """The ``LlamaForCausalLM`` saved in ``ckpt`` loaded through accelerate with the modules
+    ``disk`` on disk (their weights on the meta device, read in at each call) and the rest on
+    the CPU; ``kwargs`` go to ``from_pretrained`` (``dtype=``)."""
+    import transformers
+
+    layers = transformers.AutoConfig.from_pretrained(ckpt).num_hidden_layers
+    names = [
+        "model.embed_tokens",
+        "model.rotary_emb",
+        *(f"model.layers.{i}" for i in range(layers)),
+        "model.norm",
+        "lm_head",
+    ]
+    device_map = {n: "disk" if n in disk else "cpu" for n in names}
+    return transformers.LlamaForCausalLM.from_pretrained(
+        ckpt, device_map=device_map, offload_folder=offload_folder, **kwargs
+    ).eval()

@@ -19,7 +19,7 @@ from torch import nn
 
 T = pytest.importorskip("transformers")
 
-from _models import all_hooks, randomise_norms  # noqa: E402
+from _models import all_hooks, offloaded_llama, randomise_norms  # noqa: E402
 
 import pyhook  # noqa: E402
 from pyhook.graph import AttributionGraph, GraphNode, attribution_graph  # noqa: E402
@@ -502,20 +502,9 @@ def test_a_cpu_and_disk_offloaded_model_gives_the_same_graph(tmp_path):
     model, tcs = make("llama"), transcoders()
     want = attribution_graph(model, tcs, IDS, batch_size=8, max_feature_nodes=20)
     model.save_pretrained(tmp_path / "ckpt")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "disk",
-    }
-    off = T.LlamaForCausalLM.from_pretrained(
-        tmp_path / "ckpt",
-        device_map=device_map,
-        offload_folder=tmp_path / "off",
-        dtype=torch.float64,
-    ).eval()
+    off = offloaded_llama(
+        tmp_path / "ckpt", tmp_path / "off", disk=("model.layers.1", "lm_head"), dtype=torch.float64
+    )
     assert off.model.layers[1].input_layernorm.weight.device.type == "meta"
     assert off.lm_head.weight.device.type == "meta"
     before = all_hooks(off)

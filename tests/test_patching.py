@@ -14,6 +14,8 @@ from torch import nn
 
 T = pytest.importorskip("transformers")
 
+from _models import offloaded_llama  # noqa: E402
+
 import pyhook  # noqa: E402
 from pyhook.patching import (  # noqa: E402
     DropoutActiveError,
@@ -708,20 +710,7 @@ def test_offloaded_model(tmp_path):
     clean, corrupt = _pair(model)
     metric = _metric_for(model)
     model.save_pretrained(tmp_path / "ckpt")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    off = T.LlamaForCausalLM.from_pretrained(
-        tmp_path / "ckpt",
-        device_map=device_map,
-        offload_folder=tmp_path / "off",
-        dtype=torch.float64,
-    ).eval()
+    off = offloaded_llama(tmp_path / "ckpt", tmp_path / "off", dtype=torch.float64)
     assert hasattr(off.model.layers[1], "_hf_hook")
     pts = ["resid_pre.1", "attn_z.1", "mlp_out.1"]
     for fn in (activation_patch, attribution_patch):

@@ -10,6 +10,8 @@ import torch
 T = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from _models import offloaded_llama  # noqa: E402
+
 import pyhook  # noqa: E402
 
 
@@ -33,17 +35,7 @@ def test_points_through_a_disk_offloaded_device_map(tmp_path):
         ref = model(ids, output_hidden_states=True)
         with pyhook.Trace(model, "resid_pre.1", edit_output=lambda output: output + 1):
             ref_edited = model(ids).logits
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    offloaded = T.LlamaForCausalLM.from_pretrained(
-        tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "offload"
-    ).eval()
+    offloaded = offloaded_llama(tmp_path / "ckpt", tmp_path / "offload")
     assert hasattr(offloaded.model.layers[1], "_hf_hook")  # accelerate manages block 1
     with torch.no_grad():
         with pyhook.TraceDict(offloaded, ["resid_pre.*", "mlp_out.1", "final"]) as ret:

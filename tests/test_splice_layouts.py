@@ -14,6 +14,8 @@ T = pytest.importorskip("transformers")
 import _layout_workers as W  # noqa: E402
 from _dicts import CLT, SAELensSAE, SparsifyCoder  # noqa: E402
 
+from _models import offloaded_llama  # noqa: E402
+
 import pyhook  # noqa: E402
 
 
@@ -68,17 +70,7 @@ def test_splice_on_a_disk_offloaded_model(tmp_path):
     W.save_llama(str(tmp_path / "ckpt"))
     model = T.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     want = scenarios(model, W.IDS)
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    offloaded = T.LlamaForCausalLM.from_pretrained(
-        tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "offload"
-    ).eval()
+    offloaded = offloaded_llama(tmp_path / "ckpt", tmp_path / "offload")
     assert hasattr(offloaded.model.layers[1], "_hf_hook")
     got = scenarios(offloaded, W.IDS)
     for k in want:  # the same computation on the same device: bitwise

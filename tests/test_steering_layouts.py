@@ -9,7 +9,7 @@ import os
 import _steering_workers as W
 import pytest
 import torch
-from _models import all_hooks
+from _models import all_hooks, offloaded_llama
 from test_steering import PROMPTS, _model, _reference, _row_specs, _steered
 
 import pyhook
@@ -21,21 +21,7 @@ def test_offloaded_block_on_disk_steers_like_the_plain_model(tmp_path):
     pytest.importorskip("accelerate")
     model = _model("llama")
     model.save_pretrained(tmp_path / "ckpt")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.layers.2": "cpu",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    off = T.LlamaForCausalLM.from_pretrained(
-        tmp_path / "ckpt",
-        device_map=device_map,
-        offload_folder=tmp_path / "offload",
-        dtype=torch.float64,
-    ).eval()
+    off = offloaded_llama(tmp_path / "ckpt", tmp_path / "offload", dtype=torch.float64)
     off.generation_config.pad_token_id = 0
     assert hasattr(off.model.layers[1], "_hf_hook")  # accelerate manages block 1
     specs = _row_specs()
