@@ -28,6 +28,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+#: The fields of a steering spec given as data (a job file's `steer`, the command's --steer):
+#: pyhook.Steer's arguments. Torch-free, so the job checks a spec before torch is imported.
+STEER_FIELDS = frozenset({"point", "vector", "scale", "op", "prompt", "generated", "when"})
+
 # generate options that would break the one-row-per-token bookkeeping
 _REFUSED = {
     "input_ids": "the prompts come from the batches",

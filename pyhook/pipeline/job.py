@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._generate_options import _got
+from ._generate_options import STEER_FIELDS, _got
 from ._names import check_model_name
 
 if TYPE_CHECKING:
@@ -1946,7 +1946,6 @@ def _check_generate_kwargs(v: Any) -> None:
 
 
 _STEER_FLAG = re.compile(r"\s*([^=\s]+)\s*=\s*(.+?)(?:\*\s*([-+]?[0-9.]+(?:[eE][-+]?\d+)?))?\s*")
-_STEER_FIELDS = {"point", "vector", "scale", "op", "prompt", "generated", "when"}
 
 
 def _steer_flag(text: str) -> dict[str, Any]:
@@ -1974,11 +1973,11 @@ def _check_steer(v: Any) -> None:
     for i, d in enumerate(v):
         if not isinstance(d, dict):
             raise _JobTypeError(f"`steer` entry {i} must be a spec (a mapping), got {_got(d)}")
-        unknown = set(d) - _STEER_FIELDS
+        unknown = set(d) - STEER_FIELDS
         if unknown:
             raise JobError(
                 f"`steer` entry {i}: unknown field(s) {sorted(unknown)}; a spec has "
-                f"{sorted(_STEER_FIELDS)}"
+                f"{sorted(STEER_FIELDS)}"
             )
         if not isinstance(d.get("point"), str) or "vector" not in d:
             raise JobError(

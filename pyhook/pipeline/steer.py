@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..steering import Probe, Steer, SteeringError
+from ._generate_options import STEER_FIELDS
 
 __all__ = ["describe", "load_vector", "mean_difference", "specs_from_data", "specs_of_batch"]
 
@@ -155,7 +156,6 @@ def load_vector(path: str, name: str | None = None) -> torch.Tensor:
     return found
 
 
-_FIELDS = {"point", "vector", "scale", "op", "prompt", "generated", "when"}
 _PROBE_FIELDS = {"point", "direction", "threshold", "reduce"}
 
 
@@ -198,10 +198,10 @@ def specs_from_data(items: Any, *, base: str | None = None) -> list[Steer]:
         where = f"steer[{i}]"
         if not isinstance(d, Mapping):
             raise SteeringError(f"{where}: a spec is a dict of Steer's fields, got {d!r}")
-        unknown = set(d) - _FIELDS
+        unknown = set(d) - STEER_FIELDS
         if unknown:
             raise SteeringError(
-                f"{where}: unknown field(s) {sorted(unknown)}; a spec has {sorted(_FIELDS)}"
+                f"{where}: unknown field(s) {sorted(unknown)}; a spec has {sorted(STEER_FIELDS)}"
             )
         if "point" not in d or "vector" not in d:
             raise SteeringError(f"{where}: a spec needs 'point' and 'vector'")
