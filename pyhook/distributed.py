@@ -833,10 +833,18 @@ def tensor_parallel_ranks(model: torch.nn.Module) -> list[int] | None:
         >>> tensor_parallel_ranks(torch.nn.Linear(2, 2)) is None  # no process group
         True
     """
+    axis = _tensor_parallel_axis(model)
+    return None if axis is None else list(axis.ranks)
+
+
+def _tensor_parallel_axis(
+    model: torch.nn.Module, ask: str = "give the capture tp_size= (ranks per tensor-parallel group)"
+) -> _Axis | None:
+    """:func:`tensor_parallel_ranks`' group, with its process group (None: no TP module);
+    ``ask`` ends the message of a :class:`LayoutError`: what the caller can do instead."""
     if not _layouts_active() or not isinstance(model, torch.nn.Module):
         return None
-    groups: dict[tuple[int, ...], str] = {}
-    ask = "give the capture tp_size= (ranks per tensor-parallel group)"
+    groups: dict[tuple[int, ...], tuple[str, _Axis]] = {}
     for name, m in model.named_modules():
         meshes = []
         fwd = _own_forward(m)
@@ -854,15 +862,15 @@ def tensor_parallel_ranks(model: torch.nn.Module) -> list[int] | None:
                 meshes.append(mesh)
         for mesh in meshes:
             axis = _mesh_axis(mesh, f"{name!r}")
-            groups.setdefault(tuple(axis.ranks), name)
+            groups.setdefault(tuple(axis.ranks), (name, axis))
     if not groups:
         return None
     if len(groups) > 1:
-        seen = "; ".join(f"{n!r}: ranks {list(g)}" for g, n in groups.items())
+        seen = "; ".join(f"{n!r}: ranks {list(g)}" for g, (n, _a) in groups.items())
         raise LayoutError(
             f"the model's parallel styles use several tensor-parallel groups ({seen}); {ask}"
         )
-    return list(next(iter(groups)))
+    return next(iter(groups.values()))[1]
 
 
 # module -> the module that holds it, for every model a tracer resolved names in while

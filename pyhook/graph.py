@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .dictionaries import LinearParts, linear_parts, parse_key
-from .distributed import LayoutError
+from .distributed import LayoutError, _tensor_parallel_axis, is_dtensor
 from .lens import hooks
 from .modules import LayerNotFoundError
 from .points import PointUnavailableError, _norm_rule, architecture_of, expand_points, resolve_point
@@ -427,10 +427,13 @@ class _Freeze:
     def __init__(self, model: nn.Module, n_layers: int) -> None:
         self.model = model
         self.norms: list[tuple[nn.Module, Any]] = []
+        self.whole: dict[int, Any] = {}  # norms whose weights are DTensors: the whole weights
         for name, m in model.named_modules():
             rule = _norm_rule(m)
             if rule is not None:
                 self.norms.append((m, rule))
+                if any(is_dtensor(p) for p in m.parameters(recurse=False)):
+                    self.whole[id(m)] = _whole(m)
             elif "Norm" in type(m).__name__ and any(True for _ in m.parameters(recurse=False)):
                 raise PointUnavailableError(
                     name,
@@ -485,7 +488,8 @@ class _Freeze:
                 scale = take(self.scales, id(mod), scale)
                 if mode == "record":  # the model's own output (its own rounding)
                     return None
-                out = rule.affine(_in_memory(mod, x.device), centred / scale, x.dtype)
+                weights = self.whole.get(id(mod)) or _in_memory(mod, x.device)
+                out = rule.affine(weights, centred / scale, x.dtype)
                 if isinstance(output, tuple):
                     return (out, *output[1:])
                 return out
@@ -530,6 +534,47 @@ def _in_memory(mod: nn.Module, device: Any = None) -> Any:
         else:
             out[name] = None
     return types.SimpleNamespace(**out)
+
+
+def _whole(mod: nn.Module) -> Any:
+    """``mod``'s ``weight`` and ``bias`` whole, where they are DTensors (a tensor-parallel
+    model's sharded or replicated parameters: ``full_tensor()``, a collective every rank of the
+    group makes in the same order)."""
+    out = {}
+    for name in ("weight", "bias"):
+        p = getattr(mod, name, None)
+        out[name] = p.full_tensor() if is_dtensor(p) else p
+    return types.SimpleNamespace(**out)
+
+
+def _check_same(tp: Any, what: str, value: Any) -> None:
+    """Refuse, on every rank of the tensor-parallel group, a ``value`` that is not the same
+    on all of them (the graph's shapes, which every rank's collectives depend on)."""
+    if tp is None or tp.group is None:
+        return
+    import torch.distributed as dist
+
+    seen: list[Any] = [None] * len(tp.ranks)
+    dist.all_gather_object(seen, value, group=tp.group)
+    if any(v != seen[0] for v in seen):
+        raise RuntimeError(
+            f"attribution graph: the ranks {tp.ranks} of the tensor-parallel group found "
+            f"different {what} ({', '.join(f'rank {r}: {v}' for r, v in zip(tp.ranks, seen))}); "
+            "their activations differ by more than the rounding the graph tolerates"
+        )
+
+
+def _agreed(tp: Any, value: list[Any]) -> list[Any]:
+    """``value`` as the first rank of the tensor-parallel group has it: the choices that decide
+    which backward passes run (which features, in which order) must be the same on every rank,
+    or their collectives would not pair up."""
+    if tp is None or tp.group is None:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=tp.ranks[0], group=tp.group)
+    return box[0]
 
 
 @contextmanager
@@ -592,7 +637,10 @@ def attribution_graph(
     does not depend on ``batch_size``); the buffer of edges then has ``max_feature_nodes +
     logits`` rows, and lives on the model's device, in host memory (``offload="cpu"``) or in a
     temporary file mapped into memory (``offload="disk"``). The graph is returned in host
-    memory (its adjacency in such a file with ``offload="disk"``).
+    memory (its adjacency in such a file with ``offload="disk"``). Models offloaded by
+    accelerate and tensor-parallel models (transformers' ``tp_plan``, torch's
+    ``parallelize_module``; every rank calls this with the same arguments) give the graph of
+    the model in memory, unsharded, on every rank.
 
     >>> import torch, transformers, pyhook
     >>> cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32)
@@ -629,15 +677,20 @@ def attribution_graph(
             f"attribution graph: {arch.key!r} has a mixture of experts MLP; transcoders that "
             "replace a routed MLP are not supported",
         )
+    tp = _tensor_parallel_axis(
+        model,
+        "an attribution graph runs on models sharded by transformers' tp_plan or by "
+        "torch's parallelize_module with its standard styles",
+    )
     for mname, mod in model.named_modules():
         for pname, prm in mod.named_parameters(recurse=False):
             offloaded = prm.device.type == "meta" and _offload_map(mod) is None
-            if offloaded or "DTensor" in (type(prm).__name__, type(prm.data).__name__):
+            if offloaded or (tp is None and is_dtensor(prm)):
                 raise LayoutError(
                     f"attribution graph: '{mname}.{pname}' is offloaded or sharded "
-                    f"({prm.device.type}, {type(prm.data).__name__}) in a way the graph cannot "
+                    f"({prm.device.type}, {type(prm).__name__}) in a way the graph cannot "
                     "read (it reads norm and unembedding weights in hooks): accelerate's "
-                    "offloading and unsharded models are supported"
+                    "offloading, tensor parallelism and unsharded models are supported"
                 )
     if model.training:
         raise RuntimeError("attribution graph: put the model in eval() mode (dropout is active)")
@@ -650,7 +703,7 @@ def attribution_graph(
             "lm_head", f"attribution graph: {type(model).__name__} has no linear output embedding"
         )
     freeze = _Freeze(model, n_layers)
-    W_U = _in_memory(lm_head).weight.detach()
+    W_U = (_whole(lm_head) if tp is not None else _in_memory(lm_head)).weight.detach()
     device = W_U.device
     dtype = W_U.dtype
     buf_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -721,6 +774,13 @@ def attribution_graph(
     f_idx = torch.cat(feat_idx)
     f_act = torch.cat(feat_act)
     n_active = len(f_act)
+    if tp is not None:
+        key = (f_layer * 1_000_003 + f_pos) * 7_919 + f_idx
+        _check_same(
+            tp,
+            "active features or logit nodes",
+            (n_active, int(key.sum()), int((key * key % 65_521).sum()), logit_tokens.tolist()),
+        )
     errors = [rec[f"mlp_out.{i}"][0].to(buf_dtype) - recon[i] for i in range(n_layers)]
     starts = [0]
     for a in feat_act:
@@ -872,6 +932,7 @@ def attribution_graph(
                 inf = _influence(buf[:st].cpu(), row_node[:st], weights, n_cols)
                 rank = torch.argsort(inf[:n_active], descending=True, stable=True)
                 pending = rank[~visited[rank]][: min(rerank_every, max_feat - n_vis)]
+                pending = torch.as_tensor(_agreed(tp, pending.tolist()), dtype=torch.long)
             for i in range(0, len(pending), B):
                 idx = pending[i : i + B]
                 kinds = [(int(f_layer[k]), int(f_pos[k])) for k in idx]

@@ -515,6 +515,44 @@ def test_a_cpu_and_disk_offloaded_model_gives_the_same_graph(tmp_path):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
+def _tp_model(kind: str, outdir: str, world: int) -> nn.Module:
+    """A float64 model sharded over the ranks: transformers' ``tp_plan`` (Llama; Qwen3, whose
+    per-head q/k norms run on each rank's heads) or torch's ``parallelize_module`` (Llama)."""
+    import os
+
+    if kind != "torch":
+        return T.AutoModelForCausalLM.from_pretrained(
+            os.path.join(outdir, kind), tp_plan="auto", dtype=torch.float64
+        ).eval()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = T.AutoModelForCausalLM.from_pretrained(
+        os.path.join(outdir, "llama"), dtype=torch.float64
+    ).eval()
+    plan = {}
+    for i in range(len(model.model.layers)):
+        at, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        plan |= {f"{at}.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+        plan |= {f"{mlp}.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
+        plan |= {f"{at}.o_proj": RowwiseParallel(), f"{mlp}.down_proj": RowwiseParallel()}
+    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    return model
+
+
+TP_KINDS = ("llama", "qwen3", "torch")
+PRUNED = dict(batch_size=4, max_feature_nodes=12, offload="disk")
+WHOLE = dict(batch_size=7, max_n_logits=3, desired_logit_prob=1.0)
+
+
+def _tp_transcoders(seed: int = 10) -> dict:
+    return {(f"mlp_in.{i}", f"mlp_out.{i}"): Transcoder(seed + i, d=32) for i in range(2)}
+
+
 def _tp_worker(rank: int, world: int, port: int, outdir: str) -> None:
     import os
     import traceback
@@ -524,17 +562,42 @@ def _tp_worker(rank: int, world: int, port: int, outdir: str) -> None:
     results: dict = {}
     try:
         W._init(rank, world, port)
-        llama = T.AutoModelForCausalLM.from_pretrained(
-            os.path.join(outdir, "llama"), tp_plan="auto"
-        ).eval()
-        before = all_hooks(llama)
-        tcs = {(f"mlp_in.{i}", f"mlp_out.{i}"): Transcoder(10 + i, d=32) for i in range(2)}
+        for kind in TP_KINDS:
+            model = _tp_model(kind, outdir, world)
+            assert any("DTensor" in type(p).__name__ for p in model.parameters()), (
+                "the model is not sharded"
+            )
+            before = all_hooks(model)
+            results[kind] = {
+                "pruned": attribution_graph(model, _tp_transcoders(), IDS, **PRUNED),
+                "whole": attribution_graph(model, _tp_transcoders(), IDS, **WHOLE),
+                "hooks_left": all_hooks(model) - before,
+            }
+        # ranks whose transcoders differ find different features: refused on every rank (no hang)
+        model = _tp_model("llama", outdir, world)
+        before = all_hooks(model)
         try:
-            attribution_graph(llama, tcs, IDS)
-            results["refused"] = None
+            attribution_graph(model, _tp_transcoders(10 + 5 * rank), IDS)
+            results["different"] = None
         except Exception as e:
-            results["refused"] = (type(e).__name__, str(e))
-        results["hooks_left"] = all_hooks(llama) - before
+            results["different"] = (type(e).__name__, str(e))
+        results["different_hooks_left"] = all_hooks(model) - before
+        # FSDP2 (parameters sharded between forwards, no tensor-parallel style): refused by name
+        from torch.distributed.fsdp import fully_shard
+
+        model = T.AutoModelForCausalLM.from_pretrained(
+            os.path.join(outdir, "llama"), dtype=torch.float64
+        ).eval()
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        before = all_hooks(model)
+        try:
+            attribution_graph(model, _tp_transcoders(), IDS)
+            results["fsdp"] = None
+        except Exception as e:
+            results["fsdp"] = (type(e).__name__, str(e))
+        results["fsdp_hooks_left"] = all_hooks(model) - before
         torch.distributed.barrier()
     except BaseException:
         results["exception"] = traceback.format_exc()
@@ -544,15 +607,63 @@ def _tp_worker(rank: int, world: int, port: int, outdir: str) -> None:
             torch.distributed.destroy_process_group()
 
 
+def _same_graph(got: AttributionGraph, want: AttributionGraph, what: str) -> None:
+    assert got.nodes == want.nodes, what
+    assert torch.equal(got.targets, want.targets), what
+    assert torch.equal(got.logit_tokens, want.logit_tokens), what
+    for field in ("adjacency", "values", "constant", "pruned"):
+        a, b = getattr(got, field).double(), getattr(want, field).double()
+        scale = float(b.abs().max())
+        # the ranks' partial sums reduce in another order: float64 rounding of the largest entry
+        assert float((a - b).abs().max()) <= 1e-12 * scale, (what, field)
+
+
 @pytest.mark.distributed
-def test_a_tensor_parallel_model_is_refused_by_name(tmp_path):
+def test_a_tensor_parallel_model_gives_the_unsharded_graph(tmp_path):
+    """Two gloo ranks, transformers' tp_plan (Llama; Qwen3 with per-head q/k norms) and torch's
+    parallelize_module (Llama): every rank's graph is the unsharded model's (pruned and streamed
+    to disk, and whole), and the whole one's edges equal autograd through the frozen replacement
+    model written with plain hooks on the unsharded model. Ranks whose transcoders differ are
+    refused on every rank instead of hanging; FSDP2 is refused by name. No hook is left."""
     import _layout_workers as W
     from test_distributed import _spawn
 
     W.save_llama(str(tmp_path / "llama"))
+    torch.manual_seed(0)
+    cfg = T.Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+    )
+    randomise_norms(T.Qwen3ForCausalLM(cfg)).save_pretrained(tmp_path / "qwen3")
     results = _spawn(_tp_worker, 2, str(tmp_path))
-    for r, res in enumerate(results):
-        assert "exception" not in res, res.get("exception")
-        name, msg = res["refused"]
-        assert name == "LayoutError" and "offloaded or sharded" in msg, (r, res["refused"])
-        assert res["hooks_left"] == 0
+    for kind in TP_KINDS:
+        plain = T.AutoModelForCausalLM.from_pretrained(
+            tmp_path / ("llama" if kind == "torch" else kind), dtype=torch.float64
+        ).eval()
+        want = {
+            "pruned": attribution_graph(plain, _tp_transcoders(), IDS, **PRUNED),
+            "whole": attribution_graph(plain, _tp_transcoders(), IDS, **WHOLE),
+        }
+        ref = reference(plain, _tp_transcoders(), IDS)
+        for r, res in enumerate(results):
+            assert res[kind]["hooks_left"] == 0, (kind, r)
+            for which in ("pruned", "whole"):
+                _same_graph(res[kind][which], want[which], f"{kind} rank {r} {which}")
+            assert res[kind]["pruned"].n_features == 12
+            mine = _edges(res[kind]["whole"])
+            assert set(mine) == set(ref["edges"])
+            for target, row in ref["edges"].items():
+                for src, value in row.items():
+                    assert mine[target][src] == pytest.approx(value, rel=1e-8, abs=1e-10)
+    for res in results:
+        name, msg = res["different"]
+        assert name == "RuntimeError" and "ranks [0, 1]" in msg and "different" in msg, msg
+        assert res["different_hooks_left"] == 0
+        name, msg = res["fsdp"]
+        assert name == "LayoutError" and "offloaded or sharded" in msg, msg
+        assert "model.embed_tokens.weight" in msg and res["fsdp_hooks_left"] == 0
