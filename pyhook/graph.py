@@ -21,10 +21,12 @@ circuit-tracer does (Ameisen et al., 2025, "Circuit Tracing"), through the stand
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
 import tempfile
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -73,7 +75,8 @@ class AttributionGraph:
     the nodes with incoming edges (the kept features, then the logits), its columns the nodes that
     can be sources (features, errors, tokens: ``nodes[:adjacency.shape[1]]``).
     ``values`` holds a feature's activation and a logit's value (the logit minus the mean logit,
-    before any soft-capping); for error and token nodes the norm of the vector they write.
+    scaled as the model scales its logits, before any soft-capping); for error and token nodes
+    the norm of the vector they write.
     ``constant`` holds what reaches a node from no node (encoder and model biases), and
     ``pruned`` what reaches it from features left out by ``max_feature_nodes``, so that for
     every target ``adjacency[i].sum() + constant + pruned == values`` (completeness).
@@ -440,27 +443,56 @@ class _Freeze:
                     f"attribution graph: {name!r} ({type(m).__name__}) is a norm pyhook does not "
                     "know, so its scale cannot be held constant",
                 )
+        # the queries and keys, found (in this order) as the attention's q_proj/k_proj, as the
+        # attn_q/attn_k points (GPT-2's fused c_attn), or where the attention hands them to
+        # transformers' attention functions (after rotary and any q/k norm: fused projections)
         self.qk_modules: list[nn.Module] = []
         self.qk_points: list[str] = []
+        self.fused: list[tuple[nn.Module, Tensor]] = []  # (projection, query and key features)
+        self.attentions: dict[int, tuple[int, nn.Module]] = {}  # id -> (layer, module)
         for layer in range(n_layers):
             attn = resolve_point(model, f"attn_in.{layer}").module
-            q, k = getattr(attn, "q_proj", None), getattr(attn, "k_proj", None)
-            if isinstance(q, nn.Module) and isinstance(k, nn.Module):
-                self.qk_modules += [q, k]
+            proj = _qk_projections(attn)
+            if proj is not None:
+                self.qk_modules += proj
                 continue
             try:
                 resolve_point(model, f"attn_q.{layer}")
                 resolve_point(model, f"attn_k.{layer}")
             except LookupError:
+                pass
+            else:
+                self.qk_points += [f"attn_q.{layer}", f"attn_k.{layer}"]
+                continue
+            fused = _fused_qk(attn, layer)
+            if fused is not None:
+                self.fused.append(fused)
+                continue
+            if _attention_functions() is None:
                 raise PointUnavailableError(
                     f"attn_q.{layer}",
                     f"attribution graph: layer {layer}'s attention ({type(attn).__name__}) has "
-                    "no q_proj/k_proj and no attn_q/attn_k points, so its pattern cannot be held "
-                    "constant",
-                ) from None
-            self.qk_points += [f"attn_q.{layer}", f"attn_k.{layer}"]
+                    "no q_proj/k_proj and no attn_q/attn_k points, and this transformers has no "
+                    "AttentionInterface.get_interface, so its pattern cannot be held constant",
+                )
+            self.attentions[id(attn)] = (layer, attn)
+        self.called: set[int] = set()
         self.scales: dict[int, list[Tensor]] = {}
         self.qk: dict[Any, list[Tensor]] = {}
+
+    def check_attention(self) -> None:
+        """After the recording pass: refuse, by layer, an attention that did not hand its
+        queries and keys to transformers' attention functions (it computes its pattern itself,
+        so the pattern could not be held)."""
+        for layer, attn in sorted(self.attentions.values(), key=lambda t: t[0]):
+            if id(attn) not in self.called:
+                raise PointUnavailableError(
+                    f"attn_q.{layer}",
+                    f"attribution graph: layer {layer}'s attention ({type(attn).__name__}) has "
+                    "no q_proj/k_proj, no attn_q/attn_k points, and computes its attention "
+                    "itself (not through transformers' attention functions), so its pattern "
+                    "cannot be held constant",
+                )
 
     @contextmanager
     def active(self, mode: str) -> Iterator[None]:
@@ -501,15 +533,135 @@ class _Freeze:
                 return take(self.qk, id(mod), output)
 
             handles.append(m.register_forward_hook(on_qk))
+        for m, idx in self.fused:
+
+            def on_fused(mod: nn.Module, args: Any, output: Tensor, idx: Tensor = idx) -> Any:
+                i = idx.to(output.device)
+                held = take(self.qk, id(mod), output.index_select(-1, i))
+                return None if mode == "record" else output.index_copy(-1, i, held)
+
+            handles.append(m.register_forward_hook(on_fused))
         fwd: list[tuple[str, Callable[..., Any]]] = [
             (name, lambda t, hook: take(self.qk, hook.name, t)) for name in self.qk_points
         ]
+
+        def hold(module: nn.Module, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+            if mode == "record":
+                self.called.add(id(module))
+            return take(self.qk, (id(module), "q"), query), take(self.qk, (id(module), "k"), key)
+
+        held = dict.fromkeys(self.attentions, hold)
         try:
-            with hooks(self.model, fwd_hooks=fwd) if fwd else _nothing():
+            with (
+                hooks(self.model, fwd_hooks=fwd) if fwd else _nothing(),
+                _held_attention(held) if held else _nothing(),
+            ):
                 yield
         finally:
             for h in handles:
                 h.remove()
+
+
+def _qk_projections(attn: nn.Module) -> list[nn.Module] | None:
+    """The query and key projections of an attention module: its ``q_proj``/``k_proj``, or
+    the one pair of them among its submodules (GPT-Neo's ``attention.q_proj``)."""
+    q, k = getattr(attn, "q_proj", None), getattr(attn, "k_proj", None)
+    if isinstance(q, nn.Module) and isinstance(k, nn.Module):
+        return [q, k]
+    found: dict[str, list[nn.Module]] = {"q_proj": [], "k_proj": []}
+    for name, m in attn.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in found:
+            found[leaf].append(m)
+    if len(found["q_proj"]) == 1 and len(found["k_proj"]) == 1:
+        return [found["q_proj"][0], found["k_proj"][0]]
+    return None
+
+
+def _fused_qk(attn: nn.Module, layer: int) -> tuple[nn.Module, Tensor] | None:
+    """The fused query/key/value projection of an attention that computes its pattern itself
+    (not through transformers' attention functions), and which of its output features are the
+    queries and keys: BLOOM's per-head ``[q | k | v]``, MPT's ``[q | k | v]``."""
+    cls = type(attn).__name__
+    if cls == "BloomAttention":
+        heads, hd = int(attn.num_heads), int(attn.head_dim)
+        idx = torch.arange(heads * 3 * hd).view(heads, 3, hd)[:, :2].flatten()
+        return attn.query_key_value, idx
+    if cls == "MptAttention":
+        if getattr(attn, "clip_qkv", None):
+            raise PointUnavailableError(
+                f"attn_v.{layer}",
+                f"attribution graph: layer {layer}'s attention (MptAttention) clips its values "
+                f"(clip_qkv={attn.clip_qkv}), which is not linear in the residual stream",
+            )
+        return attn.Wqkv, torch.arange(2 * int(attn.hidden_size))
+    return None
+
+
+# -- queries and keys where attentions hand them to transformers' attention functions --------
+_HELD: dict[int, Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]]] = {}
+_HELD_LOCK = threading.Lock()
+_HELD_USERS = [0]
+
+
+def _attention_functions() -> Any:
+    """transformers' ``ALL_ATTENTION_FUNCTIONS`` (through whose ``get_interface`` its
+    attentions pick their kernel), or None where there is none."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except Exception:
+        return None
+    fn = getattr(type(ALL_ATTENTION_FUNCTIONS), "get_interface", None)
+    return ALL_ATTENTION_FUNCTIONS if callable(fn) else None
+
+
+def _call_held(fn: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
+    hold = _HELD.get(id(module))
+    if hold is not None:
+        if len(args) >= 2:
+            query, key = hold(module, args[0], args[1])
+            args = (query, key, *args[2:])
+        else:
+            kwargs["query"], kwargs["key"] = hold(module, kwargs["query"], kwargs["key"])
+    return fn(module, *args, **kwargs)
+
+
+@contextmanager
+def _held_attention(
+    entries: dict[int, Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]]],
+) -> Iterator[None]:
+    """While active, the attention modules in ``entries`` (by id) hand their queries and keys
+    to ``entries[id](module, query, key)`` before transformers' attention function (any
+    kernel) sees them; every other module's attention is untouched. The kernel lookup is
+    wrapped once per process however many graphs are being built (threads)."""
+    registry = _attention_functions()
+    with _HELD_LOCK:
+        if _HELD_USERS[0] == 0:
+            own = registry.__dict__.get("get_interface")
+            pick = (
+                own if own is not None else types.MethodType(type(registry).get_interface, registry)
+            )
+
+            def get_interface(attn_implementation: Any, default: Any) -> Any:
+                return functools.partial(_call_held, pick(attn_implementation, default))
+
+            get_interface._pyhook_previous = own  # type: ignore[attr-defined]
+            registry.get_interface = get_interface
+        _HELD_USERS[0] += 1
+        _HELD.update(entries)
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            for k in entries:
+                _HELD.pop(k, None)
+            _HELD_USERS[0] -= 1
+            if _HELD_USERS[0] == 0:
+                previous = registry.get_interface._pyhook_previous
+                if previous is None:
+                    del registry.get_interface
+                else:
+                    registry.get_interface = previous
 
 
 def _offload_map(mod: nn.Module) -> Any:
@@ -580,6 +732,19 @@ def _agreed(tp: Any, value: list[Any]) -> list[Any]:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def _logit_scale(logits: Tensor, unembedded: Tensor) -> float:
+    """The factor between the model's logits and its unembedding's output, where one is a
+    multiple of the other (1.0 where they differ otherwise: a soft-cap)."""
+    if torch.equal(logits, unembedded):
+        return 1.0
+    norm = float((unembedded * unembedded).sum())
+    if norm == 0.0:
+        return 1.0
+    s = float((logits * unembedded).sum()) / norm
+    err = float((logits - s * unembedded).abs().max())
+    return s if err <= 1e-5 * float(logits.abs().max()) else 1.0
 
 
 def _logits_kwargs(model: nn.Module) -> dict[str, Any]:
@@ -713,20 +878,25 @@ def attribution_graph(
 
     # 1. the prompt: every point the graph needs, norm scales, queries and keys
     rec: dict[str, Tensor] = {}
+    names = [
+        "embed",
+        *(f"mlp_in.{i}" for i in range(n_layers)),
+        *(f"mlp_out.{i}" for i in range(n_layers)),
+    ]
+    # points the model computes as [batch * tokens, d] (OPT's MLP): seen here as [batch, T, d]
+    flat = {n for n in [*names, "final"] if resolve_point(model, n).flat}
+
+    def tokens(t: Tensor, name: str) -> Tensor:
+        return t.unflatten(0, (-1, T)) if name in flat else t
 
     def keep(t: Tensor, hook: Any) -> None:
-        rec[hook.name] = t.detach()
+        rec[hook.name] = tokens(t.detach(), hook.name)
 
     lm_out: dict[str, Tensor] = {}
 
     def on_lm(mod: nn.Module, args: Any, output: Tensor) -> None:
         lm_out["x"] = output.detach()[:, -1]
 
-    names = [
-        "embed",
-        *(f"mlp_in.{i}" for i in range(n_layers)),
-        *(f"mlp_out.{i}" for i in range(n_layers)),
-    ]
     h = lm_head.register_forward_hook(on_lm)
     try:
         with (
@@ -737,15 +907,19 @@ def attribution_graph(
             out = model(ids[None], **kw)
     finally:
         h.remove()
+    freeze.check_attention()
     logits = (out.logits if hasattr(out, "logits") else out[0])[0, -1].double()
     probs = torch.softmax(logits, -1)
     top_p, top_i = probs.sort(descending=True)
     n_logits = int((top_p.cumsum(0) < desired_logit_prob).sum()) + 1
     n_logits = max(1, min(n_logits, max_n_logits, top_p.numel()))
     logit_tokens, logit_probs = top_i[:n_logits], top_p[:n_logits]
-    logit_vecs = (W_U[logit_tokens] - W_U.mean(0)).to(buf_dtype)
     lm_real = lm_out["x"][0].double()
-    logit_values = lm_real[logit_tokens] - lm_real.mean()
+    # a model that scales its unembedding's output (Cohere's logit_scale, Granite's
+    # logits_scaling) has logit nodes on its own scale; a soft-cap (not linear) is left out
+    scale = _logit_scale(logits, lm_real)
+    logit_vecs = (scale * (W_U[logit_tokens] - W_U.mean(0)).double()).to(buf_dtype)
+    logit_values = scale * (lm_real[logit_tokens] - lm_real.mean())
 
     # 2. features, reconstructions and errors
     embed = rec["embed"][0].to(buf_dtype)
@@ -797,7 +971,7 @@ def attribution_graph(
         return b_dec[int(hook.name.split(".")[1])].to(t.dtype).expand_as(t).clone()
 
     def keep_zero(t: Tensor, hook: Any) -> None:
-        zero[hook.name] = t.detach()
+        zero[hook.name] = tokens(t.detach(), hook.name)
 
     fwd: list[tuple[str, Callable[..., Any]]] = [("embed", zero_embed)]
     fwd += [(f"mlp_out.{i}", zero_mlp) for i in range(n_layers)]
@@ -809,7 +983,7 @@ def attribution_graph(
     finally:
         h.remove()
     lm_zero = lm_out["x"][0].double()
-    logit_const = lm_zero[logit_tokens] - lm_zero.mean()
+    logit_const = scale * (lm_zero[logit_tokens] - lm_zero.mean())
     feat_const = torch.empty(n_active, dtype=torch.float64, device=device)
     with torch.no_grad():
         for j, t in enumerate(tcs):
@@ -841,18 +1015,18 @@ def attribution_graph(
 
     def leaf(name: str, value: Tensor) -> Any:
         def fn(t: Tensor, hook: Any) -> Tensor:
-            v = value.to(t.dtype).expand(t.shape[0], -1, -1).clone().requires_grad_(True)
+            v = value.to(t.dtype).expand(B, -1, -1).clone().requires_grad_(True)
             leaves[name] = v
-            return v
+            return v.reshape(t.shape)
 
         return fn
 
     def keep_grad(t: Tensor, hook: Any) -> Tensor:
-        kept[hook.name] = t
+        kept[hook.name] = tokens(t, hook.name)
         return t.detach()  # the MLP runs on a constant: it is replaced by its transcoder
 
     def keep_final(t: Tensor, hook: Any) -> None:
-        kept["final"] = t
+        kept["final"] = tokens(t, "final")
 
     fwd = [("embed", leaf("embed", rec["embed"][0]))]
     fwd += [(f"mlp_out.{i}", leaf(f"mlp_out.{i}", rec[f"mlp_out.{i}"][0])) for i in range(n_layers)]

@@ -667,3 +667,128 @@ def test_a_tensor_parallel_model_gives_the_unsharded_graph(tmp_path):
         name, msg = res["fsdp"]
         assert name == "LayoutError" and "offloaded or sharded" in msg, msg
         assert "model.embed_tokens.weight" in msg and res["fsdp_hooks_left"] == 0
+
+
+# -- every architecture pyhook names -------------------------------------------------------------
+def _arch_models():
+    import test_points as P
+
+    return P, [a for a in P.ALL_ARCHS if a not in P.ENCODERS]
+
+
+_P, ARCH_SWEEP = _arch_models()
+
+
+def _sweep_model(arch: str) -> nn.Module:
+    return randomise_norms(_P.build(arch).double().eval())
+
+
+def _sweep_transcoders(model: nn.Module, ids: torch.Tensor) -> dict:
+    n = len(pyhook.points.expand_points(model, "mlp_out.*"))
+    with torch.no_grad(), pyhook.TraceDict(model, ["mlp_in.0"]) as ret:
+        model(ids[None])
+    d = ret["mlp_in.0"].output.shape[-1]
+    return {(f"mlp_in.{i}", f"mlp_out.{i}"): Transcoder(10 + i, d=d) for i in range(n)}
+
+
+def _registry_patched() -> bool:
+    from pyhook.graph import _attention_functions
+
+    registry = _attention_functions()
+    return registry is not None and "get_interface" in registry.__dict__
+
+
+@pytest.mark.parametrize("arch", ARCH_SWEEP)
+def test_every_architecture_gives_a_complete_graph(arch):
+    """Every decoder pyhook names (the table of tests/test_points.py): fused query/key/value
+    projections (NeoX, Falcon, BLOOM, MPT, Phi-3, CodeGen, StarCoder), parallel blocks, post-norm
+    OPT (whose MLP works on [batch*tokens, d]), q/k norms, sandwich norms. The edges into every
+    feature and logit plus its constant are its value, computed here without the graph: the
+    transcoder's encoder on a plain forward's MLP input, the plain logits minus their mean
+    (completeness holds only if every norm scale and attention pattern is held). Mixtures of
+    experts are refused by name. No hook is left, and transformers' attention lookup is as it
+    was."""
+    model = _P.build(arch).eval()
+    if pyhook.points.architecture_of(model).moe:
+        before = all_hooks(model)
+        with pytest.raises(PointUnavailableError, match="mixture of experts"):
+            attribution_graph(model, {("mlp_in.0", "mlp_out.0"): Transcoder(0)}, IDS[:5])
+        assert all_hooks(model) == before
+        return
+    model = _sweep_model(arch)
+    ids = _P.ids()[0]
+    tcs = _sweep_transcoders(model, ids)
+    n = len(tcs)
+    before = all_hooks(model)
+    g = attribution_graph(model, tcs, ids, batch_size=8)
+    assert all_hooks(model) == before and not _registry_patched()
+    inputs = [f"mlp_in.{i}" for i in range(n)]
+    with torch.no_grad(), pyhook.TraceDict(model, inputs) as ret:
+        logits = model(ids[None]).logits[0, -1]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # logit nodes are before the soft-cap (Gemma 2): undo it
+        logits = cap * torch.atanh(logits / cap)
+    checked = 0
+    for i, node in enumerate(g.nodes):
+        if node.kind == "feature":
+            out = ret[f"mlp_in.{node.layer}"].output  # [1, T, d], or [T, d] (OPT)
+            x = out.reshape(-1, len(ids), out.shape[-1])[0, node.position]
+            with torch.no_grad():
+                want = tcs[(f"mlp_in.{node.layer}", f"mlp_out.{node.layer}")].encode(x)[node.index]
+        elif node.kind == "logit":
+            want = logits[node.index] - logits.mean()
+        else:
+            continue
+        row = int((g.targets == i).nonzero())
+        got = g.adjacency[row].sum() + g.constant[i]
+        # float64 models whose norms compute in float32: that rounding (see the Limits)
+        assert float(got) == pytest.approx(float(want), rel=1e-6, abs=1e-6), (arch, node)
+        checked += 1
+    assert checked == g.n_features + len(g.logit_tokens) and g.n_features > 20
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "bloom"])
+def test_attention_left_live_breaks_completeness(arch, monkeypatch):
+    """The check above can fail: with the queries and keys of the fused projections (BLOOM) or
+    of transformers' attention functions (NeoX) left live, edges plus constant miss the values."""
+    import pyhook.graph as G
+
+    model = _sweep_model(arch)
+    ids = _P.ids()[0]
+    tcs = _sweep_transcoders(model, ids)
+    good = attribution_graph(model, tcs, ids, batch_size=8)
+    assert good.completeness_error() < 1e-9
+    if arch == "bloom":
+        real = G._fused_qk
+
+        def live(attn, layer):
+            proj, _idx = real(attn, layer)
+            return proj, torch.zeros(0, dtype=torch.long)  # hold no feature
+
+        monkeypatch.setattr(G, "_fused_qk", live)
+    else:
+
+        def leaky(fn, module, *a, **k):  # the queries and keys recorded, but handed on live
+            G._HELD[id(module)](module, a[0], a[1])
+            return fn(module, *a, **k)
+
+        monkeypatch.setattr(G, "_call_held", leaky)
+    bad = attribution_graph(model, tcs, ids, batch_size=8)
+    assert bad.completeness_error() > 1e-4
+
+
+def test_an_attention_that_computes_its_pattern_itself_is_refused_by_layer():
+    """An attention with no q_proj/k_proj that does not go through transformers' attention
+    functions (here: a fused projection pyhook has no layout for) is refused by name, after
+    one forward, with no hook left and the attention lookup restored."""
+    import pyhook.graph as G
+
+    model = _sweep_model("bloom")
+    ids = _P.ids()[0]
+    tcs = _sweep_transcoders(model, ids)
+    before = all_hooks(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "_fused_qk", lambda attn, layer: None)
+        with pytest.raises(PointUnavailableError, match=r"layer 0's attention \(BloomAttention\)"):
+            attribution_graph(model, tcs, ids)
+    assert all_hooks(model) == before and not _registry_patched()
