@@ -39,7 +39,7 @@ from .dictionaries import LinearParts, linear_parts, parse_key
 from .distributed import LayoutError, _tensor_parallel_axis, is_dtensor
 from .lens import hooks
 from .modules import LayerNotFoundError
-from .points import PointUnavailableError, _norm_rule, architecture_of, expand_points, resolve_point
+from .points import PointUnavailableError, _norm_rule, expand_points, resolve_point
 
 __all__ = ["AttributionGraph", "GraphNode", "attribution_graph"]
 
@@ -835,12 +835,11 @@ def attribution_graph(
         raise ValueError(
             f"input_ids must be one prompt of token ids, [T] or [1, T], got {tuple(ids.shape)}"
         )
-    arch = architecture_of(model)
-    if arch.moe:
-        raise PointUnavailableError(
-            "mlp_out",
-            f"attribution graph: {arch.key!r} has a mixture of experts MLP; transcoders that "
-            "replace a routed MLP are not supported",
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and not can_generate():
+        raise ValueError(
+            f"attribution graph: {type(model).__name__} is not a causal language model (it "
+            "cannot generate): the graph attributes the next token after the prompt"
         )
     tp = _tensor_parallel_axis(
         model,
