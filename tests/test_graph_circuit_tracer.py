@@ -318,12 +318,11 @@ def test_the_viewer_reads_every_field_it_needs_from_our_file(tokenizer_dir):
         assert isinstance(n["layer"], str) and 0 <= n["ctx_idx"] < len(meta["prompt_tokens"])
         if n["feature_type"] == "cross layer transcoder":
             assert isinstance(n["activation"], float)  # shown as "Act:" and in the histogram
-            x, y = map(int, n["node_id"].split("_")[:2])
-            w = int(((8 * n["feature"] + 1) ** 0.5 - 1) // 2)  # util.cantorUnpair
-            assert (w - (n["feature"] - w * (w + 1) // 2), n["feature"] - w * (w + 1) // 2) == (
-                x,
-                y,
-            )
+            layer, index = map(int, n["node_id"].split("_")[:2])
+            z = n["feature"]
+            w = int(((8 * z + 1) ** 0.5 - 1) // 2)  # the viewer's util.cantorUnpair
+            y = z - w * (w + 1) // 2
+            assert (w - y, y) == (layer, index)
         if n["feature_type"] == "logit":
             # the viewer parses the token and the probability out of the clerp
             token = n["clerp"].split('"')[1]
