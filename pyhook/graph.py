@@ -166,17 +166,30 @@ class AttributionGraph:
         path: str | os.PathLike[str] | None = None,
         *,
         slug: str = "pyhook-graph",
-        scan: str = "pyhook",
-        tokens: Sequence[str] | None = None,
-        prompt: str = "",
+        scan: str | Sequence[str] = "pyhook",
+        tokenizer: Any = None,
+        prompt: str | None = None,
         node_threshold: float = 0.8,
         edge_threshold: float = 0.98,
     ) -> dict[str, Any]:
         """circuit-tracer's graph file (``metadata``, ``qParams``, ``nodes``, ``links``), pruned as
         its ``create_graph_files`` prunes (nodes and edges kept up to ``node_threshold`` /
-        ``edge_threshold`` of the total influence on the logits); written to ``path`` when given.
-        ``tokens`` are the prompt's tokens as text (their ids as text when not given); ``scan`` the
-        transcoder set's name on Neuronpedia.
+        ``edge_threshold`` of the total influence on the logits).
+
+        ``path`` a ``.json`` file: the graph is written there. ``path`` a directory (any other
+        name; made if missing): the graph is written to ``<path>/<slug>.json`` and its metadata
+        added to ``<path>/graph-metadata.json`` (replacing an entry with the same slug), the
+        index circuit-tracer's viewer lists, as its ``create_graph_files`` writes them:
+        ``python -m circuit_tracer start-server --graph_file_dir <path>`` shows every graph
+        written there.
+        ``tokenizer`` (anything with ``decode``, e.g. a ``transformers`` tokenizer) turns the
+        prompt's tokens and the logits' tokens into text, as circuit-tracer does; without one
+        they are the token ids as text. ``prompt`` is the prompt as text (by default the
+        tokenizer's ``decode`` of the prompt). ``scan`` names the transcoder set (Neuronpedia
+        reads it as the model's id), or is a list of one transcoder id per layer (then written
+        as circuit-tracer writes one: ``metadata.scan`` ``"custom-<hash>"`` and the list in
+        ``transcoder_list``). ``slug`` names the graph (and its file): letters, digits, ``.``,
+        ``_`` and ``-``.
 
         >>> import torch
         >>> g = AttributionGraph(nodes=[GraphNode("token", -1, 0, 5), GraphNode("logit", 1, 0, 3)],
@@ -186,12 +199,39 @@ class AttributionGraph:
         >>> [(n["node_id"], n["feature_type"]) for n in g.to_json()["nodes"]]
         [('E_5_0', 'embedding'), ('2_3_0', 'logit')]
         """
+        ok = slug.isascii() and slug[:1].isalnum() and all(c.isalnum() or c in "._-" for c in slug)
+        if not ok or slug == "graph-metadata":
+            raise ValueError(
+                "to_json: slug names the graph's file and its address in the viewer: letters, "
+                "digits, '.', '_' and '-', starting with a letter or digit, and not "
+                f"'graph-metadata' (the viewer's index); got {slug!r}"
+            )
+        if isinstance(scan, str):
+            scan_id, transcoder_list = scan, []
+        else:
+            transcoder_list = [str(s) for s in scan]
+            if not transcoder_list:
+                raise ValueError("to_json: scan is an empty list; give a name or one id per layer")
+            # circuit-tracer writes "custom-" + hash(...) (Python's hash of a str changes from
+            # one process to the next): a stable hash of the same string instead
+            import hashlib
+
+            digest = hashlib.sha256("-".join(transcoder_list).encode()).digest()
+            scan_id = f"custom-{int.from_bytes(digest[:8], 'big', signed=True)}"
+        ids = [int(t) for t in self.input_ids]
+
+        def text(t: int | list[int]) -> str:
+            if tokenizer is not None:
+                return str(tokenizer.decode(t))
+            return str(t) if isinstance(t, int) else " ".join(map(str, t))
+
+        prompt_tokens = [text(t) for t in ids]
+        labels = [text(int(t)) for t in self.logit_tokens]
         node_mask, edge_mask, cumulative = self._prune(node_threshold, edge_threshold)
-        toks = list(tokens) if tokens is not None else [str(int(t)) for t in self.input_ids]
         n_src = self.adjacency.shape[1]
         out_nodes: dict[int, dict[str, Any]] = {}
         for i in torch.nonzero(node_mask).flatten().tolist():
-            out_nodes[i] = self._json_node(i, float(cumulative[i]))
+            out_nodes[i] = self._json_node(i, float(cumulative[i]), labels)
         rows, cols = torch.nonzero(edge_mask, as_tuple=True)
         links = []
         used: set[str] = set()
@@ -208,16 +248,17 @@ class AttributionGraph:
             for n in out_nodes.values()
             if n["node_id"] in used or n["feature_type"] in ("embedding", "logit")
         ]
+        metadata = {
+            "slug": slug,
+            "scan": scan_id,
+            "transcoder_list": transcoder_list,
+            "prompt_tokens": prompt_tokens,
+            "prompt": text(ids) if prompt is None else prompt,
+            "node_threshold": node_threshold,
+            "schema_version": 1,
+        }
         data = {
-            "metadata": {
-                "slug": slug,
-                "scan": scan,
-                "transcoder_list": [],
-                "prompt_tokens": toks,
-                "prompt": prompt,
-                "node_threshold": node_threshold,
-                "schema_version": 1,
-            },
+            "metadata": metadata,
             "qParams": {
                 "pinnedIds": [],
                 "supernodes": [],
@@ -229,60 +270,60 @@ class AttributionGraph:
             "links": links,
         }
         if path is not None:
-            with open(path, "w") as f:
-                json.dump(data, f)
+            _write_graph_files(os.fspath(path), slug, data)
         return data
 
-    def _json_node(self, i: int, influence: float) -> dict[str, Any]:
+    def _json_node(
+        self, i: int, influence: float, labels: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Node ``i`` as circuit-tracer's ``Node`` (its fields, in its order); ``labels``: the
+        logit tokens as text."""
         n = self.nodes[i]
-        base: dict[str, Any] = {
-            "ctx_idx": n.position,
-            "token_prob": 0.0,
-            "is_target_logit": False,
-            "run_idx": 0,
-        }
-        base.update(reverse_ctx_idx=0, clerp="", influence=influence, activation=None)
+        token_prob, is_target, clerp, activation = 0.0, False, "", None
+        inf: float | None = influence
         if n.kind == "feature":
             x, y = n.layer, n.index
             node_id = f"{n.layer}_{n.index}_{n.position}"
-            base.update(
-                node_id=node_id,
-                feature=(x + y) * (x + y + 1) // 2 + y,  # circuit-tracer's Cantor pairing
-                layer=str(n.layer),
-                feature_type="cross layer transcoder",
-                jsNodeId=f"{n.layer}_{n.index}-0",
-                activation=float(self.values[i]),
-            )
+            feature = (x + y) * (x + y + 1) // 2 + y  # circuit-tracer's Cantor pairing
+            layer = str(n.layer)
+            kind = "cross layer transcoder"
+            js_id = f"{n.layer}_{n.index}-0"
+            activation = float(self.values[i])
         elif n.kind == "error":
-            base.update(
-                node_id=f"{n.layer}_-1_{n.position}",
-                feature=-1,
-                layer=str(n.layer),
-                feature_type="mlp reconstruction error",
-                jsNodeId=f"{n.layer}_-1-{n.position}",
-            )
+            # circuit-tracer 0.5.0 writes "0_{layer}_{pos}", the id of layer 0's feature `layer`
+            # at the same position (its issue #78, fixed upstream as this one)
+            node_id = f"{n.layer}_-1_{n.position}"
+            feature, layer, kind = -1, str(n.layer), "mlp reconstruction error"
+            js_id = f"{n.layer}_{n.position}-0"
         elif n.kind == "token":
-            base.update(
-                node_id=f"E_{n.index}_{n.position}",
-                feature=n.position,
-                layer="E",
-                feature_type="embedding",
-                jsNodeId=f"E_{n.index}-{n.position}",
-            )
+            node_id = f"E_{n.index}_{n.position}"
+            feature, layer, kind = n.position, "E", "embedding"
+            js_id = f"E_{n.index}-{n.position}"
         else:
             k = i - (len(self.nodes) - len(self.logit_tokens))
-            p = float(self.logit_probabilities[k])
-            base.update(
-                node_id=f"{self.n_layers + 1}_{n.index}_{n.position}",
-                feature=n.index,
-                layer=str(self.n_layers + 1),
-                feature_type="logit",
-                token_prob=p,
-                is_target_logit=k == 0,
-                jsNodeId=f"L_{n.index}-{n.position}",
-                clerp=f'Output "{n.index}" (p={p:.3f})',
-            )
-        return base
+            token_prob = float(self.logit_probabilities[k])
+            layer = str(self.n_layers + 1)
+            node_id = f"{layer}_{n.index}_{n.position}"
+            feature, kind, is_target = n.index, "logit", k == 0
+            js_id = f"L_{n.index}-{n.position}"
+            label = labels[k] if labels is not None else str(n.index)
+            clerp = f'Output "{label}" (p={token_prob:.3f})'
+            inf = None  # circuit-tracer gives a logit node no influence
+        return {
+            "node_id": node_id,
+            "feature": feature,
+            "layer": layer,
+            "ctx_idx": n.position,
+            "feature_type": kind,
+            "token_prob": token_prob,
+            "is_target_logit": is_target,
+            "run_idx": 0,
+            "reverse_ctx_idx": 0,
+            "jsNodeId": js_id,
+            "clerp": clerp,
+            "influence": inf,
+            "activation": activation,
+        }
 
     def _prune(self, node_threshold: float, edge_threshold: float) -> tuple[Tensor, Tensor, Tensor]:
         """circuit-tracer's pruning: (node mask over nodes, edge mask over adjacency, each
@@ -326,6 +367,36 @@ class AttributionGraph:
         total = scores.sum()
         cumulative[order] = torch.cumsum(scores, 0) / (total if total > 0 else 1.0)
         return node_mask, edge_mask, cumulative
+
+
+def _write_graph_files(path: str, slug: str, data: dict[str, Any]) -> None:
+    """``data`` to the file ``path`` (a ``.json`` name); or, ``path`` a directory (any other
+    name), to ``<path>/<slug>.json`` with
+    its metadata in the directory's ``graph-metadata.json`` (what circuit-tracer's
+    ``create_graph_files`` writes and its viewer lists)."""
+    if path.endswith(".json") and not os.path.isdir(path):
+        with open(path, "w") as f:
+            json.dump(data, f)
+        return
+    index = os.path.join(path, "graph-metadata.json")
+    graphs: list[Any] = []
+    if os.path.exists(index):  # read (and refuse) the index before writing anything
+        with open(index) as f:
+            try:
+                old = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"to_json: {index} is not JSON ({e})") from None
+        if not (isinstance(old, dict) and isinstance(old.get("graphs"), list)):
+            raise ValueError(f'to_json: {index} is not a viewer index ({{"graphs": [...]}})')
+        graphs = [g for g in old["graphs"] if not (isinstance(g, dict) and g.get("slug") == slug)]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, f"{slug}.json"), "w") as f:
+        json.dump(data, f)
+    graphs.append(data["metadata"])
+    tmp = f"{index}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"graphs": graphs}, f, indent=2)
+    os.replace(tmp, index)
 
 
 def _normalise(adj: Tensor) -> Tensor:
