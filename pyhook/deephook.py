@@ -34,12 +34,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._checkpointing import note_edit, refuse_lost, take_lost
 from ._compiled import copy_tree, dispatcher_of, unwrap_compiled
 from ._copy import recursive_copy
 from ._hooks import HookSet, check_not_compiled
@@ -79,6 +80,14 @@ def _check_edit(edit_output: Any, layer: str) -> None:
             f"edit_output for layer {layer!r} is called as edit_output(output, layer_name), "
             f"but {name}{sig} does not take two positional arguments"
         ) from None
+
+
+def _refuse_lost(traces: Iterable[Trace], exc_type: Any, what: str) -> None:
+    """After the hooks of ``traces`` are removed: refuse their edits made in activation-
+    checkpointed layers that no backward went through (unless the block ends by an error)."""
+    lost = [name for trace in traces for name in take_lost(trace)]
+    if exc_type is None:
+        refuse_lost(lost, what, "Run the backward inside the block")
 
 
 def _copy(x: Any) -> Any:
@@ -181,6 +190,7 @@ class Trace(contextlib.AbstractContextManager):
             edited = self.edit_output(output, self.layer_name)
             if edited is not None:
                 output = edited
+            note_edit(self, self.layer_name, edited, self._hooks)
         if self.retain_output:
             self.output = _copy(output)
         return output
@@ -205,9 +215,10 @@ class Trace(contextlib.AbstractContextManager):
                 self._open()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self._entries.exit():
             self.close()
+            _refuse_lost([self], exc_type, "edit_output")
 
     def close(self) -> None:
         """Remove the hook (idempotent), whatever the nesting of ``with`` blocks."""
@@ -322,10 +333,10 @@ class TraceMultiple(contextlib.ContextDecorator):
                 raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._leave(threading.get_ident(), closing=False)
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._leave(threading.get_ident(), closing=False, exc_type=exc_type)
 
-    def _leave(self, tid: int, closing: bool) -> None:
+    def _leave(self, tid: int, closing: bool, exc_type: Any = None) -> None:
         with self._lock:
             entry = self._inside.pop(tid, None)
             if entry is None:
@@ -337,6 +348,7 @@ class TraceMultiple(contextlib.ContextDecorator):
             self._last = traces
         for trace in reversed(list(traces.values())):
             trace.close()
+        _refuse_lost(traces.values(), BaseException if closing else exc_type, "edit_fn")
 
     def close(self) -> None:
         """Remove every hook of every thread's entry, newest first (idempotent)."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import _backend, _tree
+from ._checkpointing import note_edit, refuse_lost, take_lost
 from ._compiled import unwrap_compiled
 from ._hooks import HookSet, check_not_compiled
 from .distributed import ParallelState, gather_activation, gathered_first, is_dtensor
@@ -48,6 +49,7 @@ _WHAT = {
     "tensor": "gradient",
 }
 _BACKWARD = ("full_backward", "full_backward_pre", "tensor")
+_FORWARD = ("forward", "forward_pre")
 
 EditingFunction = Callable[[Any, torch.Tensor, argparse.Namespace, nn.ModuleDict], torch.Tensor]
 
@@ -333,6 +335,11 @@ class HookFunction:
             )
         if saved is not None:
             state.output_ptr.setdefault(self.module_name, []).append(saved)
+        if hook_type in _FORWARD and self._hooks is not None:
+            # an edit in an activation-checkpointed layer: pending until a backward recomputes
+            # it with this hook (restore() refuses one still pending)
+            kept = edited is work and is_default
+            note_edit(self, self.module_name, None if kept else edited, self._hooks)
         if edited is work and is_default:
             return t
         if dp_scale:
@@ -467,6 +474,7 @@ class FlexModel(nn.Module):
     def _release(registry: dict[HookFunction, HookSet]) -> None:
         for hf, hooks in reversed(list(registry.items())):
             hooks.remove()
+            take_lost(hf)  # (forgotten: a finalizer cannot refuse)
             hf._state, hf._hooks, hf.hook_type, hf._enabled = None, None, None, True
         registry.clear()
 
@@ -474,7 +482,10 @@ class FlexModel(nn.Module):
         """Remove every hook of this FlexModel and return the wrapped model, untouched.
 
         The hook functions can be registered again afterwards; ``output_ptr``, ``save_ctx`` and
-        the trainable modules are kept.
+        the trainable modules are kept. An edit made inside an activation-checkpointed layer
+        that no backward has gone through yet is refused (``RuntimeError`` naming the module,
+        the hooks removed all the same): a backward after ``restore()`` would recompute that
+        layer without the edit.
 
         Example::
 
@@ -485,8 +496,10 @@ class FlexModel(nn.Module):
             >>> fm.restore() is net, len(net._forward_hooks)
             (True, 0)
         """
+        lost = [name for hf in self._registry for name in take_lost(hf)]
         self._finalizer()
         self._new_registry()
+        refuse_lost(lost, "editing_function", "Run the backward before restore()")
         return self.module
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlexModel:
@@ -676,6 +689,7 @@ class FlexModel(nn.Module):
         hooks = self._registry.pop(hf, None)
         if hooks is not None:
             hooks.remove()
+        take_lost(hf)
         for name in list(self._groups):
             self._groups[name].pop(hf, None)
             if name != "all" and not self._groups[name]:

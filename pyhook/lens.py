@@ -31,7 +31,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -215,10 +214,6 @@ def hooks(
                 dst[n].extend(fns)
     refs = {n: LensHook(n, p) for n, p in targets.items()}
     grads = HookSet(model=model)  # the tensor (gradient) hooks registered during forwards
-    # Edits made in an activation-checkpointed forward, and their recomputations during a
-    # backward in the block: a backward after the block would recompute without the edit.
-    ckpt_flag = bool(fwd) and _hf_checkpointing(model)
-    ckpt_edits: dict[str, list[list[bool]]] = {}
 
     def make_edit(name: str) -> Callable[[Any], Any]:
         ref, f_fns, b_fns = refs[name], per_fwd[name], per_bwd[name]
@@ -283,15 +278,6 @@ def hooks(
                 ref._hooked = True
             if v is orig:
                 return None
-            if torch._C._current_graph_task_id() != -1:  # a recomputation, in a backward
-                pending = ckpt_edits.get(name)
-                if pending:
-                    pending.pop(0)[0] = False
-            elif _in_checkpoint() or (ckpt_flag and not torch.is_grad_enabled()):
-                token = [True]  # cleared once a backward in the block went through this edit
-                ckpt_edits.setdefault(name, []).append(token)
-                if isinstance(v, torch.Tensor) and v.requires_grad:
-                    grads.tensor(v, functools.partial(_clear, token))
             return v if rebuild is None else rebuild(v)
 
         return edit
@@ -302,6 +288,12 @@ def hooks(
         list(targets),
         retain_output=False,
         edit_output={n: make_edit(n) for n in targets},
+    )
+    # An edit in a checkpointed layer that no backward in the block went through is refused
+    # when the block ends, as every tracer's (pyhook._checkpointing), in the face's words.
+    td.__dict__["_edit_what"] = "fwd_hooks"
+    td.__dict__["_edit_hint"] = (
+        "Run the backward inside the block (run_with_hooks does with bwd_hooks=)"
     )
     try:
         if _stop_at is not None:
@@ -321,39 +313,10 @@ def hooks(
                 stops.forward(at, stop)
         with td:
             yield refs
-        lost = [n for n, tokens in ckpt_edits.items() if any(t[0] for t in tokens)]
-        if lost:
-            raise RuntimeError(
-                f"fwd_hooks edited {', '.join(map(repr, lost[:4]))} inside an activation-"
-                "checkpointed layer (gradient_checkpointing_enable(), train mode), and no "
-                "backward ran before the hooks were removed: a backward now would recompute "
-                "those layers without the edit (same loss, wrong parameter gradients). Run the "
-                "backward inside the block (run_with_hooks does with bwd_hooks=), or edit with "
-                "checkpointing off, the model in eval(), or under torch.no_grad()"
-            )
     finally:
         td.close()
         stops.remove()
         grads.remove()
-
-
-def _clear(token: list[bool], _grad: torch.Tensor) -> None:
-    token[0] = False
-
-
-def _hf_checkpointing(model: nn.Module) -> bool:
-    """Whether a forward now runs ``transformers``' activation checkpointing (its layers' flag,
-    train mode, autograd on)."""
-    if not (model.training and torch.is_grad_enabled()):
-        return False
-    return any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules())
-
-
-def _in_checkpoint() -> bool:
-    """Whether this forward runs inside ``torch.utils.checkpoint``'s non-reentrant checkpoint
-    (its saved-tensor hooks are the innermost ones)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
 
 
 def _pos_index(pos_slice: Any) -> Any:

@@ -14,7 +14,6 @@ Both are drop-in replacements for baukit's (``import pyhook as nethook``), with 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 import weakref
@@ -23,9 +22,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
+from ._checkpointing import note_edit, refuse_lost, take_lost
 from ._compiled import call_plan, copy_tree, dispatcher_of, raise_outside, unwrap_compiled
 from ._copy import recursive_copy
 from ._hooks import HookSet, StopForward, check_not_compiled, is_own_stop
@@ -74,31 +73,15 @@ def _check_flag(name: str, value: Any, layer: str | None = None) -> bool:
     raise TypeError(f"{name}{where} must be a bool, got {type(value).__name__}: {value!r}")
 
 
-def in_checkpoint() -> bool:
-    """Whether this forward runs inside ``torch.utils.checkpoint``'s non-reentrant checkpoint
-    (transformers' ``gradient_checkpointing_enable()`` default): its saved-tensor hooks are the
-    innermost ones, and its layers are recomputed during the backward."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
-
-
-def _clear(token: list[bool], _grad: Any) -> None:
-    token[0] = False
-
-
 def _lost_edits(owner: Any, exc_type: Any) -> None:
     """At a block's end: refuse edits made in a checkpointed layer that no backward in the block
     went through (a later backward recomputes the layer with the hooks gone: without the edit)."""
-    tokens = owner.__dict__.pop("_ckpt_tokens", None)
-    if exc_type is None and tokens and any(t[0] for t in tokens):
-        lost = list(dict.fromkeys(str(t[1]) for t in tokens if t[0]))
-        raise RuntimeError(
-            f"edit_output edited {', '.join(map(repr, lost[:4]))} inside an activation-"
-            "checkpointed layer (gradient_checkpointing_enable(), train mode), and no backward "
-            "ran before the hooks were removed: a backward now would recompute those layers "
-            "without the edit (same loss, wrong parameter gradients). Run the backward inside "
-            "the block, or edit with checkpointing off, the model in eval(), or under "
-            "torch.no_grad()"
+    lost = take_lost(owner)
+    if exc_type is None:
+        refuse_lost(
+            lost,
+            owner.__dict__.get("_edit_what", "edit_output"),
+            owner.__dict__.get("_edit_hint", "Run the backward inside the block"),
         )
 
 
@@ -384,8 +367,8 @@ class Trace(contextlib.AbstractContextManager):
             )
             if edited is not None:
                 output = edited
-                if torch._C._current_graph_task_id() == -1 and in_checkpoint():
-                    self._note_checkpointed(output)
+            owner = None if self._parent is None else self._parent()  # a TraceDict's layer
+            note_edit(self if owner is None else owner, self.layer, edited, self._hooks)
         record = CallRecord(len(self.calls)) if self.keep_calls else None
         if self.retain_input:
             self.input = recursive_copy(
@@ -411,18 +394,6 @@ class Trace(contextlib.AbstractContextManager):
         if self.stop:
             raise StopForward(owner=self._stop_owner)
         return output
-
-    def _note_checkpointed(self, output: Any) -> None:
-        """An edit made in a checkpointed layer: pending until a backward goes through it."""
-        parent = self._parent() if self._parent is not None else None
-        owner = self if parent is None else parent
-        token: list[Any] = [True, self.layer]
-        owner.__dict__.setdefault("_ckpt_tokens", []).append(token)
-        first = output
-        while isinstance(first, (tuple, list)) and first:
-            first = first[0]
-        if isinstance(first, torch.Tensor) and first.requires_grad:
-            self._hooks.tensor(first, functools.partial(_clear, token))
 
     @property
     def _stop_owner(self) -> object:
