@@ -80,6 +80,10 @@ class AttributionGraph:
     ``constant`` holds what reaches a node from no node (encoder and model biases), and
     ``pruned`` what reaches it from features left out by ``max_feature_nodes``, so that for
     every target ``adjacency[i].sum() + constant + pruned == values`` (completeness).
+    ``logit_tokens`` are the logit nodes' token ids; a custom target (a direction of the
+    unembedding's input, see :func:`attribution_graph`'s ``attribution_targets``) has the
+    index ``vocabulary size + k`` there, as in circuit-tracer, and its label in
+    ``logit_labels`` (None for a token).
 
     >>> import torch
     >>> g = AttributionGraph(nodes=[GraphNode("token", -1, 0, 5), GraphNode("logit", 1, 0, 3)],
@@ -101,6 +105,7 @@ class AttributionGraph:
     logit_probabilities: Tensor
     n_layers: int
     n_active_features: int = 0
+    logit_labels: list[str | None] | None = None
 
     @property
     def n_features(self) -> int:
@@ -226,7 +231,11 @@ class AttributionGraph:
             return str(t) if isinstance(t, int) else " ".join(map(str, t))
 
         prompt_tokens = [text(t) for t in ids]
-        labels = [text(int(t)) for t in self.logit_tokens]
+        custom = self.logit_labels or [None] * len(self.logit_tokens)
+        labels = [
+            text(int(t)) if lbl is None else lbl
+            for t, lbl in zip(self.logit_tokens, custom, strict=True)
+        ]
         node_mask, edge_mask, cumulative = self._prune(node_threshold, edge_threshold)
         n_src = self.adjacency.shape[1]
         out_nodes: dict[int, dict[str, Any]] = {}
@@ -818,6 +827,97 @@ def _logit_scale(logits: Tensor, unembedded: Tensor) -> float:
     return s if err <= 1e-5 * float(logits.abs().max()) else 1.0
 
 
+class _Targets(NamedTuple):
+    """The logit nodes: token ids (custom targets: vocabulary size + k), weights in the
+    influence, directions injected at the unembedding's input (float64), labels (None: a
+    token), and the model's logit scale."""
+
+    tokens: Tensor
+    weights: Tensor
+    vectors: Tensor
+    labels: list[str | None]
+    scale: float
+
+    def value(self, unembedded: Tensor, final: Tensor) -> Tensor:
+        """Each target's value, from the unembedding's output and input at the last position:
+        a token's logit minus the mean logit (times the model's logit scale), a custom
+        target's direction dotted with the input."""
+        out = torch.empty(len(self.tokens), dtype=torch.float64, device=final.device)
+        for k, (t, lbl) in enumerate(zip(self.tokens.tolist(), self.labels, strict=True)):
+            if lbl is None:
+                out[k] = self.scale * (unembedded[t] - unembedded.mean())
+            else:
+                out[k] = final @ self.vectors[k].to(final.device, torch.float64)
+        return out
+
+
+def _logit_targets(
+    spec: Sequence[Any] | Tensor | None,
+    probs: Tensor,
+    W_U: Tensor,
+    scale: float,
+    max_n_logits: int,
+    desired_logit_prob: float,
+) -> _Targets:
+    vocab, d_model = W_U.shape
+    mean = W_U.double().mean(0)
+    if spec is None:
+        top_p, top_i = probs.sort(descending=True)
+        n = int((top_p.cumsum(0) < desired_logit_prob).sum()) + 1
+        n = max(1, min(n, max_n_logits, top_p.numel()))
+        tokens = top_i[:n].cpu()
+        vectors = scale * (W_U[tokens.to(W_U.device)].double() - mean)
+        return _Targets(tokens, top_p[:n].cpu(), vectors.cpu(), [None] * n, scale)
+    entries = spec.tolist() if isinstance(spec, Tensor) else list(spec)
+    if isinstance(spec, (str, bytes)) or not entries:
+        raise ValueError(
+            "attribution_targets: expected token ids or (label, weight, vector) custom targets, "
+            f"got {spec!r}"
+        )
+    tokens, weights, vectors, labels = [], [], [], []
+    for k, e in enumerate(entries):
+        if isinstance(e, (int,)) and not isinstance(e, bool):
+            if not 0 <= e < vocab:
+                raise ValueError(
+                    f"attribution_targets[{k}]: token id {e} is outside the vocabulary "
+                    f"(0..{vocab - 1})"
+                )
+            tokens.append(e)
+            weights.append(float(probs[e]))
+            vectors.append(scale * (W_U[e].double() - mean).cpu())
+            labels.append(None)
+            continue
+        if not (isinstance(e, (tuple, list)) and len(e) == 3):
+            raise TypeError(
+                f"attribution_targets[{k}]: expected a token id or a (label, weight, vector) "
+                f"custom target, got {type(e).__name__}"
+            )
+        label, weight, vec = e
+        vec = torch.as_tensor(vec)
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not isinstance(label, str) or not ok or not (weight >= 0 and weight < float("inf")):
+            raise TypeError(
+                f"attribution_targets[{k}]: a custom target is (label: str, weight: a finite "
+                f"number >= 0, vector), got ({label!r}, {weight!r}, ...)"
+            )
+        if tuple(vec.shape) != (d_model,) or not vec.is_floating_point():
+            raise ValueError(
+                f"attribution_targets[{k}] ({label!r}): the vector must be a float tensor of "
+                f"shape [{d_model}] (the unembedding's input), got {tuple(vec.shape)} {vec.dtype}"
+            )
+        tokens.append(vocab + k)
+        weights.append(float(weight))
+        vectors.append(vec.detach().double().cpu())
+        labels.append(label)
+    return _Targets(
+        torch.tensor(tokens, dtype=torch.long),
+        torch.tensor(weights, dtype=torch.float64),
+        torch.stack(vectors),
+        labels,
+        scale,
+    )
+
+
 def _logits_kwargs(model: nn.Module) -> dict[str, Any]:
     try:
         params = inspect.signature(model.forward).parameters
@@ -855,6 +955,7 @@ def attribution_graph(
     batch_size: int = 32,
     offload: Literal["cpu", "disk"] | None = None,
     *,
+    attribution_targets: Sequence[Any] | Tensor | None = None,
     rerank_every: int = 256,
     feature_chunk: int = 8192,
 ) -> AttributionGraph:
@@ -867,6 +968,12 @@ def attribution_graph(
 
     The logit nodes are the most likely next tokens until their probabilities add up to
     ``desired_logit_prob`` (at most ``max_n_logits``), each as its logit minus the mean logit.
+    ``attribution_targets`` chooses the logit nodes instead, as circuit-tracer's does: token
+    ids (each its logit minus the mean logit, weighted by its probability), or custom targets
+    ``(label, weight, vector)``: ``vector`` a direction of the unembedding's input (``[d_model]``;
+    ``W_U[a] - W_U[b]`` attributes a logit difference), the node's value the last position's
+    final residual (after the final norm) dotted with it, ``weight`` its share in the influence
+    that ranks and prunes features. They can be mixed.
     ``batch_size`` targets share one backward pass. With ``max_feature_nodes`` only that many
     features get incoming edges and are kept: the ones with the most influence on the logits,
     re-estimated from the rows computed so far every ``rerank_every`` features (so the graph
@@ -966,6 +1073,7 @@ def attribution_graph(
 
     def on_lm(mod: nn.Module, args: Any, output: Tensor) -> None:
         lm_out["x"] = output.detach()[:, -1]
+        lm_out["in"] = args[0].detach()[:, -1]
 
     h = lm_head.register_forward_hook(on_lm)
     try:
@@ -980,16 +1088,16 @@ def attribution_graph(
     freeze.check_attention()
     logits = (out.logits if hasattr(out, "logits") else out[0])[0, -1].double()
     probs = torch.softmax(logits, -1)
-    top_p, top_i = probs.sort(descending=True)
-    n_logits = int((top_p.cumsum(0) < desired_logit_prob).sum()) + 1
-    n_logits = max(1, min(n_logits, max_n_logits, top_p.numel()))
-    logit_tokens, logit_probs = top_i[:n_logits], top_p[:n_logits]
     lm_real = lm_out["x"][0].double()
+    final_real = lm_out["in"][0].double()
     # a model that scales its unembedding's output (Cohere's logit_scale, Granite's
     # logits_scaling) has logit nodes on its own scale; a soft-cap (not linear) is left out
     scale = _logit_scale(logits, lm_real)
-    logit_vecs = (scale * (W_U[logit_tokens] - W_U.mean(0)).double()).to(buf_dtype)
-    logit_values = scale * (lm_real[logit_tokens] - lm_real.mean())
+    tgt = _logit_targets(attribution_targets, probs, W_U, scale, max_n_logits, desired_logit_prob)
+    n_logits = len(tgt.tokens)
+    logit_tokens, logit_probs = tgt.tokens.to(device), tgt.weights.to(device)
+    logit_vecs = tgt.vectors.to(device=device, dtype=buf_dtype)
+    logit_values = tgt.value(lm_real, final_real)
 
     # 2. features, reconstructions and errors
     embed = rec["embed"][0].to(buf_dtype)
@@ -1052,8 +1160,7 @@ def attribution_graph(
             model(ids[None], **kw)
     finally:
         h.remove()
-    lm_zero = lm_out["x"][0].double()
-    logit_const = scale * (lm_zero[logit_tokens] - lm_zero.mean())
+    logit_const = tgt.value(lm_out["x"][0].double(), lm_out["in"][0].double())
     feat_const = torch.empty(n_active, dtype=torch.float64, device=device)
     with torch.no_grad():
         for j, t in enumerate(tcs):
@@ -1249,5 +1356,6 @@ def attribution_graph(
         logit_probabilities=logit_probs.float().cpu(),
         n_layers=n_layers,
         n_active_features=n_active,
+        logit_labels=tgt.labels if any(x is not None for x in tgt.labels) else None,
     )
     return graph

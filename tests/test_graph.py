@@ -122,10 +122,11 @@ def _frozen_norm(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor
     return x / s * w
 
 
-def reference(model: nn.Module, tcs: dict, ids: torch.Tensor) -> dict:
+def reference(model: nn.Module, tcs: dict, ids: torch.Tensor, logit_ids=None, custom=()) -> dict:
     """{(target node, source node): edge} for every feature and logit target, by autograd.grad
     through the replacement model built here, with the feature activations and logits of a plain
-    forward."""
+    forward. The logit targets are ``logit_ids`` (default: the 3 most likely tokens), then the
+    ``custom`` directions ``(label, vector)`` of the final norm's output (index vocab + k)."""
     blocks, final_norm = _parts(model)
     n = len(blocks)
     tc, writers = [], [[] for _ in range(n)]  # writers[k]: (transcoder, which of its outputs)
@@ -156,6 +157,8 @@ def reference(model: nn.Module, tcs: dict, ids: torch.Tensor) -> dict:
             with_kwargs=True,
         )
     )
+    plain_final = {}
+    handles.append(final_norm.register_forward_hook(lambda m, a, o: plain_final.__setitem__(0, o)))
     with torch.no_grad():
         logits = model(ids[None]).logits[0, -1]
     for h in handles:
@@ -234,11 +237,16 @@ def reference(model: nn.Module, tcs: dict, ids: torch.Tensor) -> dict:
             node = GraphNode("feature", i, p, f)
             result["values"][node] = float(acts[i][p, f])
             result["edges"][node] = edges_of(pre[p, f])
-    top = probs.sort(descending=True).indices[:3]
-    for t in top.tolist():
+    top = probs.sort(descending=True).indices[:3] if logit_ids is None else logit_ids
+    for t in list(top.tolist() if torch.is_tensor(top) else top):
         node = GraphNode("logit", n, len(ids) - 1, t)
         vec = W_U[t] - W_U.mean(0)
         result["values"][node] = float(logits[t] - logits.mean())
+        result["edges"][node] = edges_of(live_final[0][0, -1] @ vec)
+    k0 = len(top)
+    for k, (_label, vec) in enumerate(custom):
+        node = GraphNode("logit", n, len(ids) - 1, W_U.shape[0] + k0 + k)
+        result["values"][node] = float(plain_final[0][0, -1] @ vec)
         result["edges"][node] = edges_of(live_final[0][0, -1] @ vec)
     return result
 
@@ -790,3 +798,65 @@ def test_an_attention_that_computes_its_pattern_itself_is_refused_by_layer():
         with pytest.raises(PointUnavailableError, match=r"layer 0's attention \(BloomAttention\)"):
             attribution_graph(model, tcs, ids)
     assert all_hooks(model) == before and not _registry_patched()
+
+
+# -- chosen targets: tokens and directions (circuit-tracer's attribution_targets) -----------------
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_chosen_tokens_and_a_logit_difference_equal_autograd(arch):
+    """Token targets that are not the most likely ones, and a custom target (a logit
+    difference W_U[a] - W_U[b], and a random direction): their edges equal autograd through
+    the frozen model written with plain hooks, their values the plain forward's; the logit
+    difference's row is the difference of the two tokens' rows (the mean cancels)."""
+    model, tcs = make(arch), transcoders()
+    with torch.no_grad():
+        order = model(IDS[None]).logits[0, -1].sort(descending=True).indices
+    a, b = int(order[4]), int(order[9])
+    W_U = model.get_output_embeddings().weight.detach()
+    rand = torch.randn(D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    custom = [("a - b", W_U[a] - W_U[b]), ("random", rand)]
+    spec = [a, b, *((lbl, w, v) for (lbl, v), w in zip(custom, (0.5, 0.25)))]
+    before = all_hooks(model)
+    g = attribution_graph(model, tcs, IDS, batch_size=5, attribution_targets=spec)
+    assert all_hooks(model) == before
+    assert g.logit_tokens.tolist() == [a, b, VOCAB + 2, VOCAB + 3]
+    assert g.logit_labels == [None, None, "a - b", "random"]
+    assert g.logit_probabilities[2:].tolist() == [0.5, 0.25]
+    probs = torch.softmax(model(IDS[None]).logits[0, -1].detach(), -1)
+    assert g.logit_probabilities[:2].double().tolist() == pytest.approx(probs[[a, b]].tolist())
+    ref = reference(model, tcs, IDS, logit_ids=[a, b], custom=custom)
+    mine = _edges(g)
+    assert set(mine) == set(ref["edges"])
+    for target, row in ref["edges"].items():
+        for src, want in row.items():
+            assert mine[target][src] == pytest.approx(want, rel=1e-8, abs=1e-10), (target, src)
+    for node, want in ref["values"].items():
+        assert float(g.values[g.nodes.index(node)]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    rows = {int(t): r for r, t in enumerate(g.targets.tolist())}
+    ia, ib, idiff = (len(g.nodes) - 4 + k for k in range(3))
+    diff = g.adjacency[rows[ia]] - g.adjacency[rows[ib]]
+    assert torch.allclose(g.adjacency[rows[idiff]], diff, rtol=1e-9, atol=1e-12)
+    assert float(g.values[idiff]) == pytest.approx(float(g.values[ia] - g.values[ib]))
+    tol = 1e-9 if arch == "gpt2" else 1e-6
+    assert g.completeness_error() < tol
+    # the file circuit-tracer's viewer reads: the custom target's label, its virtual index
+    data = g.to_json()
+    logit_nodes = [n for n in data["nodes"] if n["feature_type"] == "logit"]
+    assert any(n["clerp"].startswith('Output "a - b"') for n in logit_nodes)
+    assert any(n["feature"] == VOCAB + 2 for n in logit_nodes)
+
+
+def test_bad_attribution_targets_are_refused_by_entry():
+    model, tcs = make("llama"), transcoders()
+    before = all_hooks(model)
+    cases = [
+        ([3, VOCAB], r"attribution_targets\[1\]: token id 40 is outside the vocabulary"),
+        ([("x", 1.0, torch.zeros(D + 1))], r"attribution_targets\[0\] \('x'\).*shape \[16\]"),
+        ([("x", -1.0, torch.zeros(D))], r"attribution_targets\[0\]: a custom target is"),
+        ([3.5], r"attribution_targets\[0\]: expected a token id"),
+        ("the", r"attribution_targets: expected token ids"),
+        ([], r"attribution_targets: expected token ids"),
+    ]
+    for spec, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            attribution_graph(model, tcs, IDS, attribution_targets=spec)
+        assert all_hooks(model) == before
