@@ -276,16 +276,21 @@ def test_edges_equal_autograd_through_the_frozen_replacement_model(arch):
         assert float(g.values[g.nodes.index(node)]) == pytest.approx(want, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "gemma2"])
-def test_completeness_edges_plus_constant_are_the_value(arch):
-    model, tcs = make(arch), transcoders()
-    g = attribution_graph(model, tcs, IDS, batch_size=4)
-    # independently: each feature's activation from a plain forward, each logit minus the mean
-    with torch.no_grad(), pyhook.TraceDict(model, ["mlp_in.0", "mlp_in.1"]) as ret:
-        logits = model(IDS[None]).logits[0, -1]
+def _complete_against_plain(g, model, tcs, ids, tol) -> int:
+    """Assert, for every feature and logit node, edges + constant == the value computed without
+    the graph: the transcoder's encoder on a plain forward's MLP input, the plain logits minus
+    their mean (before a soft-cap, which is undone); returns how many nodes were checked."""
+    inputs = sorted({f"mlp_in.{node.layer}" for node in g.nodes if node.kind == "feature"})
+    with torch.no_grad(), pyhook.TraceDict(model, inputs) as ret:
+        logits = model(ids[None]).logits[0, -1]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # logit nodes are before the soft-cap (Gemma 2): undo it
+        logits = cap * torch.atanh(logits / cap)
+    checked = 0
     for i, node in enumerate(g.nodes):
         if node.kind == "feature":
-            x = ret[f"mlp_in.{node.layer}"].output[0, node.position]
+            out = ret[f"mlp_in.{node.layer}"].output  # [1, T, d], or [T, d] (OPT)
+            x = out.reshape(-1, len(ids), out.shape[-1])[0, node.position]
             with torch.no_grad():
                 want = tcs[(f"mlp_in.{node.layer}", f"mlp_out.{node.layer}")].encode(x)[node.index]
         elif node.kind == "logit":
@@ -294,10 +299,19 @@ def test_completeness_edges_plus_constant_are_the_value(arch):
             continue
         row = int((g.targets == i).nonzero())
         got = g.adjacency[row].sum() + g.constant[i]
-        # RMSNorm models compute their norm in float32 even in a float64 model: the frozen
-        # (linear) model is float64 throughout, so it differs from the model by that rounding
-        tol = 1e-9 if arch == "gpt2" else 1e-6
         assert float(got) == pytest.approx(float(want), rel=tol, abs=tol), node
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "gemma2"])
+def test_completeness_edges_plus_constant_are_the_value(arch):
+    model, tcs = make(arch), transcoders()
+    g = attribution_graph(model, tcs, IDS, batch_size=4)
+    # RMSNorm models compute their norm in float32 even in a float64 model: the frozen
+    # (linear) model is float64 throughout, so it differs from the model by that rounding
+    tol = 1e-9 if arch == "gpt2" else 1e-6
+    _complete_against_plain(g, model, tcs, IDS, tol)
     assert g.n_features == g.n_active_features > 10
     assert g.completeness_error() < tol  # against the graph's own values (the model's)
 
@@ -722,35 +736,14 @@ def test_every_architecture_gives_a_complete_graph(arch):
     model = _sweep_model(arch)
     ids = _P.ids()[0]
     tcs = _sweep_transcoders(model, ids)
-    n = len(tcs)
     before = all_hooks(model)
     g = attribution_graph(model, tcs, ids, batch_size=8)
     assert all_hooks(model) == before and not _registry_patched()
-    inputs = [f"mlp_in.{i}" for i in range(n)]
-    with torch.no_grad(), pyhook.TraceDict(model, inputs) as ret:
-        logits = model(ids[None]).logits[0, -1]
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:  # logit nodes are before the soft-cap (Gemma 2): undo it
-        logits = cap * torch.atanh(logits / cap)
-    checked = 0
-    for i, node in enumerate(g.nodes):
-        if node.kind == "feature":
-            out = ret[f"mlp_in.{node.layer}"].output  # [1, T, d], or [T, d] (OPT)
-            x = out.reshape(-1, len(ids), out.shape[-1])[0, node.position]
-            with torch.no_grad():
-                want = tcs[(f"mlp_in.{node.layer}", f"mlp_out.{node.layer}")].encode(x)[node.index]
-        elif node.kind == "logit":
-            want = logits[node.index] - logits.mean()
-        else:
-            continue
-        row = int((g.targets == i).nonzero())
-        got = g.adjacency[row].sum() + g.constant[i]
-        # float64 models whose norms compute in float32: that rounding (see the Limits); the
-        # float32 mixtures of experts: float32 sums of a few hundred terms
-        tol = 1e-6 if g.adjacency.dtype == torch.float64 else 2e-5 * float(g.values.abs().max())
-        assert float(got) == pytest.approx(float(want), rel=tol, abs=tol), (arch, node)
-        checked += 1
-    assert checked == g.n_features + len(g.logit_tokens) and g.n_features > 20
+    # float64 models whose norms compute in float32: that rounding (see the Limits); the
+    # float32 mixtures of experts: float32 sums of a few hundred terms
+    tol = 1e-6 if g.adjacency.dtype == torch.float64 else 2e-5 * float(g.values.abs().max())
+    assert _complete_against_plain(g, model, tcs, ids, tol) == g.n_features + len(g.logit_tokens)
+    assert g.n_features > 20
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "bloom"])
