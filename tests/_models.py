@@ -179,3 +179,19 @@ def offloaded_llama(ckpt, offload_folder, *, disk=("model.layers.1",), **kwargs)
     return transformers.LlamaForCausalLM.from_pretrained(
         ckpt, device_map=device_map, offload_folder=offload_folder, **kwargs
     ).eval()
+
+
+def checkpointed_copy(plain: nn.Module, reentrant: bool) -> tuple[nn.Module, nn.Module]:
+    """(a copy of ``plain`` with transformers' gradient checkpointing, ``plain``), both in
+    train mode: the copy checkpoints each decoder layer, reentrant or not."""
+    import copy
+    import warnings
+
+    plain = plain.train()
+    ckpt = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the name changes in transformers 6
+        ckpt.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+    return ckpt.train(), plain

@@ -7,11 +7,10 @@ so the block refuses to end quietly, naming the layer, and leaves no hook behind
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-from _models import all_hooks, randomise_norms
+from _models import all_hooks, checkpointed_copy, randomise_norms
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -183,14 +182,7 @@ def _hf(arch: str, reentrant: bool):
             num_key_value_heads=2, vocab_size=64, attention_dropout=0.0,
         )  # fmt: skip
         plain = transformers.LlamaForCausalLM(cfg)
-    plain = randomise_norms(plain).train()
-    ckpt = copy.deepcopy(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the name changes in transformers 6
-        ckpt.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
-        )
-    return ckpt.train(), plain
+    return checkpointed_copy(randomise_norms(plain), reentrant)
 
 
 # Layers inside the checkpointed decoder layers; transformers checkpoints a decoder layer's

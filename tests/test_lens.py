@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 import transformers as T
 from _hygiene import diff, hook_snapshot
-from _models import randomise_norms
+from _models import checkpointed_copy, randomise_norms
 
 import pyhook
 
@@ -556,21 +556,12 @@ def test_a_metric_that_cannot_be_differentiated_is_refused_by_name():
 def _checkpointed_pair(reentrant):
     """The same GPT-2 (no dropout) twice, in train mode: one with transformers' activation
     checkpointing, one without."""
-    import copy
-    import warnings
 
     torch.manual_seed(0)
     cfg = T.GPT2Config(
         n_embd=H, n_layer=3, n_head=2, vocab_size=64, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
     )
-    plain = randomise_norms(T.GPT2LMHeadModel(cfg)).train()
-    ckpt = copy.deepcopy(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the name changes in transformers 6
-        ckpt.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
-        )
-    return ckpt.train(), plain
+    return checkpointed_copy(randomise_norms(T.GPT2LMHeadModel(cfg)), reentrant)
 
 
 def _param_grads(model):
