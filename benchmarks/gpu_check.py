@@ -13,7 +13,9 @@ Steps, each in a subprocess with its own time limit inside one overall budget (`
    info`` names the checksum in use);
 1. build: ``pip install --no-build-isolation --no-deps .`` with ``PYHOOK_BUILD_CUDA=1`` (the
    build fails rather than quietly skipping the CUDA kernels), then ``pyhook info``;
-2. tests: every ``cuda``-marked test (``pytest -m cuda``);
+2. tests: every ``cuda``-marked test (``pytest -m cuda``), among them
+   ``tests/test_cuda_interventions.py`` (attribution graphs, splicing, steering and
+   ``HostBuffers`` on the GPU against the same computation on the CPU);
 3. ``bench_copy.py --device cuda`` (the CUDA rows: native vs reference clones on the GPU);
 4. ``bench_capture.py --skip peers disk job host`` (case (c): pinned copies, the Offloader, GPT-2
    small forward with a capture to host, joined and into reused pinned ``HostBuffers``), then

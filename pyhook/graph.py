@@ -1086,6 +1086,18 @@ def attribution_graph(
     finally:
         h.remove()
     freeze.check_attention()
+    for t in tcs:  # before any transcoder computes: each beside the activations it reads
+        at = rec[f"mlp_in.{t.layer}"].device
+        p = t.parts
+        held = [p.W_enc, p.b_enc, *_parts_list(p.W_dec), *_parts_list(p.b_dec)]
+        held += [p.input_bias] if p.input_bias is not None else []
+        devices = sorted({str(w.device) for w in held})
+        if devices != [str(at)]:
+            raise ValueError(
+                f"attribution graph: the transcoder at {t.key!r} is on {', '.join(devices)}, "
+                f"but mlp_in.{t.layer} runs on {at}: move the transcoders beside the model "
+                f"(.to('{at}'))"
+            )
     logits = (out.logits if hasattr(out, "logits") else out[0])[0, -1].double()
     probs = torch.softmax(logits, -1)
     lm_real = lm_out["x"][0].double()

@@ -16,8 +16,8 @@ hook sees the whole tensor (:func:`pyhook.distributed.layout_hook`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +47,22 @@ def _param(d: Any) -> Tensor | None:
     return None
 
 
+def _devices(key: Any, d: Any) -> set[torch.device]:
+    """The devices of a dictionary's parameters and buffers; one on the meta device (made
+    without data) is refused by name, before any forward."""
+    m = module_of(d)
+    if not isinstance(m, nn.Module):
+        return set()
+    devices = {t.device for t in itertools.chain(m.parameters(), m.buffers())}
+    if any(dev.type == "meta" for dev in devices):
+        raise DictionaryError(
+            f"splice: the dictionary at {key!r} ({type(m).__name__}) has tensors on the meta "
+            "device (made without data, e.g. under init_empty_weights or device='meta'): load "
+            "its weights onto a real device before splicing it in"
+        )
+    return devices
+
+
 def _clone(f: Any) -> Any:
     if isinstance(f, SparseFeatures):
         return SparseFeatures(f.values.clone(), f.indices.clone(), f.size)
@@ -71,29 +87,30 @@ def _retain(f: Any) -> None:
 class _Site:
     """One dictionary in a splice: where it reads and writes, and this forward's state."""
 
-    __slots__ = ("clt", "copies", "dictionary", "edit", "key", "outputs", "pending", "source")
+    __slots__ = ("clt", "dictionary", "edit", "key", "outputs", "pending", "single", "source")
 
     def __init__(self, key: Any, dictionary: Any, edit: Callable[[Any], Any] | None) -> None:
         self.key = key
         self.source, self.outputs, self.clt = parse_key(key)
         self.dictionary = as_dictionary(dictionary)
+        # parameters on one device: the dictionary runs there; on several (a CLT whose decoders
+        # sit beside their layers): its own code places its inputs, handed the site as it is
+        self.single = len(_devices(key, self.dictionary)) == 1
         self.edit = edit
-        self.copies: dict[torch.device, Any] = {}
         # the deltas (or reconstructions) for the output points, set by the read, used by writes
         self.pending: dict[str, Tensor] = {}
 
-    def on(self, device: torch.device, dtype: torch.dtype) -> tuple[Any, torch.dtype]:
-        """The dictionary on ``device`` (a copy, made once per splice, when it lives elsewhere:
-        each dictionary runs beside its layer) and the dtype it computes in."""
+    def place(self, x: Tensor) -> Tensor:
+        """The site's tensor where the dictionary computes: on the device of its parameters
+        (the result goes back to each output site's device in :meth:`Splice._write`; both moves
+        are differentiable, so gradients reach the dictionary's own parameters) and in their
+        dtype. A dictionary without parameters reads the site as it is."""
         p = _param(self.dictionary)
         if p is None:
-            return self.dictionary, dtype
-        if p.device == device:
-            return self.dictionary, p.dtype
-        d = self.copies.get(device)
-        if d is None:
-            d = self.copies[device] = copy.deepcopy(self.dictionary).to(device)
-        return d, p.dtype
+            return x
+        if self.single and p.device != x.device:
+            return x.to(device=p.device, dtype=p.dtype)
+        return x.to(p.dtype)
 
 
 def _prompt_sel(p: Any) -> Any:
@@ -233,19 +250,19 @@ class Splice:
     # -- the forward ------------------------------------------------------------------------
     def _read(self, site: _Site, x: Tensor) -> None:
         """Encode the input site once; leave per-output deltas (or reconstructions) pending."""
-        dictionary, dtype = site.on(x.device, x.dtype)
+        dictionary = site.dictionary
         grad = torch.is_grad_enabled()
         # error=True: the model is unchanged, so the encoder reads x outside the graph (every
         # gradient upstream is the model's own) and the features are leaves of the dictionary
         # branch; error=False: the site *is* the reconstruction, gradients run through it.
-        xin = (x.detach() if self.error else x).to(dtype)
+        xin = site.place(x.detach() if self.error else x)
         try:
             f = dictionary.encode(xin)
         except Exception as e:
             raise DictionaryError(
                 f"splice: the dictionary at {site.key!r} ({type(module_of(dictionary)).__name__}) "
                 f"failed to encode {site.source!r}, a tensor of shape {tuple(x.shape)} and dtype "
-                f"{x.dtype}: {e}"
+                f"{x.dtype} on {x.device}: {e}"
             ) from e
         if self.error and grad:
             f = _leaf(f)
@@ -284,7 +301,8 @@ class Splice:
                 f"splice: the dictionary at {site.key!r} decodes to shape {tuple(delta.shape)}, "
                 f"but {name!r} has shape {tuple(y.shape)}"
             )
-        delta = delta.to(y.dtype)
+        # from the dictionary's device (or a CLT's read site's) to this site's
+        delta = delta.to(device=y.device, dtype=y.dtype)
         if self._everywhere:
             return delta if not self.error else y + delta
         where = self._tracker.where if self._tracker is not None else None
@@ -356,7 +374,6 @@ class Splice:
         self._tracker = None
         for s in self.sites:
             s.pending = {}
-            s.copies.clear()
 
 
 def _decode(dictionary: Any, f: Any, site: _Site) -> list[Tensor]:
@@ -407,8 +424,12 @@ def splice(
     * ``error=False``: each output site is replaced by the reconstruction ``decode(features)``
       (of the edited features with ``edit``), gradients running through the dictionary.
 
-    A dictionary whose parameters sit on another device than its site runs from a copy made
-    on the site's device once per block. Works during ``generate``: by default every position
+    Each dictionary runs where its parameters are: a site on another device (a model on the
+    GPU, a dictionary in host memory, or the reverse) is moved to the dictionary's device and
+    the decoded change back to each output site's device, both moves differentiable, so
+    ``features`` live on the dictionary's device and gradients reach its own parameters. A
+    dictionary with tensors on the meta device is refused by name when the splice is made.
+    Works during ``generate``: by default every position
     is spliced (each position's features depend on that position alone, so the KV cache and
     padding change nothing); ``prompt`` (``"all"``, None, or indices into each row's real
     prompt tokens, ``-1`` its last) and ``generated`` (``"all"``, None, or ``(start, stop)``:
@@ -554,6 +575,11 @@ class _Acc:
         }
 
 
+def _rows(t: Tensor, keep: Tensor) -> Tensor:
+    """The rows ``[tokens, d]`` of ``t`` that ``keep`` (a flat mask) keeps, on its device."""
+    return t.reshape(-1, t.shape[-1]).to(keep.device)[keep]
+
+
 def _zero(_module: nn.Module, _args: Any, value: Tensor) -> Tensor:
     return torch.zeros_like(value)
 
@@ -655,13 +681,11 @@ def evaluate_dictionaries(
                 hooks.remove()
             flat = valid.reshape(-1)
             for s in probe.sites:
-                x = grabbed[s.source]
-                dictionary, dtype = s.on(x.device, x.dtype)
-                f = dictionary.encode(x.to(dtype))
-                recons = _decode(dictionary, f, s)
-                dense = dense_features(f).reshape(-1, dense_features(f).shape[-1])[flat]
-                targets = [grabbed[o].reshape(-1, grabbed[o].shape[-1])[flat] for o in s.outputs]
-                rec = [r.reshape(-1, r.shape[-1])[flat] for r in recons]
+                f = s.dictionary.encode(s.place(grabbed[s.source]))
+                recons = _decode(s.dictionary, f, s)
+                dense = _rows(dense_features(f), flat)
+                targets = [_rows(grabbed[o], flat) for o in s.outputs]
+                rec = [_rows(r, flat) for r in recons]
                 accs[s.key].add(dense, targets, rec)
             grabbed.clear()
             keep = valid[:, 1:] & valid[:, :-1]

@@ -389,3 +389,28 @@ def test_an_edit_that_raises_leaves_no_hook():
             model(IDS)
         assert all_hooks(model) == 0
         assert torch.equal(model(IDS).logits, ref)
+
+
+def test_a_dictionary_on_the_meta_device_is_refused_by_name_before_any_forward():
+    """A dictionary made without data (``device="meta"``, accelerate's init_empty_weights) is
+    refused when the splice is made, naming its key, its class and the device; before, the
+    forward failed inside the hook copying it to the site's device ("Cannot copy out of meta
+    tensor")."""
+    model = _model("gpt2")
+    with torch.device("meta"):
+        empty = SAELensSAE(16, 40).double()
+    forwards = []
+    h = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        for make in (
+            lambda: pyhook.splice(model, {"resid_post.0": empty}),
+            lambda: pyhook.splice(model, {("mlp_in.1", "mlp_out.1"): empty}, error=False),
+            lambda: pyhook.evaluate_dictionaries(model, {"resid_post.0": empty}, [IDS]),
+        ):
+            with pytest.raises(DictionaryError, match=r"'resid_post\.0'|'mlp_in\.1'") as e:
+                make()
+            assert "(SAELensSAE) has tensors on the meta device" in str(e.value)
+    finally:
+        h.remove()
+    assert forwards == []  # refused before any forward
+    assert all_hooks(model) == 0
