@@ -1086,6 +1086,9 @@ def attribution_graph(
     finally:
         h.remove()
     freeze.check_attention()
+    # the graph's buffers go where the activations are: an offloaded model runs its layers on
+    # its execution device while the weights read above stay in accelerate's map (host memory)
+    device = rec["embed"].device
     for t in tcs:  # before any transcoder computes: each beside the activations it reads
         at = rec[f"mlp_in.{t.layer}"].device
         p = t.parts

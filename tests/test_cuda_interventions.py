@@ -161,6 +161,42 @@ def test_attribution_graph_on_cuda_is_the_cpu_graph(arch, offload):
         assert got.completeness_error() < COMPLETE_TOL[arch], what
 
 
+def test_attribution_graph_on_a_gpu_run_offloaded_model_is_the_cpu_graph(tmp_path):
+    """accelerate's device map with the embedding and layer 0 on the GPU, layer 1 and the
+    unembedding offloaded (host memory and disk): the layers run on the GPU while the frozen
+    norms and the logit directions are read from accelerate's map in host memory; the graph's
+    buffers go where the activations are. The graph is the in-memory CPU model's."""
+    pytest.importorskip("accelerate")
+    import transformers
+
+    cpu = make("llama")
+    cpu.save_pretrained(tmp_path / "ckpt")
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": "cpu",
+        "model.norm": 0,
+        "lm_head": "disk",
+    }
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "off",
+        dtype=torch.float64,
+    ).eval()  # fmt: skip
+    tcs = {k: t.to(_cuda()) for k, t in transcoders().items()}
+    before = all_hooks(model)
+    for max_feature_nodes in (None, 12):
+        want = _cpu_graph("llama", max_feature_nodes)
+        got = attribution_graph(model, tcs, IDS, max_feature_nodes=max_feature_nodes, **GRAPH_KW)
+        what = f"offloaded on cuda, max_feature_nodes={max_feature_nodes}"
+        assert all_hooks(model) == before, what
+        assert got.nodes == want.nodes, what
+        for field in ("adjacency", "values", "constant", "pruned"):
+            _close_to_scale(
+                getattr(got, field), getattr(want, field), GRAPH_TOL["llama"], f"{what}: {field}"
+            )
+
+
 def test_attribution_graph_refuses_transcoders_off_the_models_device_by_name():
     model = make("gpt2").to(_cuda())
     before = all_hooks(model)
