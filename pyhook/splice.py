@@ -656,8 +656,11 @@ def evaluate_dictionaries(
     grabbed: dict[str, Tensor] = {}
 
     def grab(name: str) -> Callable[..., None]:
+        # a per-head point (attn_z) as the dictionaries read and write it, as splice hands it
+        heads = getattr(probe._points[name], "heads", None) is not None
+
         def hook(_m: nn.Module, _a: Any, value: Tensor) -> None:
-            grabbed[name] = value.detach()
+            grabbed[name] = (value.flatten(-2) if heads else value).detach()
 
         return hook
 

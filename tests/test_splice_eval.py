@@ -186,3 +186,54 @@ def test_evaluate_a_clt_gives_one_fvu_per_output():
     got = ev.per_dictionary[key]
     assert got["fvu"] == pytest.approx(want, rel=1e-9)
     assert list(ev.spliced) == [key] and "ce_loss_score" not in ev.spliced[key]
+
+
+def test_evaluate_a_per_head_point_reads_it_as_splice_does():
+    """An attention SAE at attn_z.L (trained on [batch, pos, heads * d_head], as SAELens'
+    attention SAEs are): its FVU, L0 and KL against hand-written hooks on the input of GPT-2's
+    c_proj (the heads' outputs side by side)."""
+    model = _model("gpt2")
+    d = model.config.n_embd
+    g = torch.Generator().manual_seed(9)
+
+    class SAE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_enc = torch.nn.Parameter(torch.randn(d, 2 * d, generator=g, dtype=torch.float64))
+            self.b_enc = torch.nn.Parameter(torch.full((2 * d,), -0.5, dtype=torch.float64))
+            self.W_dec = torch.nn.Parameter(torch.randn(2 * d, d, generator=g, dtype=torch.float64))
+
+        def encode(self, x):
+            return torch.relu(x @ self.W_enc + self.b_enc)
+
+        def decode(self, f):
+            return f @ self.W_dec / (2 * d)
+
+    sae = SAE()
+    ev = pyhook.evaluate_dictionaries(model, {"attn_z.1": sae}, _batches(), ablation=False)
+    proj = model.transformer.h[1].attn.c_proj
+    ys, rs, fs, kls = [], [], [], []
+    with torch.no_grad():
+        for b in _batches():
+            ids, mask = b["input_ids"], b["attention_mask"]
+            valid = mask.bool()
+            seen = {}
+            h = proj.register_forward_pre_hook(lambda m, a, s=seen: s.__setitem__("x", a[0]))
+            clean = model(ids, attention_mask=mask).logits
+            h.remove()
+            f = sae.encode(seen["x"])
+            ys.append(seen["x"][valid])
+            rs.append(sae.decode(f)[valid])
+            fs.append(f[valid])
+            h = proj.register_forward_pre_hook(lambda m, a: (sae.decode(sae.encode(a[0])),))
+            spliced = model(ids, attention_mask=mask).logits
+            h.remove()
+            keep = valid[:, 1:] & valid[:, :-1]
+            lp_clean = torch.log_softmax(clean[:, :-1].double(), -1)
+            lp = torch.log_softmax(spliced[:, :-1].double(), -1)
+            kls.append((lp_clean.exp() * (lp_clean - lp)).sum(-1)[keep])
+    y, r, f = torch.cat(ys), torch.cat(rs), torch.cat(fs)
+    got = ev.per_dictionary["attn_z.1"]
+    assert got["fvu"] == pytest.approx(float(((y - r) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()))
+    assert got["l0"] == pytest.approx(float((f != 0).sum(-1).double().mean()))
+    assert ev.spliced["attn_z.1"]["kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-9)
