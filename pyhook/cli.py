@@ -554,6 +554,7 @@ Examples:
   pyhook capture --layers encoder.layer.0 encoder.layer.5 --positions last --dtype float16
   pyhook capture --input corpus.txt --batch-size 8 --max-length 256 --out acts/ --overwrite
   pyhook capture --config job.yaml --limit 64     # the job's options from a file; flags override
+  pyhook capture --input prompts.parquet --generate 32 --steer-column concept --steer-set 'happy:resid_post.6=v.safetensors:happy*4'
   torchrun --nproc-per-node 2 -m pyhook capture --out acts/
 """
 _EPILOG_LAYERS = """\
@@ -800,6 +801,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POINT=FILE[:NAME][*SCALE]",
         help="with --generate: add SCALE times the vector NAME of FILE (.safetensors, .pt or "
         ".npy) at POINT on every row (repeatable; docs/steering.md)",
+    )
+    c.add_argument(
+        "--steer-set",
+        dest="steer_sets",
+        action="append",
+        metavar="SET:POINT=FILE[:NAME][*SCALE]",
+        help="with --steer-column: a spec of the steering set SET, used by the examples whose "
+        "column names SET (repeatable, several specs a set; 'SET:' alone steers nothing)",
+    )
+    c.add_argument(
+        "--steer-column",
+        metavar="COLUMN",
+        help="with --steer-set: the corpus column naming each example's set (empty or null: "
+        "--steer's specs, or none); a name that is no set is refused before generating",
+    )
+    c.add_argument(
+        "--steer-scale-column",
+        metavar="COLUMN",
+        help="with --steer or --steer-set: the corpus column whose number multiplies each "
+        "example's steering scales (e.g. a sweep 0, 2, 4, 8; empty or null: 1)",
     )
     c.add_argument(
         "--gradients",

@@ -895,7 +895,8 @@ def run_generate(
 
 def _check_steer(model: Any, rec: Any, steer: Any) -> None:
     """Check ``steer`` before generating (every point resolved, every vector's width), and
-    write its specs into the store's metadata (``meta["steering"]``)."""
+    write its specs into the store's metadata (``meta["steering"]``, beside what the
+    recorder's meta already holds there)."""
     from ..steering import Steer
 
     def specs(e: Any) -> bool:
@@ -911,7 +912,11 @@ def _check_steer(model: Any, rec: Any, steer: Any) -> None:
                     f"None, got {e!r}"
                 )
         every = [s for e in steer if e is not None for s in ([e] if isinstance(e, Steer) else e)]
-        note: dict[str, Any] = {"examples": "each", "specs": [describe(e) for e in steer]}
+        described: dict[int, list[dict[str, Any]]] = {}  # entries shared by many prompts: once
+        for e in steer:
+            if id(e) not in described:
+                described[id(e)] = describe(e)
+        note: dict[str, Any] = {"examples": "each", "specs": [described[id(e)] for e in steer]}
     elif isinstance(steer, Steer) or (isinstance(steer, tuple) and specs(steer)):
         every = [steer] if isinstance(steer, Steer) else list(steer)
         note = {"examples": "all", "specs": describe(every)}
@@ -923,6 +928,9 @@ def _check_steer(model: Any, rec: Any, steer: Any) -> None:
     distinct = tuple({id(s): s for s in every}.values())
     with steering(model, distinct):  # resolves and checks every spec, before generating
         pass
+    # what the caller recorded beside the specs (a job: each prompt's set name) is kept
+    prior = rec.meta.get("steering")
+    note = {**(prior if isinstance(prior, dict) else {}), **note}
     rec.meta = {**rec.meta, "steering": note}
     writer = getattr(rec, "_writer", None)
     if writer is not None and isinstance(getattr(writer, "meta", None), dict):

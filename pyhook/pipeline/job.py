@@ -80,6 +80,8 @@ def default_corpus() -> str:
 # (``--limit``). Messages are written with `name` (and `name=True` for a switch) and spelled when
 # shown, so one check serves both.
 _MARK = re.compile(r"`([a-z_]+)(=True)?`")
+#: options whose flag is not the option's name with dashes (one set a flag, repeated)
+_FLAG_NAMES = {"steer_sets": "steer-set"}
 
 
 def _spell(text: str, flags: bool = False) -> str:
@@ -94,7 +96,7 @@ def _spell(text: str, flags: bool = False) -> str:
     def one(m: re.Match[str]) -> str:
         name, switch = m.group(1), m.group(2) or ""
         if flags:
-            return "--" + name.replace("_", "-")
+            return "--" + _FLAG_NAMES.get(name, name.replace("_", "-"))
         return name + switch
 
     return _MARK.sub(one, text)
@@ -182,6 +184,9 @@ _SETTING_WORDS = {
     "seed": "`seed`",
     "generate_kwargs": "`generate_kwargs`",
     "steer": "`steer`",
+    "steer_sets": "`steer_sets`",
+    "steer_column": "`steer_column`",
+    "steer_scale_column": "`steer_scale_column`",
     "gradients": "`gradients`",
     "metric": "`metric`",
 }
@@ -386,7 +391,11 @@ class CaptureJob:
       (more ``generate`` options, e.g. ``{"temperature": 0.7}``), ``steer`` (steering specs as
       data, applied to every prompt: dicts of :class:`pyhook.Steer`'s fields whose vector is
       ``"FILE[:NAME]"`` of a ``.safetensors``/``.pt``/``.npy`` file, or the command's
-      ``POINT=FILE[:NAME][*SCALE]``; see docs/steering.md).
+      ``POINT=FILE[:NAME][*SCALE]``; see docs/steering.md). Per example: ``steer_sets``
+      (``{name: [spec, ...]}``; the command's ``NAME:POINT=FILE[:NAME][*SCALE]``) with
+      ``steer_column`` (the corpus column naming each example's set; empty or null: ``steer``,
+      or no steering), and ``steer_scale_column`` (a column of numbers multiplying each
+      example's scales); the store's ``meta["steering"]`` records each example's set and specs.
     * ``gradients`` (``true``, or names/globs among ``layers``) and ``metric``: also store
       ``"<layer>_grad"``, the gradient of each example's metric at that layer (docs/job.md,
       "Gradients"). In a file ``metric`` is a named metric, ``"loss"`` (next-token loss) or
@@ -437,6 +446,9 @@ class CaptureJob:
     steer: list[Any] | None = None
     gradients: bool | list[str] | None = None
     metric: Any = None
+    steer_sets: dict[str, list[Any]] | None = None
+    steer_column: str | None = None
+    steer_scale_column: str | None = None
 
     def __post_init__(self) -> None:
         # the forms a file or the command gives, made one (so equal jobs compare equal)
@@ -462,6 +474,7 @@ class CaptureJob:
             self.steer = [self.steer]
         if isinstance(self.steer, (list, tuple)):  # the command's POINT=FILE[:NAME][*SCALE]
             self.steer = [_steer_flag(s) if isinstance(s, str) else s for s in self.steer]
+        self.steer_sets = _steer_sets_given(self.steer_sets)
         self.check()
 
     # -- checks that need neither torch nor a file --------------------------------------------
@@ -500,6 +513,9 @@ class CaptureJob:
             elif name == "steer":
                 if v is not None:
                     _check_steer(v)
+            elif name == "steer_sets":
+                if v is not None:
+                    _check_steer_sets(v)
             elif name in ("gradients", "metric"):
                 continue  # _check_gradients, below
             elif name == "shard_mb":
@@ -525,7 +541,16 @@ class CaptureJob:
                     else ""
                 )
                 raise _JobTypeError(f"`{name}` must be a string, got {_got(v)}{hint}")
-        for name in ("model", "tokenizer", "model_class", "input", "text_column", "out"):
+        for name in (
+            "model",
+            "tokenizer",
+            "model_class",
+            "input",
+            "text_column",
+            "out",
+            "steer_column",
+            "steer_scale_column",
+        ):
             v = getattr(self, name)
             if isinstance(v, str) and not v.strip():  # `--input "$CORPUS"` with it unset
                 raise JobError(
@@ -650,6 +675,9 @@ class CaptureJob:
                 ("seed", 0),
                 ("generate_kwargs", None),
                 ("steer", None),
+                ("steer_sets", None),
+                ("steer_column", None),
+                ("steer_scale_column", None),
             ):
                 if getattr(self, name) != default:
                     raise JobError(
@@ -657,6 +685,21 @@ class CaptureJob:
                         "(new tokens per prompt)"
                     )
             return
+        if self.steer_sets is not None and self.steer_column is None:
+            raise JobError(
+                "`steer_sets`: each example's set is named by `steer_column` (a corpus column "
+                "holding the set's name): add `steer_column`"
+            )
+        if self.steer_column is not None and self.steer_sets is None:
+            raise JobError(
+                f"`steer_column` {self.steer_column!r} names each example's set, defined by "
+                "`steer_sets`: add `steer_sets`"
+            )
+        if self.steer_scale_column is not None and not (self.steer or self.steer_sets):
+            raise JobError(
+                f"`steer_scale_column` {self.steer_scale_column!r} multiplies the scales of "
+                "each example's steering specs: add `steer` (every example's) or `steer_sets`"
+            )
         if self.sampling not in ("greedy", "sample", "model"):
             raise JobError(
                 "`sampling` must be 'greedy', 'sample' (seeded by `seed`) or 'model' (the "
@@ -915,6 +958,39 @@ class CaptureJob:
             "model_dtype": dtype_name(model_dtype) if model_dtype else None,
         }
 
+    def _steering(self, src: Any) -> tuple[Any, dict[str, Any] | None, Any]:
+        """``steer=`` for run_generate (None; a tuple of specs for every prompt; or one entry
+        per example, from `steer_sets` chosen by `steer_column` and scales multiplied by
+        `steer_scale_column`), what the store's ``meta["steering"]`` records beside each
+        prompt's specs (the columns and each example's set name and factor), and how many
+        examples each set steers (``plan.steering``). Vectors are read and every example's
+        values checked here, before the weights load."""
+        default = _steer_specs(self.steer) or ()
+        if self.steer_sets is None and self.steer_scale_column is None:
+            return default or None, None, None
+        sets = {
+            name: _steer_specs(specs, f"`steer_sets` {name!r}") or ()
+            for name, specs in (self.steer_sets or {}).items()
+        }
+        note: dict[str, Any] = {}
+        chosen = factors = None
+        if self.steer_column is not None:
+            values = _column_values(src, self.steer_column, "`steer_column`")
+            chosen = _steer_choices(values, sets, self.steer_column)
+            note.update(set_column=self.steer_column, set=chosen)
+        if self.steer_scale_column is not None:
+            values = _column_values(src, self.steer_scale_column, "`steer_scale_column`")
+            factors = _steer_factors(values, self.steer_scale_column)
+            note.update(scale_column=self.steer_scale_column, scale_factor=factors)
+        from .steer import specs_of_examples
+
+        count = src.count()
+        counts: dict[str | None, int] = {}
+        for name in chosen if chosen is not None else [None] * count:
+            counts[name] = counts.get(name, 0) + 1
+        # every example the corpus holds (after `limit`), by its index
+        return specs_of_examples(default, sets, chosen, factors, count), note, counts
+
     def _load(self, prepared: Any, device: str, model_dtype: Any) -> Any:
         """The model: the object given, or the checkpoint's weights loaded as the loading
         options say (whole on ``device``; placed by ``device_map``; sharded by ``tp_size``)."""
@@ -1031,6 +1107,9 @@ class CaptureJob:
             )
             if self.steer:  # absent otherwise: unsteered stores made before compare equal
                 settings["steer"] = self.steer
+            for name in ("steer_sets", "steer_column", "steer_scale_column"):
+                if getattr(self, name) is not None:  # absent otherwise, as `steer`
+                    settings[name] = getattr(self, name)
         plan = CapturePlan(
             job=self,
             model_path=prepared.path,
@@ -1087,6 +1166,10 @@ class CaptureJob:
         if share is None:
             say(f"counting {os.path.basename(got['input'])}")
             share = src.estimate()
+        # the steering vectors read and each example's set checked, before the weights
+        steer, steer_note, plan.steering = (
+            self._steering(src) if self.generate is not None else (None, None, None)
+        )
 
         # 2. The weights, the layers, one probe forward for their widths.
         device = self._device(lay.world)
@@ -1103,6 +1186,8 @@ class CaptureJob:
             "command": "pyhook capture",
         }
         gen = self.generate is not None  # the rows of each step are chosen by the generation
+        if steer_note is not None:  # each example's set (run_generate adds the specs)
+            meta["steering"] = steer_note
         if paired:
             meta["models"] = {
                 n: {"path": prepared.loaded[n].path, "class": type(model.model(n)).__name__}
@@ -1219,6 +1304,7 @@ class CaptureJob:
             "keep": keep,
             "share": share,
             "tokenizer": got["tokenizer"],
+            "steer": steer,
         }
         return plan
 
@@ -1309,7 +1395,7 @@ class CaptureJob:
                         on_batch=on_batch,
                         on_generated=on_generated,
                         exclude_tokens=src._excluded(),
-                        steer=_steer_specs(self.steer),
+                        steer=state["steer"],
                         **(self.generate_kwargs or {}),
                     )
                 else:
@@ -1568,6 +1654,9 @@ class CapturePlan:
     #: with ``device_map``: where the loaded model's modules are (module name -> device; the
     #: model's ``hf_device_map``, or ``{"": device}`` when transformers placed it whole)
     placement: dict[str, Any] | None = None
+    #: with `steer_sets` or `steer_scale_column`: examples per set name (None: the examples
+    #: whose `steer_column` is empty, steered by `steer` or not at all), the whole corpus's
+    steering: dict[str | None, int] | None = None
     _state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -1667,14 +1756,37 @@ class CapturePlan:
         if self.note is not None:
             return self.summary(flags)
         ranks = self.ranks_table()
+        steering = self.steering_line(flags)
         return "\n".join(
             [
                 f"model {self.model_path} ({self.model_class}), input {self.input}",
                 self.table(),
                 *([ranks] if ranks else []),
+                *([steering] if steering else []),
                 self.summary(flags),
             ]
         )
+
+    def steering_line(self, flags: bool = False) -> str:
+        """How many examples of the corpus each steering set steers (``steering by
+        steer_column 'concept': happy 120, sad 80 examples; 100 empty (unsteered)``); empty
+        without per-example steering."""
+        if not self.steering:
+            return ""
+        job = self.job
+        counts = dict(self.steering)
+        empty = counts.pop(None, 0)
+        rest = "`steer`'s specs" if job.steer else "unsteered"
+        if job.steer_column is None:
+            text = f"steering: {rest} on all {empty:,} examples"
+        else:
+            sets = ", ".join(f"{name} {n:,}" for name, n in sorted(counts.items()))
+            text = f"steering by `steer_column` {job.steer_column!r}: {sets or 'no set'} examples"
+            if empty:
+                text += f"; {empty:,} empty ({rest})"
+        if job.steer_scale_column is not None:
+            text += f"; scales times `steer_scale_column` {job.steer_scale_column!r}"
+        return _spell(text, flags)
 
     def __str__(self) -> str:
         return self.report()
@@ -1966,28 +2078,94 @@ def _steer_flag(text: str) -> dict[str, Any]:
     return spec
 
 
-def _check_steer(v: Any) -> None:
-    """`steer`: a list of spec dicts (no torch, no file read here)."""
-    if not isinstance(v, list) or not v:
-        raise _JobTypeError(f"`steer` must be a list of steering specs, got {_got(v)}")
+def _check_steer(v: Any, what: str = "`steer`", *, empty: bool = False) -> None:
+    """`steer` (or one set of `steer_sets`, ``empty`` allowed): a list of spec dicts (no torch,
+    no file read here)."""
+    if not isinstance(v, list) or not (v or empty):
+        raise _JobTypeError(f"{what} must be a list of steering specs, got {_got(v)}")
     for i, d in enumerate(v):
         if not isinstance(d, dict):
-            raise _JobTypeError(f"`steer` entry {i} must be a spec (a mapping), got {_got(d)}")
+            raise _JobTypeError(f"{what} entry {i} must be a spec (a mapping), got {_got(d)}")
         unknown = set(d) - STEER_FIELDS
         if unknown:
             raise JobError(
-                f"`steer` entry {i}: unknown field(s) {sorted(unknown)}; a spec has "
-                f"{sorted(STEER_FIELDS)}"
+                f"{what} entry {i}: unknown field(s) {_got(sorted(map(str, unknown)))}; a spec "
+                f"has {sorted(STEER_FIELDS)}"
             )
         if not isinstance(d.get("point"), str) or "vector" not in d:
             raise JobError(
-                f"`steer` entry {i}: needs 'point' (a point name) and 'vector' "
+                f"{what} entry {i}: needs 'point' (a point name) and 'vector' "
                 "('FILE[:NAME]' of a .safetensors/.pt/.npy file, or a list of numbers)"
             )
 
 
-def _steer_specs(v: list[Any] | None) -> Any:
-    """The job's `steer` as the specs run_generate takes (a tuple: every prompt, all of them)."""
+def _steer_set_flag(text: str) -> tuple[str, dict[str, Any] | None]:
+    """``--steer-set NAME:POINT=FILE[:NAME][*SCALE]`` as (set name, spec); ``NAME:`` alone is
+    a set that steers nothing (None).
+
+    >>> _steer_set_flag("happy:resid_post.6=vectors.safetensors:happy*4")
+    ('happy', {'point': 'resid_post.6', 'vector': 'vectors.safetensors:happy', 'scale': 4.0})
+    >>> _steer_set_flag("control:")
+    ('control', None)
+    """
+    name, sep, spec = text.partition(":")
+    if not sep or not name.strip() or "=" in name:
+        raise JobError(
+            f"`steer_sets` {_got(text)}: expected NAME:POINT=FILE[:NAME][*SCALE], e.g. "
+            "happy:resid_post.6=vectors.safetensors:happy*4 (NAME: alone steers nothing)"
+        )
+    return name.strip(), (_steer_flag(spec) if spec.strip() else None)
+
+
+def _steer_sets_given(v: Any) -> Any:
+    """`steer_sets` as one form (so equal jobs compare equal): the command's list of
+    ``NAME:POINT=FILE[:NAME][*SCALE]`` grouped by name; a YAML file's integer names (``0:``,
+    class labels) as strings; a set given as one spec (or flag text) as a list. Anything else
+    is left for :func:`_check_steer_sets` to refuse."""
+    if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+        grouped: dict[str, list[Any]] = {}
+        for text in v:
+            name, spec = _steer_set_flag(text)
+            grouped.setdefault(name, [])
+            if spec is not None:
+                grouped[name].append(spec)
+        return grouped
+    if not isinstance(v, dict):
+        return v
+    out: dict[Any, Any] = {}
+    for k, specs in v.items():
+        if isinstance(k, int) and not isinstance(k, bool) and abs(k) < 10**30:
+            k = str(k)  # a class label
+        if isinstance(specs, (str, dict)):
+            specs = [specs]
+        if isinstance(specs, (list, tuple)):
+            specs = [_steer_flag(x) if isinstance(x, str) else x for x in specs]
+        if k in out:  # 1 and "1"
+            raise JobError(f"`steer_sets` names the set {k!r} twice")
+        out[k] = specs
+    return out
+
+
+def _check_steer_sets(v: Any) -> None:
+    """`steer_sets`: a mapping of set names to lists of spec dicts (a set may be empty: the
+    examples that name it are not steered)."""
+    if not isinstance(v, dict) or not v:
+        raise _JobTypeError(
+            "`steer_sets` must be a mapping of set names to lists of steering specs "
+            f"(e.g. {{happy: [...], sad: [...]}}), got {_got(v)}"
+        )
+    for name, specs in v.items():
+        if not isinstance(name, str) or not name.strip():
+            raise _JobTypeError(
+                f"`steer_sets`: a set's name is a non-empty string (or a small integer), got "
+                f"{_got(name)}"
+            )
+        _check_steer(specs, f"`steer_sets` {_got(name)}", empty=True)
+
+
+def _steer_specs(v: list[Any] | None, what: str = "`steer`") -> Any:
+    """The job's `steer` (or one of `steer_sets`) as the specs run_generate takes (a tuple:
+    every prompt, all of them); None for none."""
     if not v:
         return None
     from ..steering import SteeringError
@@ -1996,7 +2174,99 @@ def _steer_specs(v: list[Any] | None) -> Any:
     try:
         return tuple(specs_from_data(v))
     except SteeringError as e:
-        raise JobError(f"`steer`: {e}") from None
+        raise JobError(f"{what}: {e}") from None
+
+
+def _column_values(src: Any, column: str, what: str) -> list[Any]:
+    """The values of a per-example column of the corpus (``what``: the option naming it)."""
+    from .source import SourceError
+
+    try:
+        values = src.column_values(column)
+    except SourceError as e:
+        raise JobError(f"{what}: {e}") from None
+    if len(values) != src.count():  # pragma: no cover - one reading of the same records
+        raise JobError(f"{what} {column!r}: {len(values)} values for {src.count()} examples")
+    return values
+
+
+def _empty_cell(v: Any) -> bool:
+    """A null (None, or NaN as pandas writes one in a numeric column) or an empty string."""
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
+
+
+def _steer_choices(values: list[Any], sets: Any, column: str) -> list[str | None]:
+    """Each example's set name from the `steer_column` values (None: empty, `steer`'s specs);
+    a value that is not a set's name is refused with its example and the sets there are.
+
+    >>> _steer_choices(["happy", None, 1, ""], {"happy": [], "1": []}, "concept")
+    ['happy', None, '1', None]
+    >>> _steer_choices(["happy", "angry"], {"happy": [], "sad": []}, "concept")
+    Traceback (most recent call last):
+    ...
+    pyhook.pipeline.job.JobError: steer_column 'concept', example 1 (from 0): 'angry' is not a set of steer_sets (its sets: happy, sad)
+    """
+    out: list[str | None] = []
+    unknown: list[tuple[int, Any]] = []
+    for e, v in enumerate(values):
+        if _empty_cell(v):
+            out.append(None)
+            continue
+        if isinstance(v, float) and v.is_integer():  # an integer label in a float column
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise JobError(
+                f"`steer_column` {column!r}, example {e:,} (from 0): holds {_got(v)}, not a "
+                "set's name (a string or an integer; empty or null: `steer`, or no steering)"
+            )
+        name = v if isinstance(v, str) else str(v)
+        out.append(name if name in sets else None)
+        if name not in sets:
+            unknown.append((e, v))
+    if unknown:
+        e, v = unknown[0]
+        more = (
+            f"; {len(unknown) - 1:,} more example(s) name sets that are not there"
+            if len(unknown) > 1
+            else ""
+        )
+        names = ", ".join(sorted(sets))
+        names = names if len(names) <= 300 else names[:300] + "..."
+        raise JobError(
+            f"`steer_column` {column!r}, example {e:,} (from 0): {_got(v)} is not a set of "
+            f"`steer_sets` (its sets: {names}){more}"
+        )
+    return out
+
+
+def _steer_factors(values: list[Any], column: str) -> list[float | None]:
+    """Each example's factor of its specs' scales from the `steer_scale_column` values (None:
+    empty, the specs' own scales); anything but a finite number is refused with its example.
+
+    >>> _steer_factors([0, 2.5, None], "scale")
+    [0.0, 2.5, None]
+    """
+    out: list[float | None] = []
+    for e, v in enumerate(values):
+        if _empty_cell(v) and not isinstance(v, str):
+            out.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise JobError(
+                f"`steer_scale_column` {column!r}, example {e:,} (from 0): holds {_got(v)}, "
+                "not a number (the factor of the example's steering scales; null: 1)"
+            )
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise JobError(
+                f"`steer_scale_column` {column!r}, example {e:,} (from 0): {_got(v)} is not a "
+                "finite number"
+            )
+        out.append(f)
+    return out
 
 
 def _check_token_ids(options: dict[str, Any], config: Any, name: str) -> None:

@@ -438,9 +438,10 @@ class CorpusSource:
         except OSError as e:
             raise SourceError(f"cannot read --input {self.path!r}: {e.strerror or e}") from None
 
-    def _chunks_raw(self) -> Iterator[tuple[str, Any, list[Any], Any]]:
-        """(file, where, values, arrow array or None): ``where(i)`` names value i's record."""
-        col = self.column
+    def _chunks_raw(self, col: str | None = None) -> Iterator[tuple[str, Any, list[Any], Any]]:
+        """(file, where, values, arrow array or None): ``where(i)`` names value i's record;
+        ``col``: another column than the text's."""
+        col = self.column if col is None else col
         if self.kind == "txt":
             with open(self.path, encoding="utf-8") as f:
                 chunk: list[Any] = []
@@ -500,6 +501,70 @@ class CorpusSource:
             for start in range(0, len(ds), _CHUNK):
                 arr = _plain(ds[start : start + _CHUNK][col])
                 yield self.path, _rows_from(start), arr.to_pylist(), arr
+
+    def column_values(self, name: str) -> list[Any]:
+        """The values of the column ``name`` for every example, in example order (after
+        ``limit``; the whole corpus, not this rank's share), as Python values (a null is None):
+        per-example settings read beside the text, such as a capture job's ``steer_column``.
+        One example per row only (a packed context has no row of its own). A JSON record
+        without the column gives None; a column that no record has is a :class:`SourceError`
+        naming the columns there are.
+
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "c.jsonl")
+        >>> _ = open(path, "w").write('{"text": "a b", "set": "happy"}\\n{"text": "c"}\\n')
+        >>> open_source(path).column_values("set")
+        ['happy', None]
+        """
+        import pyarrow as pa
+
+        if self.context_size is not None:
+            raise SourceError(
+                f"column {name!r}: packed contexts (context_size) have no row of the corpus "
+                "each; per-example columns are read one example per row"
+            )
+        label = os.path.basename(self.path)
+        if self.kind not in ("json", "jsonl") and name not in self.columns:
+            raise SourceError(
+                f"{name!r} is not a column of {label}; its columns are: {', '.join(self.columns)}"
+            )
+        if self.kind == "parquet":
+            for path in self._parquet_files()[1:]:  # footers only
+                names = self._parquet_schema(path).names
+                if name not in names:
+                    raise SourceError(
+                        f"--input {self._file_label(path)} has no column {name!r} (its columns "
+                        f"are: {', '.join(names)})"
+                    )
+        out: list[Any] = []
+        try:
+            if self.kind in ("json", "jsonl"):
+                seen = False  # a record that has the column
+                for _where, rec in self._json_records():
+                    if self.limit is not None and len(out) >= self.limit:
+                        break
+                    seen = seen or name in rec
+                    out.append(rec.get(name))
+                if not seen:
+                    raise SourceError(
+                        f"{name!r} is not a column of {label} (none of the {len(out):,} records "
+                        f"read has it); its columns are: {', '.join(self.columns)}"
+                    )
+                return out
+            for _file, _where, values, arr in self._chunks_raw(name):
+                out.extend(values if arr is None else _plain(arr).to_pylist())
+                if self.limit is not None and len(out) >= self.limit:
+                    del out[self.limit :]
+                    break
+        except UnicodeDecodeError as e:
+            raise SourceError(
+                f"--input {self.path!r} is not UTF-8 text (byte {e.start}: {e.reason})"
+            ) from None
+        except pa.ArrowException as e:
+            raise SourceError(f"cannot read --input {self.path!r}: {_one_line(e)}") from None
+        except OSError as e:
+            raise SourceError(f"cannot read --input {self.path!r}: {e.strerror or e}") from None
+        return out
 
     def _check_values(self, file: str, where: Any, values: list[Any], arr: Any) -> None:
         if not self.pretokenized:

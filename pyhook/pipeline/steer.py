@@ -7,6 +7,8 @@ files by name, and steering specs given as data (a job file, the command line), 
   ``.npy`` (no pickles) file.
 * :func:`specs_from_data` -- :class:`pyhook.Steer` specs from JSON-able dicts (vectors named by
   file: a job file's ``steer``, the command's ``--steer``).
+* :func:`specs_of_examples` -- a job's per-example steering (named sets chosen by a corpus
+  column, scales multiplied by another) as ``steer=``'s list with one entry per prompt.
 * :func:`specs_of_batch` -- the specs of one prompt batch from a ``steer=`` argument (one spec
   or list for every row, or a list with one entry per prompt), and :func:`describe` for the
   store's metadata.
@@ -14,6 +16,7 @@ files by name, and steering specs given as data (a job file, the command line), 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -24,7 +27,14 @@ import torch
 from ..steering import Probe, Steer, SteeringError
 from ._generate_options import STEER_FIELDS
 
-__all__ = ["describe", "load_vector", "mean_difference", "specs_from_data", "specs_of_batch"]
+__all__ = [
+    "describe",
+    "load_vector",
+    "mean_difference",
+    "specs_from_data",
+    "specs_of_batch",
+    "specs_of_examples",
+]
 
 
 def _open(store: Any) -> Any:
@@ -220,6 +230,44 @@ def specs_from_data(items: Any, *, base: str | None = None) -> list[Steer]:
             pk["direction"] = _vector_of(when.get("direction"), where, base)
             kw["when"] = Probe(**pk)
         out.append(Steer(**kw))
+    return out
+
+
+def specs_of_examples(
+    default: Sequence[Steer],
+    sets: Mapping[str, Sequence[Steer]],
+    chosen: Sequence[str | None] | None,
+    factors: Sequence[float | None] | None,
+    count: int,
+) -> list[tuple[Steer, ...] | None]:
+    """The ``steer=`` list of :func:`~pyhook.pipeline.generate.run_generate` (one entry per
+    prompt) for ``count`` examples: example ``i`` gets the set ``sets[chosen[i]]``, or
+    ``default`` where ``chosen[i]`` is None (or ``chosen`` is), each spec's scale multiplied by
+    ``factors[i]`` where that is not None; an example left with no spec gets None
+    (unsteered). Examples with the same set and factor share one tuple of specs.
+
+    >>> happy = Steer("resid_post.0", [1.0, 0.0], scale=2.0)
+    >>> got = specs_of_examples((), {"happy": (happy,)}, ["happy", None, "happy"],
+    ...                         [None, None, 4.0], 3)
+    >>> got[0][0] is happy, got[1], got[2][0].scale
+    (True, None, 8.0)
+    """
+    out: list[tuple[Steer, ...] | None] = []
+    every, named = tuple(default), {k: tuple(v) for k, v in sets.items()}
+    scaled: dict[tuple[str | None, float], tuple[Steer, ...]] = {}
+    for i in range(count):
+        name = chosen[i] if chosen is not None else None
+        base = every if name is None else named[name]
+        f = factors[i] if factors is not None else None
+        if not base:
+            out.append(None)
+        elif f is None:
+            out.append(base)
+        else:
+            key = (name, float(f))
+            if key not in scaled:
+                scaled[key] = tuple(dataclasses.replace(s, scale=s.scale * f) for s in base)
+            out.append(scaled[key])
     return out
 
 
