@@ -84,7 +84,7 @@ def test_run_generate_stores_the_steered_rows_and_each_prompts_specs(tmp_path):
     for e, prompt in enumerate(PROMPTS):
         spec = specs[e]
         spec = [] if spec is None else [spec] if isinstance(spec, pyhook.Steer) else spec
-        assert note["specs"][e] == [s.describe() for s in spec]
+        assert note["entries"][note["entry"][e]] == [s.describe() for s in spec]
         tokens, _ = _reference(model, prompt, spec, new=NEW)
         seq = list(prompt) + tokens[:-1]  # the last token is never run
         want = _plain_rows(model, seq, len(prompt), spec, "resid_post.2")

@@ -216,7 +216,9 @@ def test_job_sets_equal_run_generate_per_prompt_and_each_row_alone(root, tmp_pat
     assert note["set"] == ["happy", None, "sad", "happy", "both", None, "control", "sad"]
     assert note["scale_factor"] == SCALE
     for e, specs in enumerate(expected):
-        assert note["specs"][e] == [s.describe() for s in specs or []]
+        assert note["entries"][note["entry"][e]] == [s.describe() for s in specs or []]
+    # each distinct list of specs once: examples 0 and 3 share "happy" at other scales
+    assert len(note["entries"]) == len({json.dumps(x, sort_keys=True) for x in note["entries"]})
     assert got.index["settings"]["steer_sets"] == _sets(root)
 
     # and each example alone, recomputed every step without cache by plain hooks

@@ -43,6 +43,7 @@ alone.
 from __future__ import annotations
 
 import contextlib
+import json
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -912,11 +913,22 @@ def _check_steer(model: Any, rec: Any, steer: Any) -> None:
                     f"None, got {e!r}"
                 )
         every = [s for e in steer if e is not None for s in ([e] if isinstance(e, Steer) else e)]
-        described: dict[int, list[dict[str, Any]]] = {}  # entries shared by many prompts: once
+        # each distinct list of specs once ("entries"), and per prompt the index of its own
+        # ("entry"): a few bytes a prompt, however many prompts share an entry
+        described: dict[int, int] = {}
+        where: dict[str, int] = {}
+        entries: list[list[dict[str, Any]]] = []
+        entry: list[int] = []
         for e in steer:
             if id(e) not in described:
-                described[id(e)] = describe(e)
-        note: dict[str, Any] = {"examples": "each", "specs": [described[id(e)] for e in steer]}
+                d = describe(e)
+                key = json.dumps(d, sort_keys=True)
+                if key not in where:
+                    where[key] = len(entries)
+                    entries.append(d)
+                described[id(e)] = where[key]
+            entry.append(described[id(e)])
+        note: dict[str, Any] = {"examples": "each", "entries": entries, "entry": entry}
     elif isinstance(steer, Steer) or (isinstance(steer, tuple) and specs(steer)):
         every = [steer] if isinstance(steer, Steer) else list(steer)
         note = {"examples": "all", "specs": describe(every)}
