@@ -39,7 +39,13 @@ from .dictionaries import LinearParts, linear_parts, parse_key
 from .distributed import LayoutError, _tensor_parallel_axis, is_dtensor
 from .lens import hooks
 from .modules import LayerNotFoundError
-from .points import PointUnavailableError, _norm_rule, expand_points, resolve_point
+from .points import (
+    PointUnavailableError,
+    _norm_rule,
+    architecture_of,
+    expand_points,
+    resolve_point,
+)
 
 __all__ = ["AttributionGraph", "GraphNode", "attribution_graph"]
 
@@ -1013,6 +1019,7 @@ def attribution_graph(
         raise ValueError(
             f"input_ids must be one prompt of token ids, [T] or [1, T], got {tuple(ids.shape)}"
         )
+    architecture_of(model)  # a model without standard points is refused by name, first
     can_generate = getattr(model, "can_generate", None)
     if callable(can_generate) and not can_generate():
         raise ValueError(
