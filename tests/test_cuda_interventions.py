@@ -54,7 +54,7 @@ from test_host_buffers_shared import _consumer
 from test_splice import IDS as SPLICE_IDS
 from test_splice import _dicts, _scale_feature
 from test_splice import _model as _splice_model
-from test_splice_generate import PAD, STEPS, _by_hand_at, _left_padded
+from test_splice_generate import PAD, STEPS, _by_hand_at, _edit_generated_0_1, _left_padded
 from test_splice_generate import PROMPTS as SPLICE_PROMPTS
 from test_steering import NEW, PROMPTS, _left_pad, _reference, _row_specs, _vec
 from test_steering import _model as _steer_model
@@ -325,17 +325,7 @@ def test_splice_edit_at_chosen_positions_of_a_cuda_generate_equals_each_row_alon
     cpu_model = _splice_model("gpt2")
     dicts = _dicts()  # on the CPU, used by both runs
     adapted = {k: as_dictionary(d) for k, d in dicts.items()}
-
-    def make_fn(n):
-        def fn(k, x, y):
-            f = adapted[k].encode(x)
-            moved = y + (adapted[k].decode(_scale_feature(f)) - adapted[k].decode(f))
-            col = torch.arange(y.shape[1])
-            return torch.where(((col - n >= 0) & (col - n < 2))[None, :, None], moved, y)
-
-        return fn
-
-    rows = _by_hand_at(cpu_model, make_fn)
+    rows = _by_hand_at(cpu_model, _edit_generated_0_1(adapted))
     for r, (logits, _) in enumerate(rows):
         _margins(list(logits), f"row {r}", 1e-6)
     model = _splice_model("gpt2").to(_cuda())

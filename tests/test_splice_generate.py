@@ -168,11 +168,9 @@ def test_bad_position_choices_are_refused():
         pyhook.splice(model, {"resid_post.0": sae}, generated=(3, 1))
 
 
-def test_spliced_generate_edit_at_chosen_positions():
-    model = _model("llama")
-    model.generation_config.pad_token_id = PAD
-    dicts = _dicts()
-    adapted = {k: as_dictionary(d) for k, d in dicts.items()}
+def _edit_generated_0_1(adapted):
+    """The by-hand reference's edit of generated tokens 0 and 1 (prompt length ``n``): each
+    site moved by the decoded change of ``_scale_feature`` there, the error term kept."""
 
     def make_fn(n):
         def fn(k, x, y):
@@ -182,6 +180,16 @@ def test_spliced_generate_edit_at_chosen_positions():
             return torch.where(((col - n >= 0) & (col - n < 2))[None, :, None], moved, y)
 
         return fn
+
+    return make_fn
+
+
+def test_spliced_generate_edit_at_chosen_positions():
+    model = _model("llama")
+    model.generation_config.pad_token_id = PAD
+    dicts = _dicts()
+    adapted = {k: as_dictionary(d) for k, d in dicts.items()}
+    make_fn = _edit_generated_0_1(adapted)
 
     ids, mask = _left_padded()
     edits = {k: _scale_feature for k in dicts}
