@@ -752,13 +752,21 @@ def test_a_call_right_after_torchs_work_runs_on_its_spinning_team(native, policy
         pytest.skip("needs two CPUs and /proc")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     env.update(OMP_WAIT_POLICY=policy, OMP_NUM_THREADS="2")
-    r = run_script(TEAM_CHOICE, "-1" if team is None else team, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    on_team = int(r.stdout.split()[-1])
+    # "some" depends on torch's workers still spinning when the gather starts, which a loaded
+    # machine (the suite's own workers on 2 cores) can deschedule for a whole child: up to 3
+    # children of 40 calls each; a gather that never uses the team fails all 3. "none" is
+    # strict in the first child.
+    runs = []
+    for _ in range(3 if expect == "some" else 1):
+        r = run_script(TEAM_CHOICE, "-1" if team is None else team, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(int(r.stdout.split()[-1]))
+        if expect == "some" and runs[-1] >= 1:
+            break
     if expect == "some":
-        assert on_team >= 1, "no call ran on torch's spinning team"
+        assert runs[-1] >= 1, f"no call ran on torch's spinning team in {len(runs)} children"
     else:
-        assert on_team == 0, f"{on_team} of 40 calls ran on a team that was not spinning"
+        assert runs[0] == 0, f"{runs[0]} of 40 calls ran on a team that was not spinning"
 
 
 # -- a part whose file became shorter than its mapping (SIGBUS) -----------------------------------
