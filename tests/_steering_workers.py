@@ -10,6 +10,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import transformers
+from _layout_workers import _init
+from _models import randomise_norms
 
 import pyhook
 
@@ -29,13 +31,7 @@ def save_llama(path: str) -> None:
         max_position_embeddings=64,
         pad_token_id=0,
     )
-    model = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if "Norm" in type(m).__name__:
-                m.weight.copy_(1.0 + 0.7 * torch.randn(m.weight.shape, generator=g))
-    model.save_pretrained(path)
+    randomise_norms(transformers.LlamaForCausalLM(cfg)).save_pretrained(path)
 
 
 def vectors() -> list[torch.Tensor]:
@@ -81,16 +77,7 @@ def steered_generate(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     results: dict = {}
     try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-        )
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        _init(rank, world, port)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.join(outdir, "llama"), tp_plan="auto"
         ).eval()
