@@ -317,16 +317,20 @@ class Splice:
             return torch.where(m, delta, y)
         return y + torch.where(m, delta, torch.zeros_like(delta))
 
+    def _per_head(self, name: str) -> bool:
+        """Whether ``name`` is a per-head point (attn_z), handed ``[..., heads, d_head]``:
+        dictionaries read and write it as ``[..., heads * d_head]``, as SAELens' attention
+        SAEs do (the splice's hooks and :func:`evaluate_dictionaries` alike)."""
+        return getattr(self._points[name], "heads", None) is not None
+
     def _hook_for(self, name: str) -> Callable[..., Any]:
         reads = [s for s in self.sites if s.source == name]
         writes = [s for s in self.sites if name in s.outputs]
-        heads = getattr(self._points[name], "heads", None) is not None
+        heads = self._per_head(name)
 
         def hook(_module: nn.Module, _args: Any, value: Any) -> Any:
             if not isinstance(value, Tensor):
                 raise DictionaryError(f"splice: point {name!r} handed no tensor")
-            # a per-head point (attn_z) is handed [..., heads, d_head]: dictionaries read and
-            # write it as [..., heads * d_head], as SAELens' attention SAEs do
             flat = value.flatten(-2) if heads else value
             for s in reads:
                 self._read(s, flat)
@@ -656,8 +660,7 @@ def evaluate_dictionaries(
     grabbed: dict[str, Tensor] = {}
 
     def grab(name: str) -> Callable[..., None]:
-        # a per-head point (attn_z) as the dictionaries read and write it, as splice hands it
-        heads = getattr(probe._points[name], "heads", None) is not None
+        heads = probe._per_head(name)
 
         def hook(_m: nn.Module, _a: Any, value: Tensor) -> None:
             grabbed[name] = (value.flatten(-2) if heads else value).detach()
